@@ -1,0 +1,317 @@
+"""Architecture adapter: the target's pieces built from transformers' own modules, one pipeline stage at a time.
+
+Nothing here re-implements the model: decoder layers, norms and rotary embeddings are instances of the classes
+that transformers' ``AutoModelForCausalLM`` uses for the config (found on a meta-device skeleton), and weights are
+read tensor by tensor from the checkpoint's safetensors, so a stage process only ever materialises its own layers.
+This module knows nothing of DeepSpeed or of SPD's schedule (``spd_ds.pipe`` wraps it).
+
+Supported families: ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mistral`` (full-attention layers only).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from spd_ds.models.kv_cache import StageKVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not one spd-ds can split into stages."""
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"float32" | "bfloat16" | "float16"`` (or a ``torch.dtype``) -> ``torch.dtype``; ValueError otherwise."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[str(name).lower()]
+    except KeyError:
+        raise ValueError(f"model.dtype={name!r} is not one of float32, bfloat16, float16") from None
+
+
+class TargetArch:
+    """The target's config and its transformers module classes.
+
+    Args:
+        model_dir: local HF directory (``config.json`` + ``*.safetensors``).
+        attn_implementation: transformers attention backend for the layers (``sdpa``, ``eager``, ``flash_attention_2``).
+
+    Raises:
+        UnsupportedModelError: unsupported ``model_type`` or sliding-window layers.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, attn_implementation: str = "sdpa") -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.model_dir = Path(model_dir)
+        cfg = AutoConfig.from_pretrained(self.model_dir)
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {cfg.model_type!r} is not supported; spd-ds splits {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise UnsupportedModelError(
+                f"{self.model_dir}: layers {sorted(set(layer_types))} found; only full-attention layers are supported "
+                "(turn sliding windows off in config.json)"
+            )
+        cfg._attn_implementation = attn_implementation
+        self.config = cfg
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(cfg)
+        self.layer_cls = type(skeleton.model.layers[0])
+        self.norm_cls = type(skeleton.model.norm)
+        self.rotary_cls = type(skeleton.model.rotary_emb)
+        params = inspect.signature(self.layer_cls.forward).parameters
+        # transformers renamed ``past_key_values`` -> ``cache`` (5.2x); support both spellings.
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._weights = _SafetensorsIndex(self.model_dir)
+
+    # ---- geometry -----------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        hd = getattr(self.config, "head_dim", None)
+        return int(hd) if hd else self.hidden_size // int(self.config.num_attention_heads)
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 20))
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False)) or not self._weights.has("lm_head.weight")
+
+    # ---- module factories ----------------------------------------------------------------------------
+    def make_layer(self, idx: int, config=None) -> nn.Module:
+        """An HF decoder layer ``idx`` (random init; call :meth:`load_into` for weights)."""
+        return self.layer_cls(config or self.config, layer_idx=idx)
+
+    def make_norm(self) -> nn.Module:
+        return self.norm_cls(self.hidden_size, eps=self.config.rms_norm_eps)
+
+    def make_rotary(self, config=None) -> nn.Module:
+        return self.rotary_cls(config=config or self.config)
+
+    def load_tensor(self, name: str) -> torch.Tensor:
+        """One checkpoint tensor by its HF name (e.g. ``model.norm.weight``)."""
+        return self._weights.get(name)
+
+    def load_into(self, module: nn.Module, prefix: str) -> None:
+        """Fill ``module``'s parameters from checkpoint tensors named ``prefix + <param name>``.
+
+        Raises:
+            KeyError: a parameter has no tensor in the checkpoint.
+        """
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                t = self._get_param(prefix + name, p.shape[0] if p.dim() == 3 else 0)
+                if t.shape != p.shape:
+                    raise ValueError(f"{prefix + name}: checkpoint shape {tuple(t.shape)} != module {tuple(p.shape)}")
+                p.copy_(t.to(p.dtype))
+
+    def _get_param(self, name: str, num_experts: int) -> torch.Tensor:
+        """A tensor by name; fused MoE expert tensors are assembled from per-expert HF checkpoint tensors."""
+        if self._weights.has(name) or not num_experts:
+            return self._weights.get(name)
+        base, kind = name.rsplit(".", 1)  # ``...mlp.experts`` + ``gate_up_proj`` | ``down_proj``
+        if kind == "gate_up_proj":
+            parts = [torch.cat([self._weights.get(f"{base}.{e}.gate_proj.weight"),
+                                self._weights.get(f"{base}.{e}.up_proj.weight")], 0) for e in range(num_experts)]
+        else:
+            parts = [self._weights.get(f"{base}.{e}.{kind}.weight") for e in range(num_experts)]
+        return torch.stack(parts)
+
+    def fingerprint(self) -> str:
+        """A short id of the base model: architecture numbers plus a hash of the first embedding rows."""
+        h = hashlib.sha256()
+        c = self.config
+        h.update(json.dumps([c.model_type, self.num_layers, self.hidden_size, self.vocab_size]).encode())
+        emb = self._weights.get("model.embed_tokens.weight")[:8].to(torch.float32).contiguous()
+        h.update(emb.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def new_cache(self, layer_ids: Iterable[int], max_len: int, dtype: torch.dtype, device) -> StageKVCache:
+        """A :class:`StageKVCache` for the given layers of this architecture."""
+        return StageKVCache(layer_ids, self.num_kv_heads, self.head_dim, max_len, dtype, device)
+
+
+class _SafetensorsIndex:
+    """Lazy name -> tensor access over one or several ``*.safetensors`` files."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {model_dir}; save the model with save_pretrained first")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._where[name].get_tensor(name)
+        except KeyError:
+            raise KeyError(f"tensor {name!r} not found in the checkpoint") from None
+
+
+def causal_mask(q: int, past: int, device) -> torch.Tensor | None:
+    """Boolean attention mask ``[1, 1, q, past + q]`` (True = attend) for ``q`` new rows after ``past`` cached ones.
+
+    Returns ``None`` for ``q == 1`` (a single row attends to everything before it).
+    """
+    if q == 1:
+        return None
+    k = torch.arange(past + q, device=device)
+    rows = torch.arange(q, device=device)[:, None] + past
+    return (k[None, :] <= rows)[None, None]
+
+
+class TargetStage(nn.Module):
+    """Decoder layers ``[lo, hi)`` of the target plus what a stage needs around them.
+
+    Args:
+        arch: the :class:`TargetArch`.
+        layers: global layer indices of this stage (contiguous).
+        dtype, device: compute dtype and device.
+        capture: hidden-state indices ``j >= 1`` to record (anchors this stage produces).
+
+    ``forward(hidden [1, q, H], positions [q] int64, cache)`` returns ``(hidden [1, q, H], {j: [1, q, H]})`` where
+    the dict holds the raw (pre-final-norm) outputs of the captured layers.
+    """
+
+    def __init__(self, arch: TargetArch, layers: Sequence[int], dtype: torch.dtype, device, capture: Iterable[int] = ()):
+        super().__init__()
+        self.arch = arch
+        self.layer_ids = list(layers)
+        self.layers = nn.ModuleList(arch.make_layer(i) for i in self.layer_ids)
+        for i, layer in zip(self.layer_ids, self.layers):
+            arch.load_into(layer, f"model.layers.{i}.")
+        self.rotary = arch.make_rotary()
+        self.capture = {j - 1: j for j in capture if j >= 1}
+        self.to(device=device, dtype=dtype)
+        self.rotary.to(device)  # inv_freq stays fp32
+        self.rotary.inv_freq = self.rotary.inv_freq.float()
+        self.eval().requires_grad_(False)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cache: StageKVCache | None):
+        q = hidden.shape[1]
+        past = cache.length if cache is not None else 0
+        pos_emb = self.rotary(hidden, positions[None])
+        mask = causal_mask(q, past, hidden.device)
+        captured = {}
+        kw = {self.arch.cache_kwarg: cache}
+        for i, layer in zip(self.layer_ids, self.layers):
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions[None], position_embeddings=pos_emb, **kw)
+            if isinstance(hidden, tuple):  # older transformers return (hidden,)
+                hidden = hidden[0]
+            if i in self.capture:
+                captured[self.capture[i]] = hidden
+        if cache is not None:
+            cache.advance(q)
+        return hidden, captured
+
+
+class TargetEnds(nn.Module):
+    """Embedding, final norm and LM head of the target (the parts around the stages).
+
+    ``embed(ids [1, q] int64) -> [1, q, H]``; ``logits(h_raw [.., H]) -> fp32 [.., V]`` applies the final norm first.
+    """
+
+    def __init__(self, arch: TargetArch, dtype: torch.dtype, device, with_embedding: bool = True, with_lm_head: bool = True):
+        super().__init__()
+        H, V = arch.hidden_size, arch.vocab_size
+        self.embedding = nn.Embedding(V, H) if with_embedding else None
+        self.norm = arch.make_norm() if with_lm_head else None
+        self.lm_head = nn.Linear(H, V, bias=False) if with_lm_head else None
+        with torch.no_grad():
+            if self.embedding is not None:
+                self.embedding.weight.copy_(arch.load_tensor("model.embed_tokens.weight"))
+            if self.lm_head is not None:
+                arch.load_into(self.norm, "model.norm.")
+                name = "model.embed_tokens.weight" if arch.tied_embeddings else "lm_head.weight"
+                self.lm_head.weight.copy_(arch.load_tensor(name))
+        self.to(device=device, dtype=dtype)
+        self.eval().requires_grad_(False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+
+class Target(nn.Module):
+    """The whole target as ``n`` :class:`TargetStage` s plus :class:`TargetEnds` (single-process use).
+
+    Args:
+        arch: :class:`TargetArch`.
+        partition: :class:`~spd_ds.partition.StagePartition` (its anchors decide what each stage captures).
+        dtype, device: compute dtype/device.
+    """
+
+    def __init__(self, arch: TargetArch, partition, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        if partition.num_layers != arch.num_layers:
+            raise ValueError(
+                f"partition has {partition.num_layers} layers but {arch.model_dir} has {arch.num_layers}"
+            )
+        self.arch, self.partition = arch, partition
+        self.dtype, self.device = dtype, torch.device(device)
+        self.ends = TargetEnds(arch, dtype, device)
+        self.stages = nn.ModuleList(
+            TargetStage(arch, partition.stage_range(s), dtype, device, capture=partition.stage_anchors(s))
+            for s in range(partition.num_stages)
+        )
+
+    def new_caches(self, max_len: int) -> list[StageKVCache]:
+        """One KV cache per stage."""
+        return [self.arch.new_cache(st.layer_ids, max_len, self.dtype, self.device) for st in self.stages]
+
+
+def head_layer_config(arch: TargetArch, num_layers: int, intermediate_size: int | None = None):
+    """Config for the speculation head's tower: the target's, with ``num_layers`` dense full-attention layers."""
+    cfg = copy.deepcopy(arch.config)
+    cfg.num_hidden_layers = num_layers
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = ["full_attention"] * num_layers
+    if hasattr(cfg, "mlp_only_layers"):  # MoE targets: the head tower is dense
+        cfg.mlp_only_layers = list(range(num_layers))
+    if intermediate_size:
+        cfg.intermediate_size = intermediate_size
+    return cfg
