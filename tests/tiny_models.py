@@ -23,7 +23,8 @@ def make_tiny_model(root: Path, model_type: str = "llama", num_layers: int = 6, 
     """Write a random ``model_type`` model with ``num_layers`` layers to ``root/<model_type>-<L>`` and return it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = Path(root) / f"{model_type}-{num_layers}-{seed}"
+    tag = "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+    out = Path(root) / f"{model_type}-{num_layers}-{seed}{tag}"
     if (out / "config.json").exists():
         return out
     kw = dict(TINY[model_type], num_hidden_layers=num_layers, **overrides)

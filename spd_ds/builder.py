@@ -1,0 +1,132 @@
+"""From an :class:`~spd_ds.config.ExperimentConfig` to live objects: model, partition, head, drafter, decoders.
+
+Every entry point (``launch/infer.py``, ``launch/eval.py``, ``launch/train.py``, the DeepSpeed engine) builds
+through these functions, so a run's pieces always come from the same partition and the same settings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from spd_ds.config import ConfigError, ExperimentConfig
+from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.head import SpeculationHead, load_draft_vocab
+from spd_ds.models.adapter import Target, TargetArch, resolve_dtype
+from spd_ds.partition import PartitionError, StagePartition
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda if available else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def model_dir(cfg: ExperimentConfig) -> Path:
+    """Local HF directory of ``cfg.model.name`` (zoo name, local dir or hub id); see :func:`spd_ds.zoo.resolve_model`."""
+    from spd_ds.zoo import resolve_model
+
+    return resolve_model(cfg.model.name, cfg.model.cache_dir)
+
+
+def build_arch(cfg: ExperimentConfig) -> TargetArch:
+    """The target's :class:`TargetArch` (config + layer classes + lazy weights)."""
+    return TargetArch(model_dir(cfg), cfg.model.attn_implementation)
+
+
+def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
+    """The run's partition. With a head checkpoint and no explicit partition, the checkpoint's partition is used.
+
+    Raises:
+        ConfigError: invalid partition, or one that disagrees with the head checkpoint.
+    """
+    p = cfg.partition
+    try:
+        part = StagePartition.build(arch.num_layers, p.num_stages if p.stage_layers is None else None,
+                                    p.stage_layers, p.anchors)
+    except PartitionError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.head.checkpoint:
+        saved = StagePartition.from_dict(SpeculationHead.read_config(cfg.head.checkpoint)["partition"])
+        if saved != part:
+            raise ConfigError(
+                f"head.checkpoint {cfg.head.checkpoint} was trained for partition {saved}, but the config asks for "
+                f"{part}; set partition.num_stages={saved.num_stages} (and stage_layers/anchors) or use another head"
+            )
+    return part
+
+
+def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartition) -> SpeculationHead:
+    """Load ``head.checkpoint`` or make an untrained head (draft vocabulary from ``head.draft_vocab``)."""
+    if cfg.head.checkpoint:
+        return SpeculationHead.load(cfg.head.checkpoint, arch, partition)
+    ids = load_draft_vocab(cfg.head.draft_vocab) if cfg.head.draft_vocab else None
+    torch.manual_seed(cfg.train.seed)
+    return SpeculationHead(arch, partition, cfg.head.num_layers, ids, cfg.head.intermediate_size)
+
+
+def sampling_params(cfg: ExperimentConfig, seed: int | None = None) -> SamplingParams:
+    """:class:`SamplingParams` from the ``decoding`` section (``seed`` overrides it, e.g. per prompt)."""
+    d = cfg.decoding
+    return SamplingParams(d.temperature, d.top_k, d.top_p, d.seed if seed is None else seed)
+
+
+def eos_token_ids(cfg: ExperimentConfig, arch: TargetArch, tokenizer=None) -> list[int]:
+    """EOS ids: ``decoding.eos_token_ids`` or the union of the model's generation config, config and tokenizer EOS."""
+    if cfg.decoding.eos_token_ids is not None:
+        return list(cfg.decoding.eos_token_ids)
+    ids: set[int] = set()
+    gen = arch.model_dir / "generation_config.json"
+    sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen.exists() else []
+    sources.append(getattr(arch.config, "eos_token_id", None))
+    if tokenizer is not None:
+        sources.append(tokenizer.eos_token_id)
+    for s in sources:
+        if s is None:
+            continue
+        ids.update([s] if isinstance(s, int) else s)
+    return sorted(ids)
+
+
+def load_tokenizer(arch: TargetArch):
+    """The target's tokenizer (from its local directory)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(arch.model_dir)
+
+
+def encode_prompt(tokenizer, text: str | Sequence[dict], chat_template: bool = True) -> list[int]:
+    """Token ids of a user prompt (a string, or a list of chat messages), with the chat template and the generation
+    prompt when ``chat_template`` and the tokenizer has one."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        msgs = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+    if not isinstance(text, str):
+        raise ValueError("a list of messages needs a tokenizer with a chat template")
+    return tokenizer(text)["input_ids"]
+
+
+def build_target(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartition, device=None) -> Target:
+    """The whole target (all stages) in one process, for the reference decoder and the AR baseline."""
+    device = device or resolve_device(cfg.model.device)
+    return Target(arch, partition, resolve_dtype(cfg.model.dtype), device)
+
+
+def build_drafter(cfg: ExperimentConfig, head: SpeculationHead | None, arch: TargetArch, device, reference=None):
+    """The proposer: the head (``decoding.drafter=head``) or the oracle (``oracle``, needs ``reference`` tokens)."""
+    from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+
+    dtype = resolve_dtype(cfg.head.dtype or cfg.model.dtype)
+    base = HeadDrafter(head, cfg.decoding.max_length, dtype, device) if head is not None else None
+    if cfg.decoding.drafter == "oracle":
+        if reference is None:
+            raise ConfigError("decoding.drafter=oracle needs a reference AR run (the caller passes its tokens)")
+        return OracleDrafter(reference, cfg.decoding.oracle_alpha, None, arch.vocab_size, seed=cfg.decoding.seed + 7)
+    return base

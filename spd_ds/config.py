@@ -1,0 +1,201 @@
+"""Experiment configuration: one YAML file per experiment, typed sections, ``section.key=value`` overrides.
+
+Sections: ``model``, ``partition``, ``head``, ``decoding``, ``data``, ``train``, ``eval``, ``deepspeed``.
+Loading is done with OmegaConf structured configs (types checked, unknown keys refused); the error for an
+unknown key names the valid keys of its section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad experiment file or override; the message says what to change."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The target. ``name``: zoo name (default ``smollm2-135m-instruct``), local HF directory or hub id."""
+
+    name: str = "smollm2-135m-instruct"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    attn_implementation: str = "sdpa"
+    device: str = "auto"  # auto | cpu | cuda
+    cache_dir: Optional[str] = None
+
+
+@dataclasses.dataclass
+class PartitionConfig:
+    """Pipeline split: ``num_stages`` uniform stages or explicit ``stage_layers``; ``anchors`` (None = default)."""
+
+    num_stages: int = 2
+    stage_layers: Optional[list[int]] = None
+    anchors: Optional[list[int]] = None
+
+
+@dataclasses.dataclass
+class HeadConfig:
+    """Speculation head: ``checkpoint`` directory (None = untrained head), tower ``num_layers`` (L_s),
+    ``draft_vocab`` JSON (None = full vocabulary), ``placement`` in the distributed engine
+    (``colocated``: inside the first stage's process, world n; ``dedicated``: its own rank, world n + 1)."""
+
+    checkpoint: Optional[str] = None
+    num_layers: int = 1
+    draft_vocab: Optional[str] = None
+    intermediate_size: Optional[int] = None
+    placement: str = "colocated"
+    dtype: Optional[str] = None  # None = model.dtype
+
+
+@dataclasses.dataclass
+class DecodingConfig:
+    """Generation: ``temperature`` 0 = greedy; ``eos_token_ids`` None = the model's generation config;
+    ``drafter``: ``head`` or ``oracle`` (target's own next token with probability ``oracle_alpha``)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    eos_token_ids: Optional[list[int]] = None
+    max_length: int = 4096
+    drafter: str = "head"
+    oracle_alpha: float = 1.0
+    chat_template: bool = True
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Prompts for inference/eval (``prompts``: a prompt-set name or a jsonl path) and training files."""
+
+    prompts: str = "mt_bench"
+    num_prompts: Optional[int] = 5
+    eval_dir: str = "eval_data"
+    train_files: list[str] = dataclasses.field(default_factory=list)
+    max_seq_length: int = 2048
+    min_seq_length: int = 10
+    regenerate: bool = False
+    num_workers: int = 0
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Head distillation (knowledge distillation, forward KL over the draft vocabulary)."""
+
+    output_dir: str = "runs/head"
+    epochs: int = 1
+    max_steps: Optional[int] = None
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 100
+    kd_temperature: float = 1.0
+    full_pipeline_prob: float = 0.5
+    save_every: int = 500
+    log_every: int = 10
+    seed: int = 42
+    resume: bool = False
+    tensorboard: bool = False
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Evaluation: prompt sets, baselines measured in the same run, output directory."""
+
+    prompt_sets: list[str] = dataclasses.field(default_factory=lambda: ["mt_bench", "humaneval", "gsm8k"])
+    baselines: list[str] = dataclasses.field(default_factory=lambda: ["hf_generate", "ar"])
+    output_dir: str = "outputs/eval"
+    plots: bool = True
+    warmup_prompts: int = 1
+
+
+@dataclasses.dataclass
+class DeepSpeedConfig:
+    """Distributed settings: DeepSpeed JSON config, per-operation timeout (seconds) for dead/stalled ranks."""
+
+    config: Optional[str] = None
+    timeout_s: float = 120.0
+    backend: Optional[str] = None  # None = DeepSpeed's choice (nccl on GPU, gloo on CPU)
+    cuda_graphs: bool = True
+
+
+@dataclasses.dataclass
+class ExperimentConfig:
+    """A whole experiment (one YAML file)."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    partition: PartitionConfig = dataclasses.field(default_factory=PartitionConfig)
+    head: HeadConfig = dataclasses.field(default_factory=HeadConfig)
+    decoding: DecodingConfig = dataclasses.field(default_factory=DecodingConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    deepspeed: DeepSpeedConfig = dataclasses.field(default_factory=DeepSpeedConfig)
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}
+
+
+def _valid_keys(path: Sequence[str]) -> str:
+    if not path or path[0] not in _SECTIONS:
+        return "sections: " + ", ".join(_SECTIONS)
+    cls = {f.name: f for f in dataclasses.fields(ExperimentConfig)}[path[0]].default_factory
+    return f"valid keys of {path[0]}: " + ", ".join(f.name for f in dataclasses.fields(cls))
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Load ``path`` (YAML) over the defaults, then apply ``section.key=value`` overrides (values parsed as YAML).
+
+    Raises:
+        ConfigError: missing file, unknown section/key (the message lists the valid ones), wrong value type,
+            malformed override.
+    """
+    base = OmegaConf.structured(ExperimentConfig)
+    try:
+        if path is not None:
+            p = Path(path)
+            if not p.exists():
+                raise ConfigError(f"config file {p} not found")
+            base = OmegaConf.merge(base, OmegaConf.load(p))
+        for o in overrides:
+            if "=" not in o or "." not in o.split("=", 1)[0]:
+                raise ConfigError(f"override {o!r} must look like section.key=value (e.g. partition.num_stages=3)")
+        if overrides:
+            base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = getattr(e, "full_key", None) or str(e)
+        raise ConfigError(f"unknown config key {key!r}; {_valid_keys(str(key).split('.'))}") from None
+    except OmegaConfBaseException as e:
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"bad config value: {msg} (key {getattr(e, 'full_key', '?')})") from None
+    cfg: ExperimentConfig = OmegaConf.to_object(base)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Cheap checks that need no model (more happen when the model is known). Raises ConfigError."""
+    if cfg.head.placement not in ("colocated", "dedicated"):
+        raise ConfigError(f"head.placement must be 'colocated' or 'dedicated', got {cfg.head.placement!r}")
+    if cfg.decoding.drafter not in ("head", "oracle"):
+        raise ConfigError(f"decoding.drafter must be 'head' or 'oracle', got {cfg.decoding.drafter!r}")
+    if cfg.partition.num_stages is not None and cfg.partition.num_stages < 1:
+        raise ConfigError(f"partition.num_stages must be >= 1, got {cfg.partition.num_stages}")
+    if cfg.decoding.max_new_tokens < 1:
+        raise ConfigError(f"decoding.max_new_tokens must be >= 1, got {cfg.decoding.max_new_tokens}")
+
+
+def to_yaml(cfg: ExperimentConfig) -> str:
+    """The resolved experiment as YAML (for logs and run directories)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def as_dict(cfg: Any) -> dict:
+    """Plain dict of a config (or section)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,195 @@
+"""Simulated pipeline occupancy and the structural attention mask of head training.
+
+What inference feeds the head (``spd_ds.decoding.reference``, ``HeadDrafter``)
+------------------------------------------------------------------------------
+At draft time the pipeline holds ``F`` in-flight tokens (the *fill*, ``1 <= F <= n``): the newest token ``P`` at
+depth 0, ``P-1`` at depth 1, ..., ``P-F+1`` at depth ``F-1``. Every older token is complete. ``F = n`` in steady
+state; after a rejection (and right after prefill) only the replacement is in flight (``F = 1``) and ``F`` grows by
+one per cycle. The head runs its tower over
+
+* the **committed** rows: one per complete token, type ``m-1``, computed once when the token completed, attending
+  only to earlier committed rows (they sit in the head's KV cache);
+* the **window** rows: one per in-flight token at depth ``d``, type ``f(d)``, attending causally to the committed
+  rows and to the window rows before it.
+
+The output of the depth-0 row of ``P`` predicts ``x_{P+1}``.
+
+Training layout
+---------------
+One training sequence stands for every draft position at once, with one fill ``F`` per micro-batch. A row's whole
+computation (all tower layers) is fixed by its *kind* and position: kind ``d < F`` = "in flight at depth ``d`` of a
+pipeline holding ``F`` tokens", kind :data:`COMPLETE` = "committed". From the list above, a query of kind ``d`` at
+position ``t`` reads, at each position ``T <= t``, exactly one key row::
+
+    key_kind(d, t - T) = d + (t - T)   if d + (t - T) < F      (still in flight in the same snapshot)
+                       = COMPLETE      otherwise
+    key_kind(COMPLETE, .) = COMPLETE
+
+So rows are laid out block-major, one block per kind: ``[depth 0 | depth 1 | ... | depth F-1 | COMPLETE]``, each
+block ``S`` rows long (``(F+1)·S`` rows, position ids repeat per block). Block ``d`` holds ``g_{f(d)}``, the
+COMPLETE block holds ``g_{m-1}``. The loss reads only block 0.
+
+This is exact for any number of tower layers, for non-injective ``f`` (two depths of one type are two kinds with
+different attention) and for partial fill (the threshold is ``d + δ >= F``, measured from the query's own depth).
+The reference implementation lays out one block per *type* with ``ρ(k, δ) = f(min(n, μ(k)+δ))`` and a threshold
+``δ >= F`` from every query, which is wrong for both (``SPD_REFERENCE_NOTES.md`` §7.8; tests show the difference).
+
+Packing: several documents share a row of ``S`` tokens; ``segments [B, S]`` (1, 2, ... per document, 0 = padding)
+keeps attention inside a document. The mask is built per batch on the batch's device and never cached, so its
+memory does not depend on how many distinct sequence lengths a run has seen (``SPD_REFERENCE_NOTES.md`` §7.5).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+#: Kind id of committed (complete) rows.
+COMPLETE = -1
+
+
+def sample_fill(num_stages: int, full_prob: float, seed: int, *keys: int) -> int:
+    """Simulated pipeline fill ``F`` for one micro-batch (paper: "simulated pipeline occupancy").
+
+    With probability ``full_prob`` the pipeline is full (``F = n``); otherwise ``F ~ Uniform{1, .., n-1}``.
+    ``n = 1`` always gives 1. The draw is a pure function of ``(seed, *keys)`` (e.g. step, micro-batch, rank), so a
+    resumed run draws the same fills as an uninterrupted one without saving any RNG state.
+
+    Returns:
+        ``F`` in ``1..n``.
+    """
+    if num_stages <= 1:
+        return 1
+    g = torch.Generator().manual_seed(_mix(seed, *keys))
+    u = torch.rand((), generator=g).item()
+    if u < full_prob:
+        return num_stages
+    return 1 + int(torch.randint(num_stages - 1, (), generator=g).item())
+
+
+def _mix(*xs: int) -> int:
+    h = 0x9E3779B97F4A7C15
+    for x in xs:
+        h = (h ^ (int(x) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+def row_kinds(fill: int) -> list[int]:
+    """Kinds of the row blocks for fill ``F``: ``[0, 1, .., F-1, COMPLETE]`` (block 0 = depth 0 = the loss rows)."""
+    if fill < 1:
+        raise ValueError(f"pipeline fill must be >= 1, got {fill}")
+    return list(range(fill)) + [COMPLETE]
+
+
+def block_types(fill: int, depth_to_type: Sequence[int]) -> list[int]:
+    """Aggregation type of each block: ``f(d)`` for depth blocks, ``m-1`` for the COMPLETE block.
+
+    Raises:
+        ValueError: ``fill`` larger than the number of stages ``n = len(depth_to_type) - 1``.
+    """
+    n = len(depth_to_type) - 1
+    if fill > max(n, 1):
+        raise ValueError(f"pipeline fill {fill} exceeds the {n} stages")
+    m_last = depth_to_type[-1]
+    return [depth_to_type[d] if d != COMPLETE else m_last for d in row_kinds(fill)]
+
+
+def key_kind(query_kind: int, delta: int, fill: int) -> int:
+    """The kind of the row a query of kind ``query_kind`` reads at distance ``delta >= 0`` (see module doc)."""
+    if query_kind == COMPLETE:
+        return COMPLETE
+    d = query_kind + delta
+    return d if d < fill else COMPLETE
+
+
+def structural_mask(segments: torch.Tensor, fill: int) -> torch.Tensor:
+    """Boolean attention mask of the training layout (True = attend).
+
+    Args:
+        segments: ``[B, S]`` int document ids per token (``> 0``), ``0`` for padding. Tokens of one document are
+            contiguous and their distance in the row equals their distance in the document.
+        fill: pipeline fill ``F`` (``1..n``).
+
+    Returns:
+        ``[B, 1, (F+1)·S, (F+1)·S]`` bool on ``segments.device``; row/column ``b·S + t`` is block ``b``
+        (kind ``row_kinds(F)[b]``) at position ``t``. Padding rows attend only to themselves (their outputs are
+        ignored; this keeps softmax finite).
+
+    Raises:
+        ValueError: ``fill < 1`` or ``segments`` not 2-D.
+    """
+    if segments.dim() != 2:
+        raise ValueError(f"segments must be [B, S], got shape {tuple(segments.shape)}")
+    if fill < 1:
+        raise ValueError(f"pipeline fill must be >= 1, got {fill}")
+    B, S = segments.shape
+    nb = fill + 1
+    dev = segments.device
+    t = torch.arange(S, device=dev)
+    delta = t[:, None] - t[None, :]  # [S, S] query t minus key T
+    doc = (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] > 0) & (delta >= 0)  # [B, S, S]
+    # Block index of the key each query block reads at distance delta: min(qb + delta, F) for depth blocks,
+    # F (COMPLETE) for the COMPLETE block.
+    qb = torch.arange(nb, device=dev)
+    want = torch.clamp(qb[:, None, None] + delta.clamp(min=0)[None], max=fill)  # [nb, S, S]
+    want[fill] = fill
+    kb = torch.arange(nb, device=dev)
+    blocks = want[:, None] == kb[None, :, None, None]  # [nb(q), nb(k), S, S]
+    mask = blocks[None] & doc[:, None, None]  # [B, nbq, nbk, S, S]
+    mask = mask.permute(0, 1, 3, 2, 4).reshape(B, nb * S, nb * S)
+    pad = (segments == 0).repeat(1, nb)  # [B, nb*S]
+    if bool(pad.any()):
+        idx = torch.arange(nb * S, device=dev)
+        mask[:, idx, idx] |= pad
+    return mask[:, None]
+
+
+def structural_mask_bytes(batch: int, seq_len: int, fill: int) -> int:
+    """Bytes of :func:`structural_mask`'s output (bool), for sizing micro-batches."""
+    return batch * ((fill + 1) * seq_len) ** 2
+
+
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """RoPE positions ``[B, S]`` int64 that restart at 0 for every document of a packed row (0 on padding)."""
+    B, S = segments.shape
+    idx = torch.arange(S, device=segments.device).expand(B, S)
+    start = torch.ones_like(segments, dtype=torch.bool)
+    start[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx))
+    first = torch.cummax(first, dim=1).values
+    return torch.where(segments > 0, idx - first, torch.zeros_like(idx))
+
+
+def packed_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """Causal, document-local mask ``[B, 1, S, S]`` bool for the target's own forward (padding sees itself)."""
+    B, S = segments.shape
+    t = torch.arange(S, device=segments.device)
+    causal = t[:, None] >= t[None, :]
+    m = (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] > 0) & causal
+    pad = segments == 0
+    if bool(pad.any()):
+        m[:, t, t] |= pad
+    return m[:, None]
+
+
+def num_blocks_max(num_stages: int) -> int:
+    """Largest number of row blocks a run uses (fill ``n``): ``n + 1``."""
+    return max(num_stages, 1) + 1
+
+
+def expected_blocks(num_stages: int, full_prob: float) -> float:
+    """Mean number of row blocks per micro-batch under :func:`sample_fill` (for throughput estimates)."""
+    n = num_stages
+    if n <= 1:
+        return 2.0
+    part = sum(f + 1 for f in range(1, n)) / (n - 1)
+    return full_prob * (n + 1) + (1 - full_prob) * part
+
+
+__all__ = [
+    "COMPLETE", "sample_fill", "row_kinds", "block_types", "key_kind", "structural_mask", "structural_mask_bytes",
+    "segment_positions", "packed_causal_mask", "num_blocks_max", "expected_blocks",
+]
+

@@ -1,0 +1,88 @@
+import pytest
+import torch
+
+from spd_ds.models.adapter import Target, TargetArch, UnsupportedModelError
+from spd_ds.partition import StagePartition
+from tests.tiny_models import make_tiny_model
+
+
+def run_stages(target, caches, ids, pos0):
+    h = target.ends.embed(ids)
+    pos = torch.arange(pos0, pos0 + ids.shape[1])
+    for s, st in enumerate(target.stages):
+        h, _ = st(h, pos, caches[s])
+    return target.ends.logits(h)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_stages_in_turn_reproduce_hf_logits(tiny_root, model_type, n):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tiny_root, model_type, 6)
+    arch = TargetArch(path)
+    target = Target(arch, StagePartition.build(6, n), torch.float32, "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, arch.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+        caches = target.new_caches(64)
+        mine = [run_stages(target, caches, ids[:, :8], 0)[0]]  # prefill 8, then 4 single-token steps
+        for i in range(8, 12):
+            mine.append(run_stages(target, caches, ids[:, i:i + 1], i)[0])
+    torch.testing.assert_close(torch.cat(mine), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_crop_rollback_recomputes_identically(tiny_root):
+    path = make_tiny_model(tiny_root, "qwen3", 6)
+    target = Target(TargetArch(path), StagePartition.build(6, 2), torch.float32, "cpu")
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        caches = target.new_caches(32)
+        run_stages(target, caches, ids[:, :6], 0)
+        a = [run_stages(target, caches, ids[:, i:i + 1], i) for i in range(6, 10)]
+        for c in caches:  # roll back to 7 positions and recompute with other tokens, then the originals
+            c.crop(7)
+        run_stages(target, caches, torch.tensor([[5]]), 7)
+        for c in caches:
+            c.crop(7)
+        b = [run_stages(target, caches, ids[:, i:i + 1], i) for i in range(7, 10)]
+    for x, y in zip(a[1:], b):
+        assert torch.equal(x, y)
+
+
+def test_stage_captures_raw_anchor_states(tiny_root):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tiny_root, "llama", 6)
+    part = StagePartition.build(6, 3)
+    target = Target(TargetArch(path), part, torch.float32, "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        hs = hf(ids, output_hidden_states=True).hidden_states  # hs[L] is post-norm in transformers 5
+        h, got = target.ends.embed(ids), {}
+        for s, st in enumerate(target.stages):
+            h, cap = st(h, torch.arange(4), None)
+            got.update(cap)
+    assert set(got) == {a for a in part.anchors if a > 0}
+    for j, t in got.items():
+        if j < 6:
+            torch.testing.assert_close(t, hs[j], atol=1e-5, rtol=1e-5)
+    # anchor L is the raw last-layer output, not HF's normed hidden_states[L]
+    torch.testing.assert_close(target.ends.norm(got[6]), hs[6], atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_model_is_refused(tmp_path):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=50)
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="not supported"):
+        TargetArch(tmp_path)
+
+
+def test_partition_must_match_model(tiny_root):
+    path = make_tiny_model(tiny_root, "llama", 6)
+    with pytest.raises(ValueError, match="partition has 4 layers"):
+        Target(TargetArch(path), StagePartition.build(4, 2), torch.float32, "cpu")

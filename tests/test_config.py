@@ -1,0 +1,42 @@
+from pathlib import Path
+
+import pytest
+
+from spd_ds.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_and_overrides():
+    cfg = load_config(None, ["partition.num_stages=3", "decoding.temperature=0.7", "partition.anchors=[0,2,4]"])
+    assert cfg.partition.num_stages == 3 and cfg.decoding.temperature == 0.7 and cfg.partition.anchors == [0, 2, 4]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    load_config(path)
+
+
+def test_unknown_key_names_valid_keys():
+    with pytest.raises(ConfigError, match=r"unknown config key 'partition.stages'.*num_stages, stage_layers, anchors"):
+        load_config(None, ["partition.stages=2"])
+    with pytest.raises(ConfigError, match="sections: model, partition"):
+        load_config(None, ["pipeline.num_stages=2"])
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("decoding:\n  max_tokens: 3\n")
+    with pytest.raises(ConfigError, match="valid keys of decoding: max_new_tokens"):
+        load_config(f)
+
+
+def test_bad_values():
+    with pytest.raises(ConfigError, match="could not be converted"):
+        load_config(None, ["partition.num_stages=two"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["num_stages=2"])
+    with pytest.raises(ConfigError, match="head.placement"):
+        load_config(None, ["head.placement=sideways"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/nonexistent.yaml")

