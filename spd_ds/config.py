@@ -117,12 +117,14 @@ class EvalConfig:
 
 @dataclasses.dataclass
 class DeepSpeedConfig:
-    """Distributed settings: DeepSpeed JSON config, per-operation timeout (seconds) for dead/stalled ranks."""
+    """Distributed settings: DeepSpeed JSON config, per-operation timeout (seconds) for dead/stalled ranks,
+    ``static_cache`` (static KV caches so stage forwards can be CUDA graphs; None = on with CUDA, off on CPU)."""
 
     config: Optional[str] = None
     timeout_s: float = 120.0
     backend: Optional[str] = None  # None = DeepSpeed's choice (nccl on GPU, gloo on CPU)
     cuda_graphs: bool = True
+    static_cache: Optional[bool] = None
 
 
 @dataclasses.dataclass

@@ -4,6 +4,13 @@ The cache duck-types the part of transformers' ``Cache`` API that attention laye
 decoder-layer modules run unchanged on top of it. Buffers are allocated once, ``[1, kv_heads, max_len, head_dim]``
 per layer; a forward writes ``q`` positions starting at :attr:`length` and :meth:`advance` commits them.
 Rollback is :meth:`crop`, which only moves the length (the stale entries are overwritten later).
+
+**Static mode** (``static=True``, for CUDA graphs): the write position is a *device* tensor bound with :meth:`bind`
+instead of the host-side :attr:`length`; ``update`` writes with ``index_copy_`` at those positions and returns the
+whole buffers, and :meth:`attention_mask` hides every position after the query row's own. A row at position ``p``
+therefore sees exactly positions ``[0, p]``, whatever stale entries lie beyond: a rollback needs no crop on the
+device (writing the next token at its position *is* the crop), so a captured stage forward replays unchanged.
+The eager mode above is untouched and stays the exactness path on CPU.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class StageKVCache:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        static: bool = False,
     ) -> None:
         self.layer_ids = list(layer_ids)
         self.max_len = int(max_len)
@@ -47,6 +55,9 @@ class StageKVCache:
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in self.layer_ids}
         self.length = 0
         self._q = 0
+        self.static = bool(static)
+        self._write_pos: torch.Tensor | None = None  # static mode: int64 [q] positions written by ``update``
+        self._key_pos = torch.arange(self.max_len, device=device) if self.static else None
 
     # ---- what HF attention calls -------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -56,7 +67,17 @@ class StageKVCache:
             (keys, values): ``[1, kv_heads, length+q, head_dim]`` views of the buffers.
         Raises:
             CacheOverflowError: the write would pass ``max_len``.
+
+        In static mode the states are written at the bound positions (:meth:`bind`) and the full buffers
+        ``[1, kv_heads, max_len, head_dim]`` are returned (use :meth:`attention_mask`); nothing is checked on the host.
         """
+        if self.static:
+            if self._write_pos is None:
+                raise RuntimeError("static StageKVCache: call bind(positions) before the forward")
+            k, v = self.keys[layer_idx], self.values[layer_idx]
+            k.index_copy_(2, self._write_pos, key_states)
+            v.index_copy_(2, self._write_pos, value_states)
+            return k, v
         q = key_states.shape[-2]
         end = self.length + q
         if end > self.max_len:
@@ -86,3 +107,22 @@ class StageKVCache:
     def reset(self) -> None:
         """Forget everything (new prompt)."""
         self.length = 0
+
+    # ---- static mode (CUDA graphs) -----------------------------------------------------------
+    def bind(self, positions: torch.Tensor) -> None:
+        """Static mode: the int64 device tensor ``[q]`` of positions the next forward writes (kept by reference, so a
+        captured graph reads whatever the caller later stores in it).
+
+        Raises:
+            RuntimeError: the cache is not static.
+        """
+        if not self.static:
+            raise RuntimeError("bind() needs a StageKVCache built with static=True")
+        self._write_pos = positions
+
+    def attention_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """Static mode: boolean mask ``[1, 1, q, max_len]`` (True = attend) letting the row at position ``p`` see
+        cache positions ``0..p`` only. ``positions``: int64 ``[q]`` on the cache's device."""
+        if not self.static:
+            raise RuntimeError("attention_mask() needs a StageKVCache built with static=True")
+        return (self._key_pos[None, :] <= positions[:, None])[None, None]

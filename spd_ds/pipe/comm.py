@@ -1,0 +1,232 @@
+"""Point-to-point messages of the SPD pipeline: headers, payloads, timeouts.
+
+Every message is a small **header** ``int64[5] = [kind, seq, pos, q, flags]`` on a gloo control group (CPU, so a
+host can read it without waiting for its GPU) followed, for tokens, by a **payload** on a data group (gloo on CPU,
+NCCL on GPU): ``[1, q, H]`` hidden states down the pipe, ``[q, rows, H]`` anchors (+ the final hidden state) up to the
+head. Hidden states flow down on the grid's pipe-parallel group and anchors flow up on a second group, so no NCCL
+communicator carries traffic both ways between one pair of ranks (two ops queued on one NCCL stream in opposite
+directions can deadlock).
+
+Sends never block: the sent tensors are kept until their work completes. Receives land in preallocated buffers.
+Every host-side wait has a deadline (``deepspeed.timeout_s``): a peer that died closes its sockets (gloo reports it at
+once), a peer that stalls runs into the deadline; either way :class:`PipeCommError` names both ranks.
+
+``seq`` numbers every token the head injects (prefill or decode); stages keep it, so the head recognises messages of
+tokens flushed by a rollback (``seq`` smaller than the one it waits for) and drops them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import time
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+HEADER_LEN = 5
+STATS_LEN = 4  # [stage forward seconds, forwards, comm wait seconds, stale forwards]
+FLAG_ANCHORS = 1  # the head wants every anchor (SPD); without it only the last stage answers, with its output (AR)
+FLAG_ABORT = 2  # on SHUTDOWN: the head stopped after an error (no acknowledgement; stages raise PipeAborted)
+
+
+class Kind(enum.IntEnum):
+    """Message kinds."""
+
+    PREFILL = 1  # q prompt tokens at positions 0..q-1: the stage resets its cache first
+    DECODE = 2  # one token at position ``pos`` (a smaller position than the cache holds means a rollback)
+    END = 3  # end of one generation: stages report their stats to the head
+    SHUTDOWN = 4  # stop serving (the last stage acknowledges to the head)
+    WARMUP = 5  # connection check at start-up: forwarded through the pipe and answered by every stage
+
+
+class Header(NamedTuple):
+    kind: int
+    seq: int
+    pos: int
+    q: int
+    flags: int
+
+
+class PipeCommError(RuntimeError):
+    """A peer rank died, stalled past ``deepspeed.timeout_s``, or broke the connection."""
+
+
+class PipeAborted(RuntimeError):
+    """Raised on stage ranks when the head rank stopped the run after an error of its own."""
+
+
+class PipeProtocolError(RuntimeError):
+    """A message arrived that the protocol does not allow (a bug, or ranks running different configs)."""
+
+
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if msg.startswith("[") and "] " in msg:  # drop gloo's source location prefix
+        msg = msg.split("] ", 1)[1]
+    return msg.split(". This is typically")[0]
+
+
+class Link:
+    """One direction of traffic between this rank and ``peer`` (header on ``ctrl``, payload on ``data``).
+
+    Args:
+        me, peer: global ranks.
+        me_name, peer_name: for messages, e.g. ``"rank 1 (target stage 0)"``.
+        data_group: process group of payloads (gloo or NCCL).
+        ctrl_group: gloo process group of headers and statistics.
+        timeout_s: deadline of every host-side wait.
+        device: device of payloads.
+    """
+
+    def __init__(self, me: int, peer: int, me_name: str, peer_name: str, data_group, ctrl_group, timeout_s: float,
+                 device: torch.device) -> None:
+        self.me, self.peer, self.me_name, self.peer_name = me, peer, me_name, peer_name
+        self.data_group, self.ctrl_group = data_group, ctrl_group
+        self.timeout_s = float(timeout_s)
+        self._td = datetime.timedelta(seconds=self.timeout_s)
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._hdr_in = torch.zeros(HEADER_LEN, dtype=torch.long)
+        self._pending: list[tuple] = []  # (work, tensor) of sends not known to be complete
+        self.wait_s = 0.0  # host time spent blocked in receives
+
+    # ---- errors and waits --------------------------------------------------------------------------
+    def _fail(self, what: str, e: BaseException) -> PipeCommError:
+        return PipeCommError(
+            f"{self.me_name}: {what} {self.peer_name} failed: {_first_line(e)}; a rank died or stalled "
+            f"(deadline deepspeed.timeout_s={self.timeout_s:g}s)"
+        )
+
+    def _wait(self, work, what: str, device_side: bool = False) -> None:
+        try:
+            if device_side:
+                work.wait()  # NCCL: makes the current stream wait, does not block the host
+            else:
+                work.wait(timeout=self._td)
+        except RuntimeError as e:
+            raise self._fail(what, e) from None
+
+    def host_wait(self, tensor_ready: "torch.cuda.Event", what: str) -> None:
+        """Block the host until ``tensor_ready`` has completed, at most ``timeout_s`` (CUDA only)."""
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while not tensor_ready.query():
+            spins += 1
+            if spins > 200:
+                time.sleep(5e-5)
+            if time.monotonic() > deadline:
+                raise PipeCommError(
+                    f"{self.me_name}: no data from {self.peer_name} within deepspeed.timeout_s={self.timeout_s:g}s "
+                    f"while waiting for {what}; a rank died or stalled"
+                )
+
+    # ---- sends (non-blocking) -----------------------------------------------------------------------
+    def _prune(self) -> None:
+        keep = []
+        for work, t, dev in self._pending:
+            if work.is_completed():
+                if not dev:
+                    self._wait(work, "sending to")  # surfaces an error, returns at once
+            else:
+                keep.append((work, t, dev))
+        self._pending = keep
+
+    def send(self, kind: int, seq: int = 0, pos: int = 0, q: int = 0, flags: int = 0,
+             payload: torch.Tensor | None = None) -> None:
+        """Send a header and, if given, a contiguous payload; returns at once (the tensors are kept alive).
+
+        Raises:
+            PipeCommError: an earlier send to this peer failed.
+        """
+        self._prune()
+        hdr = torch.tensor([int(kind), int(seq), int(pos), int(q), int(flags)], dtype=torch.long)
+        try:
+            self._pending.append((dist.isend(hdr, self.peer, group=self.ctrl_group), hdr, False))
+            if payload is not None:
+                self._pending.append((dist.isend(payload, self.peer, group=self.data_group), payload, self.cuda))
+        except RuntimeError as e:
+            raise self._fail("sending to", e) from None
+
+    def send_stats(self, kind: int, stats: torch.Tensor, seq: int = 0) -> None:
+        """Send a header and a float64 CPU vector on the control group (non-blocking)."""
+        self._prune()
+        hdr = torch.tensor([int(kind), int(seq), 0, int(stats.numel()), 0], dtype=torch.long)
+        stats = stats.to(torch.float64).contiguous()
+        try:
+            self._pending.append((dist.isend(hdr, self.peer, group=self.ctrl_group), hdr, False))
+            self._pending.append((dist.isend(stats, self.peer, group=self.ctrl_group), stats, False))
+        except RuntimeError as e:
+            raise self._fail("sending to", e) from None
+
+    def flush(self) -> None:
+        """Wait (with the deadline) until every send to this peer has completed."""
+        keep = []
+        for work, t, dev in self._pending:
+            if dev:  # device-side: the stream orders it; keep the tensor alive until it is done
+                if not work.is_completed():
+                    keep.append((work, t, dev))
+                continue
+            self._wait(work, "sending to")
+        self._pending = keep
+
+    # ---- receives (blocking, with deadline) ----------------------------------------------------------
+    def recv_header(self) -> Header:
+        """The next header from the peer (blocks the host up to ``timeout_s``)."""
+        t = time.perf_counter()
+        try:
+            work = dist.irecv(self._hdr_in, self.peer, group=self.ctrl_group)
+        except RuntimeError as e:
+            raise self._fail("receiving from", e) from None
+        self._wait(work, "receiving from")
+        self.wait_s += time.perf_counter() - t
+        return Header(*(int(x) for x in self._hdr_in.tolist()))
+
+    def recv_payload(self, out: torch.Tensor) -> torch.Tensor:
+        """Receive the payload announced by the last header into ``out`` (contiguous, exact size) and return it.
+
+        On CPU the host blocks until it has arrived; on CUDA the current stream waits for it (no host sync).
+        """
+        t = time.perf_counter()
+        try:
+            work = dist.irecv(out, self.peer, group=self.data_group)
+        except RuntimeError as e:
+            raise self._fail("receiving from", e) from None
+        self._wait(work, "receiving from", device_side=self.cuda)
+        self.wait_s += time.perf_counter() - t
+        return out
+
+    def recv_stats(self, n: int) -> torch.Tensor:
+        """Receive a float64 vector of ``n`` values sent with :meth:`send_stats` (after its header)."""
+        out = torch.zeros(n, dtype=torch.float64)
+        try:
+            work = dist.irecv(out, self.peer, group=self.ctrl_group)
+        except RuntimeError as e:
+            raise self._fail("receiving from", e) from None
+        self._wait(work, "receiving from")
+        return out
+
+
+class FlatBuffer:
+    """A preallocated flat receive buffer handing out contiguous views of any shape up to its capacity.
+
+    Args:
+        numel: capacity in elements; dtype, device: of the buffer.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device) -> None:
+        self.data = torch.empty(int(numel), dtype=dtype, device=device)
+
+    def view(self, *shape: int) -> torch.Tensor:
+        """A contiguous view ``shape`` of the buffer's first elements.
+
+        Raises:
+            PipeProtocolError: the shape does not fit (a message larger than the run allows).
+        """
+        n = 1
+        for x in shape:
+            n *= x
+        if n > self.data.numel():
+            raise PipeProtocolError(f"message of shape {tuple(shape)} exceeds the receive buffer ({self.data.numel()})")
+        return self.data[:n].view(*shape)

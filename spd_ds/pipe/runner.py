@@ -1,0 +1,287 @@
+"""Distributed SPD entry point: ``run_distributed_inference`` and the session it runs on.
+
+Launch (every rank runs the same program)::
+
+    deepspeed --num_gpus N launch/infer.py --config EXP.yaml          # one node (CPU: N gloo processes)
+    deepspeed --hostfile hosts --launcher openmpi ... launch/infer.py   # several nodes (docs/distributed.md)
+
+Order of work on every rank, chosen so that a bad configuration fails *before* any collective can hang:
+architecture and partition (local files only) -> world size against the plan -> prompts against the context ->
+DeepSpeed config -> ``deepspeed.init_distributed`` -> :class:`~spd_ds.pipe.module.SPDPipelineModule` (each rank
+builds its own stages) -> ``deepspeed.initialize`` with :class:`~spd_ds.pipe.engine.SPDPipelineEngine` -> links
+and a warm-up message through every link -> generations (head) / serving (stages) -> SHUTDOWN -> process groups
+destroyed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from spd_ds.config import ConfigError, ExperimentConfig
+from spd_ds.decoding.drafters import Drafter
+from spd_ds.decoding.reference import GenerationResult, check_prompt
+from spd_ds.pipe.topology import PipePlan, WorldSizeError, detect_world_size
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "steps_per_print": 1 << 30,
+    "wall_clock_breakdown": False,
+}
+
+# drafter_factory(head, prompt, ar_reference) -> Drafter; ``ar_reference()`` runs AR through the pipeline and
+# returns prompt + continuation (the oracle's source).
+DrafterFactory = Callable[[object, list, Callable[[], list]], Drafter]
+
+
+def load_ds_config(cfg: ExperimentConfig) -> dict:
+    """The DeepSpeed JSON config: ``deepspeed.config``, else ``ds_configs/infer.json`` (cwd, then the repository),
+    else built-in defaults.
+
+    Raises:
+        ConfigError: missing file, bad JSON, or fp16/bf16 enabled (the dtype is ``model.dtype``; DeepSpeed would cast
+            every module, the head included).
+    """
+    path = cfg.deepspeed.config
+    candidates = [Path(path)] if path else [Path("ds_configs/infer.json"),
+                                            Path(__file__).resolve().parents[2] / "ds_configs" / "infer.json"]
+    ds = None
+    for p in candidates:
+        if p.exists():
+            try:
+                ds = json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"deepspeed.config {p} is not valid JSON: {e}") from None
+            break
+    if ds is None:
+        if path:
+            raise ConfigError(f"deepspeed.config {path} not found")
+        ds = dict(DEFAULT_DS_CONFIG)
+    for key in ("fp16", "bf16", "bfloat16"):
+        if isinstance(ds.get(key), dict) and ds[key].get("enabled") not in (False, "auto", None):
+            raise ConfigError(f"{key} is enabled in the DeepSpeed config; set model.dtype instead (DeepSpeed would "
+                              "cast the head and the target's ends too)")
+        if isinstance(ds.get(key), dict) and ds[key].get("enabled") == "auto":
+            ds[key]["enabled"] = False
+    ds.setdefault("train_micro_batch_size_per_gpu", 1)
+    ds.setdefault("gradient_accumulation_steps", 1)
+    ds.pop("train_batch_size", None)  # derived: micro * accumulation * data-parallel (1)
+    return ds
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cfg: ExperimentConfig, plan: PipePlan) -> bool:
+    """Initialise ``torch.distributed`` through DeepSpeed (gloo on CPU, NCCL on GPU unless ``deepspeed.backend``).
+
+    A plain single-process run gets a local rendezvous. Returns whether this call initialised it.
+
+    Raises:
+        WorldSizeError: the initialised world differs from the plan's (e.g. an MPI launch without its variables).
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        created = False
+    else:
+        launched = any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"))
+        if not launched:  # python launch/infer.py ... --engine deepspeed
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        deepspeed.init_distributed(dist_backend=cfg.deepspeed.backend, auto_mpi_discovery=True, verbose=False,
+                                   timeout=datetime.timedelta(seconds=cfg.deepspeed.timeout_s))
+        created = True
+    world = dist.get_world_size()
+    if world != plan.world_size:
+        PipePlan.build(plan.partition, plan.placement, world)  # raises the same one-line error on every rank
+        raise WorldSizeError(f"the launcher reported {plan.world_size} processes but {world} joined")
+    return created
+
+
+class SPDSession:
+    """One distributed SPD deployment: a DeepSpeed pipeline engine plus what the head rank needs to generate.
+
+    Build it on every rank (collectively), then call :meth:`generate` on the head rank (``is_head``) and
+    :meth:`serve` elsewhere, and finally :meth:`close` everywhere.
+
+    Args:
+        cfg: the experiment.
+        drafter_factory: optional ``f(head, prompt, ar_reference) -> Drafter`` overriding ``decoding.drafter``
+            (``ar_reference()`` runs AR through the pipeline and returns prompt + continuation).
+        prompts: prompts to validate on every rank before any collective (optional).
+        max_new_tokens: generation limit used for that validation.
+
+    Raises:
+        ConfigError / WorldSizeError / PromptError: before ``torch.distributed`` is touched.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, drafter_factory: DrafterFactory | None = None,
+                 prompts: Sequence[Sequence[int]] | None = None, max_new_tokens: int | None = None) -> None:
+        from spd_ds.builder import build_arch, build_partition, eos_token_ids, sampling_params
+        from spd_ds.models.adapter import resolve_dtype
+
+        self.cfg, self.drafter_factory = cfg, drafter_factory
+        if cfg.head.placement not in ("colocated", "dedicated"):
+            raise ConfigError(f"head.placement must be 'colocated' or 'dedicated', got {cfg.head.placement!r}")
+        if cfg.deepspeed.timeout_s <= 0:
+            raise ConfigError(f"deepspeed.timeout_s must be > 0, got {cfg.deepspeed.timeout_s}")
+        self.arch = build_arch(cfg)
+        self.partition = build_partition(cfg, self.arch)
+        self.plan = PipePlan.build(self.partition, cfg.head.placement, detect_world_size())
+        self.max_len = min(cfg.decoding.max_length, self.arch.max_positions)
+        self.max_new_tokens = max_new_tokens or cfg.decoding.max_new_tokens
+        for p in prompts or ():
+            check_prompt(p, self.max_new_tokens, self.max_len, self.partition.num_stages)
+        self.ds_config = load_ds_config(cfg)
+        self.dtype = resolve_dtype(cfg.model.dtype)
+        self.head_dtype = resolve_dtype(cfg.head.dtype or cfg.model.dtype)
+        self.sampling = sampling_params(cfg)
+        self.eos = eos_token_ids(cfg, self.arch)
+        self._created_pg = init_distributed(cfg, self.plan)
+        self.engine = None
+        self._head_drafter = None
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        from spd_ds.pipe.engine import SPDPipelineEngine
+        from spd_ds.pipe.module import SPDPipelineModule
+
+        cfg = self.cfg
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        acc = get_accelerator()
+        device = torch.device(acc.device_name(local_rank))
+        if cfg.model.device == "cpu":
+            device = torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        with_head = cfg.decoding.drafter == "head" or self.drafter_factory is not None
+        module = SPDPipelineModule(cfg, self.arch, self.plan, self.dtype, device, with_head=with_head)
+        original = deepspeed.PipelineEngine
+        deepspeed.PipelineEngine = SPDPipelineEngine  # deepspeed.initialize picks the engine class by this name
+        try:
+            self.engine, *_ = deepspeed.initialize(model=module, config=self.ds_config)
+        finally:
+            deepspeed.PipelineEngine = original
+        if not isinstance(self.engine, SPDPipelineEngine):
+            raise RuntimeError(f"deepspeed.initialize built {type(self.engine).__name__}, not SPDPipelineEngine")
+        cuda = device.type == "cuda"
+        static = cfg.deepspeed.static_cache if cfg.deepspeed.static_cache is not None else cuda
+        self.engine.setup_spd(self.plan, self.sampling, self.eos, self.max_len,
+                              timeout_s=cfg.deepspeed.timeout_s, static_cache=bool(static),
+                              cuda_graphs=bool(cfg.deepspeed.cuda_graphs and cuda and static))
+        self.device = device
+
+    # ------------------------------------------------------------------ roles
+    @property
+    def is_head(self) -> bool:
+        """Whether this rank holds the head (pipe stage 0): it generates and gets the results."""
+        return self.engine is not None and self.engine.is_head
+
+    def _drafter_for(self, prompt: list[int], max_new_tokens: int) -> Drafter:
+        from spd_ds.builder import build_drafter
+        from spd_ds.decoding.drafters import HeadDrafter
+
+        head = self.engine.module.head_ends.head
+
+        def ar_reference() -> list[int]:
+            return list(prompt) + self.engine.generate_ar(prompt, max_new_tokens).tokens
+
+        if self.drafter_factory is not None:
+            return self.drafter_factory(head, list(prompt), ar_reference)
+        if self.cfg.decoding.drafter == "oracle":
+            return build_drafter(self.cfg, None, self.arch, self.device, reference=ar_reference())
+        if self._head_drafter is None:
+            self._head_drafter = HeadDrafter(head, self.max_len, self.head_dtype, self.device)
+        return self._head_drafter
+
+    # ------------------------------------------------------------------ work
+    def generate(self, prompt: Sequence[int], max_new_tokens: int | None = None) -> GenerationResult:
+        """SPD generation on the head rank (see :meth:`SPDPipelineEngine.generate`)."""
+        max_new = max_new_tokens or self.max_new_tokens
+        drafter = self._drafter_for(list(prompt), max_new)
+        return self.engine.generate(prompt, max_new, drafter)
+
+    def generate_ar(self, prompt: Sequence[int], max_new_tokens: int | None = None) -> GenerationResult:
+        """AR generation through the same pipeline on the head rank."""
+        return self.engine.generate_ar(prompt, max_new_tokens or self.max_new_tokens)
+
+    def serve(self) -> None:
+        """Stage ranks: serve until the head shuts the pipeline down."""
+        self.engine.serve()
+
+    def shutdown(self) -> None:
+        """Head rank: stop the stage ranks (they return from :meth:`serve`)."""
+        if self.engine is not None and self.is_head:
+            self.engine.shutdown_pipeline()
+
+    def abort(self) -> None:
+        """Head rank after an error, best effort: stop the stage ranks without waiting for them."""
+        if self.engine is not None and self.is_head:
+            self.engine.abort_pipeline()
+
+    def close(self, destroy_process_group: bool | None = None) -> None:
+        """Destroy the process groups (default: if this session created them)."""
+        import torch.distributed as dist
+
+        destroy = self._created_pg if destroy_process_group is None else destroy_process_group
+        if destroy and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - a broken group (dead peer) may refuse; nothing left to do
+                logger.warning("destroy_process_group failed: %s", e)
+
+
+def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequence[Sequence[int]],
+                              max_new_tokens: int | None = None, *,
+                              drafter_factory: DrafterFactory | None = None) -> list[GenerationResult] | None:
+    """Generate for every prompt with SPD through DeepSpeed's pipeline engine. Call it on every rank.
+
+    Args:
+        cfg: the experiment (``partition``, ``head.placement``, ``decoding``, ``deepspeed`` sections matter).
+        prompt_token_lists: prompts as token ids (the same on every rank; only the head rank uses them).
+        max_new_tokens: limit per prompt, the prefill token included (default ``decoding.max_new_tokens``).
+        drafter_factory: see :class:`SPDSession`.
+    Returns:
+        On the head rank (pipe stage 0, global rank 0) one :class:`GenerationResult` per prompt; ``None`` elsewhere.
+    Raises:
+        WorldSizeError: the world does not fit the partition and placement (before any collective).
+        ConfigError / PromptError: bad settings or prompts (before any collective).
+        PipeCommError: a rank died or stalled longer than ``deepspeed.timeout_s`` (on every surviving rank).
+        PipeAborted: on stage ranks, when the head stopped after an error of its own.
+    """
+    session = SPDSession(cfg, drafter_factory, prompt_token_lists, max_new_tokens)
+    try:
+        if session.is_head:
+            try:
+                results = [session.generate(p, max_new_tokens) for p in prompt_token_lists]
+            except BaseException:
+                session.abort()
+                raise
+            session.shutdown()
+            return results
+        session.serve()
+        return None
+    finally:
+        session.close()

