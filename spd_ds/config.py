@@ -83,6 +83,17 @@ class DataConfig:
     min_seq_length: int = 10
     regenerate: bool = False
     num_workers: int = 0
+    # training batches (spd_ds.train.data): rows of max_seq_length tokens, micro_batch_size rows per micro-batch
+    micro_batch_size: int = 8
+    pack: bool = True  # pack several conversations per row (else one per row, length-grouped)
+    overflow: str = "truncate"  # conversations longer than max_seq_length: truncate | drop
+    max_conversations: Optional[int] = None  # use at most this many conversations (None = all)
+    chat_template: Optional[str] = None  # Jinja template (file or string) replacing the tokenizer's
+    # data.regenerate=true: answer every conversation's first user turn with the target itself (spd_ds.train.regenerate)
+    regenerate_max_new_tokens: int = 512
+    regenerate_temperature: float = 0.0
+    regenerate_batch_size: int = 64
+    regenerate_max_prompt_tokens: int = 1024
 
 
 @dataclasses.dataclass
@@ -102,6 +113,14 @@ class TrainConfig:
     seed: int = 42
     resume: bool = False
     tensorboard: bool = False
+    # spd_ds.train additions
+    teacher_pipe_degree: Optional[int] = None  # 1 | partition.num_stages; None = 1 (the target on every rank)
+    autocast: str = "auto"  # auto (bf16 on CUDA, off on CPU) | bf16 | off: head compute dtype; weights stay fp32
+    outside_vocab: str = "weight"  # positions whose teacher argmax is outside the draft vocab: weight | drop | keep
+    keep_checkpoints: int = 2  # newest DeepSpeed checkpoints kept under output_dir/checkpoints
+    max_time_s: Optional[float] = None  # stop (and save) after this many seconds of training
+    save_dtype: str = "float32"  # dtype of the final head's weights (bfloat16 halves the file)
+    progress: bool = True  # tqdm progress bar on the logging rank
 
 
 @dataclasses.dataclass

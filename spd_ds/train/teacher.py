@@ -1,0 +1,194 @@
+"""The frozen target as a DeepSpeed ``PipelineModule`` built from the run's :class:`StagePartition`.
+
+One :class:`TeacherStage` per SPD stage (the stage's decoder layers, built from transformers' own layer classes
+through :class:`~spd_ds.models.adapter.TargetArch`; stage 0 adds the embedding, the last stage the final norm and LM
+head). ``PipelineModule(num_stages=pipe_degree, partition_method="uniform")`` then places them:
+
+* ``pipe_degree = 1`` (the target fits one device): one pipeline stage holding all SPD stages; every rank is a
+  data-parallel replica;
+* ``pipe_degree = n``: pipeline stage ``s`` is SPD stage ``s`` (each rank materialises only its own layers).
+
+Activations between stages: ``(hidden [B,S,H], segments [B,S], valid [B,S] int64, feats [B,S,m,H])``. The last stage
+returns the features the head trains on and the distillation targets at the loss positions only::
+
+    (feats [B,S,m,H], logits_draft [N,V_d] fp32, lse_full [N] fp32, argmax_full [N] int64)
+
+``feats[..., k, :]`` is the raw (pre-final-norm) hidden state at anchor ``b_k`` — exactly what
+``spd_ds.decoding.reference.prefill`` and the stage forwards give the head at inference. Documents packed into one
+row attend only within themselves and restart their positions.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from spd_ds.models.adapter import TargetArch
+from spd_ds.partition import StagePartition
+from spd_ds.train.loss import TeacherTargets
+from spd_ds.train.mask import packed_causal_mask, segment_positions
+
+
+class TeacherStage(nn.Module):
+    """SPD stage ``stage`` of the frozen target, as one ``PipelineModule`` layer (see module doc).
+
+    Args:
+        arch: the target's :class:`TargetArch`.
+        partition: the run's partition.
+        stage: SPD stage index.
+        dtype: compute dtype.
+        draft_ids: ``[V_d]`` sorted target ids of the draft vocabulary (last stage only).
+        temperature: distillation temperature (for ``lse_full``).
+        logits_chunk: loss positions per LM-head chunk (bounds the ``[chunk, V]`` temporary).
+    """
+
+    def __init__(self, arch: TargetArch, partition: StagePartition, stage: int, dtype: torch.dtype,
+                 draft_ids: Sequence[int], temperature: float = 1.0, logits_chunk: int = 4096) -> None:
+        super().__init__()
+        self.arch, self.stage = arch, stage
+        n, H, V = partition.num_stages, arch.hidden_size, arch.vocab_size
+        self.first, self.last = stage == 0, stage == n - 1
+        self.num_types = partition.num_types
+        self.temperature, self.logits_chunk = float(temperature), int(logits_chunk)
+        k_of = {a: k for k, a in enumerate(partition.anchors)}
+        self.capture = {a - 1: k_of[a] for a in partition.stage_anchors(stage) if a >= 1}
+        self.layer_ids = list(partition.stage_range(stage))
+        self.embedding = nn.Embedding(V, H) if self.first else None
+        self.layers = nn.ModuleList(arch.make_layer(i) for i in self.layer_ids)
+        self.rotary = arch.make_rotary()
+        self.norm = arch.make_norm() if self.last else None
+        self.lm_head = nn.Linear(H, V, bias=False) if self.last else None
+        with torch.no_grad():
+            if self.first:
+                self.embedding.weight.copy_(arch.load_tensor("model.embed_tokens.weight"))
+            for i, layer in zip(self.layer_ids, self.layers):
+                arch.load_into(layer, f"model.layers.{i}.")
+            if self.last:
+                arch.load_into(self.norm, "model.norm.")
+                name = "model.embed_tokens.weight" if arch.tied_embeddings else "lm_head.weight"
+                self.lm_head.weight.copy_(arch.load_tensor(name))
+        self.register_buffer("draft_ids", torch.as_tensor(list(draft_ids), dtype=torch.long), persistent=False)
+        self.to(dtype=dtype)
+        self.rotary.inv_freq = self.rotary.inv_freq.float()
+        self.eval().requires_grad_(False)
+
+    def forward(self, inputs: tuple) -> tuple:
+        if self.first:
+            ids, segments, valid = inputs
+            h = self.embedding(ids)
+            feats = h.new_zeros(*h.shape[:2], self.num_types, h.shape[-1])
+            feats[:, :, 0] = h
+        else:
+            h, segments, valid, feats = inputs
+        pos = segment_positions(segments)
+        mask = packed_causal_mask(segments)
+        pos_emb = self.rotary(h, pos)
+        for i, layer in zip(self.layer_ids, self.layers):
+            h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=pos_emb)
+            if isinstance(h, tuple):
+                h = h[0]
+            if i in self.capture:
+                feats[:, :, self.capture[i]] = h
+        if not self.last:
+            return h, segments, valid, feats
+        t = self.targets(h, valid)
+        return feats, t.logits_draft, t.lse_full, t.argmax_full
+
+    @torch.no_grad()
+    def targets(self, hidden: torch.Tensor, valid: torch.Tensor) -> TeacherTargets:
+        """Distillation targets at the loss positions (``valid`` nonzero, row-major), LM head in chunks."""
+        rows = hidden.reshape(-1, hidden.shape[-1])[valid.reshape(-1).bool()]
+        ld, lse, am = [], [], []
+        for c in range(0, rows.shape[0], self.logits_chunk):
+            z = self.lm_head(self.norm(rows[c:c + self.logits_chunk])).float()
+            ld.append(z[:, self.draft_ids])
+            lse.append(torch.logsumexp(z / self.temperature, dim=-1))
+            am.append(z.argmax(-1))
+        if not ld:
+            Vd = self.draft_ids.numel()
+            return TeacherTargets(rows.new_zeros(0, Vd, dtype=torch.float32), rows.new_zeros(0, dtype=torch.float32),
+                                  torch.zeros(0, dtype=torch.long, device=rows.device))
+        return TeacherTargets(torch.cat(ld), torch.cat(lse), torch.cat(am))
+
+
+def build_teacher_module(arch: TargetArch, partition: StagePartition, dtype: torch.dtype, pipe_degree: int,
+                         draft_ids: Sequence[int], temperature: float = 1.0, dynamic_shape: bool = False):
+    """The frozen target as a ``deepspeed.pipe.PipelineModule`` with ``pipe_degree`` pipeline stages.
+
+    Raises:
+        ValueError: ``pipe_degree`` is neither 1 nor ``n``.
+    """
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    n = partition.num_stages
+    if pipe_degree not in (1, n):
+        raise ValueError(f"train.teacher_pipe_degree must be 1 or partition.num_stages={n}, got {pipe_degree}")
+    specs = [LayerSpec(TeacherStage, arch, partition, s, dtype, list(draft_ids), temperature) for s in range(n)]
+    return PipelineModule(layers=specs, num_stages=pipe_degree, partition_method="uniform",
+                          dynamic_shape=dynamic_shape or pipe_degree > 1)
+
+
+class Teacher:
+    """Runs the frozen target through a DeepSpeed ``PipelineEngine`` and hands every rank its share of the targets.
+
+    With ``pipe_degree = n`` the last stage broadcasts features and targets over its pipeline group, and each rank
+    of the pipeline keeps the rows ``r`` with ``r % n == stage`` — so the head trains on every GPU.
+
+    Args:
+        engine: the ``PipelineEngine`` from ``deepspeed.initialize(model=build_teacher_module(...))``.
+        feat_dtype: dtype of ``feats`` (the teacher's compute dtype).
+        num_types, hidden_size, draft_vocab_size: shapes for the receivers.
+    """
+
+    def __init__(self, engine, feat_dtype: torch.dtype, num_types: int, hidden_size: int,
+                 draft_vocab_size: int) -> None:
+        self.engine = engine
+        self.feat_dtype, self.m, self.H, self.Vd = feat_dtype, num_types, hidden_size, draft_vocab_size
+        self.degree = engine.num_stages
+        self.stage = engine.stage_id
+
+    @torch.no_grad()
+    def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, TeacherTargets]:
+        """Teacher forward on one micro-batch.
+
+        Args:
+            batch: ``input_ids``, ``segments``, ``valid`` (``[B, S]``, from :meth:`BatchPlanner.collate`).
+        Returns:
+            ``(my_batch, feats [B', S, m, H], targets at my loss positions)`` where ``my_batch`` is the share of rows
+            this rank trains the head on (all rows for ``pipe_degree = 1``).
+        """
+        eng = self.engine
+        dev = eng.device
+        ids, seg, valid = (batch[k].to(dev) for k in ("input_ids", "segments", "valid"))
+        eng.total_loss = None  # eval_batch accumulates outputs into it otherwise
+        inputs = (ids, seg, valid.long())
+        out = eng.eval_batch(iter([(inputs, torch.zeros(1))]), compute_loss=False, reduce_output=None,
+                             bcast_loss=False, num_micro_batches=1)
+        if eng.is_last_stage():
+            feats, ld, lse, am = out[0]
+        else:
+            B, S = ids.shape
+            N = int(valid.sum())
+            feats = torch.empty(B, S, self.m, self.H, dtype=self.feat_dtype, device=dev)
+            ld = torch.empty(N, self.Vd, dtype=torch.float32, device=dev)
+            lse = torch.empty(N, dtype=torch.float32, device=dev)
+            am = torch.empty(N, dtype=torch.long, device=dev)
+        if self.degree > 1:
+            import deepspeed.comm as dist
+
+            src = eng.grid.stage_to_global(self.degree - 1)
+            group = eng.grid.get_pipe_parallel_group()
+            for t in (feats, ld, lse, am):
+                dist.broadcast(t, src=src, group=group)
+        targets = TeacherTargets(ld, lse, am)
+        mine = {"input_ids": ids, "segments": seg, "valid": valid}
+        if self.degree > 1:
+            B = ids.shape[0]
+            keep = torch.arange(B, device=dev) % self.degree == self.stage
+            row_of_pos = torch.arange(B, device=dev)[:, None].expand_as(valid)[valid]
+            targets = targets.select(keep[row_of_pos].nonzero().flatten())
+            mine = {k: v[keep] for k, v in mine.items()}
+            feats = feats[keep]
+        return mine, feats, targets
