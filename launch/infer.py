@@ -56,13 +56,24 @@ def load_prompt_texts(cfg, args) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    """Run the job; user errors (config, model, head, prompt) end it with a one-line message and exit code 2."""
+    from spd_ds.decoding.reference import PromptError
+    from spd_ds.head import HeadMismatchError
+    from spd_ds.models.adapter import UnsupportedModelError
+    from spd_ds.zoo import ModelUnavailableError
+
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
+        return _main(argv)
+    except (ConfigError, PromptError, HeadMismatchError, UnsupportedModelError, ModelUnavailableError,
+            FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = load_config(args.config, args.overrides)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     engine = args.engine if args.engine != "auto" else ("deepspeed" if world > 1 else "reference")
 
