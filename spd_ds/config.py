@@ -125,13 +125,26 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class EvalConfig:
-    """Evaluation: prompt sets, baselines measured in the same run, output directory."""
+    """Evaluation: prompt sets, baselines measured in the same run, output directory (``spd_ds.eval``).
+
+    ``prompt_sets``: set names or jsonl paths; ``random`` = random token ids of ``random_prompt_lengths`` (the only
+    kind a model without tokenizer, e.g. ``model.name=random:qwen3-4b``, gets). ``baselines``: names of
+    ``spd_ds.eval.baselines.BASELINES`` (``hf_generate``, ``ar``, ``ar_graph``). ``ppsd_checkpoint``: a second head
+    (features from the first stage only) reported beside the SPD head."""
 
     prompt_sets: list[str] = dataclasses.field(default_factory=lambda: ["mt_bench", "humaneval", "gsm8k"])
-    baselines: list[str] = dataclasses.field(default_factory=lambda: ["hf_generate", "ar"])
+    baselines: list[str] = dataclasses.field(default_factory=lambda: ["hf_generate", "ar", "ar_graph"])
     output_dir: str = "outputs/eval"
     plots: bool = True
     warmup_prompts: int = 1
+    ppsd_checkpoint: Optional[str] = None
+    oracle_alphas: Optional[list[float]] = None  # drafter=oracle: one SPD variant per alpha (None: oracle_alpha)
+    random_prompt_lengths: list[int] = dataclasses.field(default_factory=lambda: [128])
+    baseline_num_prompts: Optional[int] = None  # run the baselines on the first k prompts of each set (None = all)
+    check_exact: bool = True  # at T=0: SPD's tokens against the AR baselines', first divergence per prompt
+    fit_max_length: bool = True  # shrink decoding.max_length (static KV caches) to the longest prompt + generation
+    hbm_gbps: float = 4270.0  # HBM bandwidth per device for the achieved-bandwidth column (H200 copy bandwidth)
+    progress: bool = True  # tqdm progress bar
 
 
 @dataclasses.dataclass

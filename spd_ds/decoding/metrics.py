@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 
 @dataclasses.dataclass
@@ -72,6 +73,39 @@ class SPDMetrics:
             setattr(out, f.name, [x + y for x, y in zip(a, b)] if isinstance(a, list) else a + b)
         return out
 
+    def acceptance_by_depth(self) -> list[dict]:
+        """Acceptance by draft depth: one ``{"fill", "drafts", "accepted", "rate"}`` per fill ``f = 1..n`` (``rate``
+        is ``None`` where no draft was verified at that fill)."""
+        return [
+            {"fill": f, "drafts": d, "accepted": a, "rate": (a / d) if d else None}
+            for f, (d, a) in enumerate(zip(self.drafts_by_fill, self.accepted_by_fill)) if f >= 1
+        ]
+
+    def cycle_time_split_ms(self) -> dict:
+        """Mean per-cycle time split in milliseconds: ``stage_forward`` (list, one per stage), ``head``, ``verify``,
+        ``comm``, ``control`` and ``cycle`` (= ``decode_s / num_cycles``); all zeros without cycles."""
+        k = self.num_cycles
+        ms = (lambda x: 1e3 * x / k) if k else (lambda x: 0.0)
+        return {
+            "stage_forward": [ms(x) for x in self.stage_forward_s],
+            "head": ms(self.head_s), "verify": ms(self.verify_s), "comm": ms(self.comm_s),
+            "control": ms(self.control_s), "cycle": ms(self.decode_s),
+        }
+
+    @classmethod
+    def pooled(cls, items: "Iterable[SPDMetrics]", num_stages: int | None = None) -> "SPDMetrics":
+        """Sum of several generations' metrics (pooled rates: ``ΣN / ΣK`` etc.); an empty input gives zeros with
+        ``num_stages`` stages (default 1).
+
+        Raises:
+            ValueError: metrics of different numbers of stages.
+        """
+        items = list(items)
+        out = cls(num_stages=num_stages or (items[0].num_stages if items else 1))
+        for m in items:
+            out = out + m
+        return out
+
     def to_dict(self) -> dict:
         """Counters, timings and derived rates as a flat JSON-able dict."""
         d = dataclasses.asdict(self)
@@ -82,3 +116,11 @@ class SPDMetrics:
             decode_tok_s=self.decode_tok_s,
         )
         return d
+
+
+def pooled_decode_tok_s(items: "Iterable[SPDMetrics]") -> float:
+    """Decode throughput of several generations: ``Σ(N_i - 1) / Σ decode_s_i`` (each generation's prefill token is
+    excluded; ``(ΣN - 1) / Σdecode_s`` of a summed :class:`SPDMetrics` would exclude only one). 0.0 without time."""
+    items = list(items)
+    t = sum(m.decode_s for m in items)
+    return sum(max(m.num_new_tokens - 1, 0) for m in items) / t if t > 0 else 0.0

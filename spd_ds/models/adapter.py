@@ -6,6 +6,10 @@ read tensor by tensor from the checkpoint's safetensors, so a stage process only
 This module knows nothing of DeepSpeed or of SPD's schedule (``spd_ds.pipe`` wraps it).
 
 Supported families: ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mistral`` (full-attention layers only).
+
+Random weights of real shapes (systems benchmarks): ``TargetArch("random:qwen3-4b")``, or any directory holding
+``config.json`` + ``random_weights.json`` and no ``*.safetensors``, generates its weights tensor by tensor
+(:class:`RandomWeights`); the committed shapes live in ``spd_ds/models/shapes/``.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class TargetArch:
     def __init__(self, model_dir: str | os.PathLike, attn_implementation: str = "sdpa") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        if str(model_dir).startswith(RANDOM_PREFIX):  # ``random:<shape>``: a committed shape, seeded random weights
+            model_dir = random_model_dir(str(model_dir))
         self.model_dir = Path(model_dir)
         cfg = AutoConfig.from_pretrained(self.model_dir)
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -82,7 +88,10 @@ class TargetArch:
         params = inspect.signature(self.layer_cls.forward).parameters
         # transformers renamed ``past_key_values`` -> ``cache`` (5.2x); support both spellings.
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._weights = _SafetensorsIndex(self.model_dir)
+        if is_random_model_dir(self.model_dir):
+            self._weights = RandomWeights.from_skeleton(skeleton, self.model_dir, cfg)
+        else:
+            self._weights = _SafetensorsIndex(self.model_dir)
 
     # ---- geometry -----------------------------------------------------------------------------------
     @property
@@ -109,6 +118,11 @@ class TargetArch:
     @property
     def max_positions(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 1 << 20))
+
+    @property
+    def random_weights(self) -> bool:
+        """Whether the weights are generated (:class:`RandomWeights`) rather than read from a checkpoint."""
+        return isinstance(self._weights, RandomWeights)
 
     @property
     def tied_embeddings(self) -> bool:
@@ -159,8 +173,11 @@ class TargetArch:
         h = hashlib.sha256()
         c = self.config
         h.update(json.dumps([c.model_type, self.num_layers, self.hidden_size, self.vocab_size]).encode())
-        emb = self._weights.get("model.embed_tokens.weight")[:8].to(torch.float32).contiguous()
-        h.update(emb.numpy().tobytes())
+        if isinstance(self._weights, RandomWeights):  # the generator's identity instead of sampled rows
+            h.update(self._weights.identity())
+        else:
+            emb = self._weights.get("model.embed_tokens.weight")[:8].to(torch.float32).contiguous()
+            h.update(emb.numpy().tobytes())
         return h.hexdigest()[:16]
 
     def new_cache(self, layer_ids: Iterable[int], max_len: int, dtype: torch.dtype, device) -> StageKVCache:
@@ -188,6 +205,93 @@ class _SafetensorsIndex:
             return self._where[name].get_tensor(name)
         except KeyError:
             raise KeyError(f"tensor {name!r} not found in the checkpoint") from None
+
+
+# ---- random weights of real shapes (systems benchmarks; no checkpoint, no tokenizer) ----------------------------
+RANDOM_PREFIX = "random:"
+RANDOM_WEIGHTS_FILE = "random_weights.json"
+SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
+
+
+def random_shapes() -> list[str]:
+    """Names of the committed shape configs (``spd_ds/models/shapes/<name>/config.json``)."""
+    return sorted(p.parent.name for p in SHAPES_DIR.glob(f"*/{RANDOM_WEIGHTS_FILE}"))
+
+
+def random_model_dir(name: str) -> Path:
+    """Directory of a committed random-weight shape: ``"random:qwen3-4b"`` (or ``"qwen3-4b"``) -> ``shapes/qwen3-4b``.
+
+    Raises:
+        ValueError: unknown shape (the message lists the known ones).
+    """
+    key = name[len(RANDOM_PREFIX):] if name.startswith(RANDOM_PREFIX) else name
+    d = SHAPES_DIR / key.strip().lower()
+    if not (d / RANDOM_WEIGHTS_FILE).is_file():
+        known = ", ".join(RANDOM_PREFIX + n for n in random_shapes())
+        raise ValueError(f"unknown random model shape {key!r}; known: {known}")
+    return d
+
+
+def is_random_model_dir(path: str | os.PathLike) -> bool:
+    """A directory with ``config.json`` and ``random_weights.json`` but no ``*.safetensors`` (weights are generated)."""
+    p = Path(path)
+    return (p / RANDOM_WEIGHTS_FILE).is_file() and not any(p.glob("*.safetensors"))
+
+
+class RandomWeights:
+    """Seeded random weights of a real architecture, generated tensor by tensor on request (same interface as the
+    safetensors index: :meth:`has`, :meth:`get`).
+
+    Every tensor comes from its own CPU ``torch.Generator`` seeded by ``sha256(seed, name)``, so its values depend only
+    on ``(seed, std, name, shape)``: a stage process generates only its own layers and still gets the same weights as
+    any other process. Values: ``normal(0, std)`` (``std`` defaults to the config's ``initializer_range``, else
+    0.02) in fp32; parameters whose name contains ``norm`` are ones; biases are zeros.
+
+    Args:
+        shapes: HF parameter name -> shape (from a meta-device skeleton of the model).
+        seed: generator seed.
+        std: standard deviation of the weight matrices.
+    """
+
+    GENERATOR = "torch-cpu-normal-per-tensor-v1"
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0, std: float = 0.02) -> None:
+        self.shapes, self.seed, self.std = dict(shapes), int(seed), float(std)
+
+    @classmethod
+    def from_skeleton(cls, skeleton: nn.Module, model_dir: Path, config) -> "RandomWeights":
+        """Names/shapes of ``skeleton``'s (deduplicated, so tied weights appear once) parameters; seed and std from
+        ``model_dir/random_weights.json`` (``{"seed": int, "std": float | null}``)."""
+        spec = json.loads((Path(model_dir) / RANDOM_WEIGHTS_FILE).read_text())
+        std = spec.get("std") or getattr(config, "initializer_range", None) or 0.02
+        shapes = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
+        return cls(shapes, int(spec.get("seed", 0)), float(std))
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is a parameter of the architecture (a tied LM head is not)."""
+        return name in self.shapes
+
+    def get(self, name: str) -> torch.Tensor:
+        """The fp32 tensor ``name`` (generated now; a few hundred MB/s on one CPU core).
+
+        Raises:
+            KeyError: not a parameter of this architecture.
+        """
+        if name not in self.shapes:
+            raise KeyError(f"tensor {name!r} is not a parameter of this random-weight model")
+        shape = self.shapes[name]
+        leaf = name.rsplit(".", 2)
+        if "norm" in name:
+            return torch.ones(shape)
+        if leaf[-1] == "bias":
+            return torch.zeros(shape)
+        key = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & ((1 << 63) - 1))
+        return torch.empty(shape).normal_(0.0, self.std, generator=g)
+
+    def identity(self) -> bytes:
+        """What the weights are a function of (for :meth:`TargetArch.fingerprint`)."""
+        return json.dumps([self.GENERATOR, self.seed, self.std, sorted(self.shapes.items())]).encode()
 
 
 def causal_mask(q: int, past: int, device) -> torch.Tensor | None:

@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""SPD benchmarks: one table of speed and acceptance against AR baselines measured in the same run.
+
+Suites (``spd_ds/eval/benchmark.py``; method and commands in ``docs/benchmarks.md``):
+
+  a  SmolLM2-135M-Instruct, SPD n=2 vs ar_graph / hf_generate / ar (acceptance, decode tok/s)
+  b  Qwen3-4B-shaped random weights, n=2, oracle alpha in {1, 0.8, 0.6} (speedup, cycle vs slowest stage, GB/s)
+  c  CPU: equivalent accept length of SPD and PPSD heads on SmolLM2, n = 2, 3, 5, 6
+
+Reference decoder (one process, CPU or one GPU)::
+
+    python launch/benchmark.py --suite a c --spd-head 'runs/smollm2-n{n}' --ppsd-head 'runs/smollm2-ppsd-n{n}'
+
+Pipeline engine (suites a and b through DeepSpeed; baselines on rank 0's GPU after the pipeline sessions)::
+
+    deepspeed --num_gpus 2 launch/benchmark.py --suite a b --out $OUT
+
+Trailing ``section.key=value`` overrides apply to every suite (e.g. ``data.eval_dir=/data/eval``).
+Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json`` (rows + stage forward times) and each evaluation's
+reports under ``--out``/``<suite>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+log = logging.getLogger("spd_ds.benchmark")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides for every suite")
+    ap.add_argument("--suite", nargs="+", choices=["a", "b", "c"], default=["a", "b", "c"])
+    ap.add_argument("--out", default="outputs/benchmark", help="output directory")
+    ap.add_argument("--config", help="base experiment YAML under the suites' overrides")
+    ap.add_argument("--spd-head", help="SPD head checkpoint path pattern with {n}, e.g. runs/smollm2-n{n}")
+    ap.add_argument("--ppsd-head", help="PPSD head checkpoint path pattern with {n} (suite c)")
+    ap.add_argument("--model-b", default="random:qwen3-4b", help="random-weight shape of suite b")
+    ap.add_argument("--alphas", nargs="+", type=float, default=[1.0, 0.8, 0.6], help="oracle alphas of suite b")
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 5, 6], help="n values of suite c")
+    ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"],
+                    help="prompt sets of suites a and c (names or jsonl paths; suite b uses random token prompts)")
+    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per prompt set")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--baseline-prompts", type=int, default=2, help="prompts per set for the baselines (0 = all)")
+    ap.add_argument("--engine", choices=["auto", "reference", "deepspeed"], default="auto",
+                    help="auto: DeepSpeed pipeline for suites a/b when WORLD_SIZE > 1, else the reference decoder")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+
+    from spd_ds.eval import benchmark as bm
+    from spd_ds.eval.report import summarize, write_reports
+    from spd_ds.eval.runner import USER_ERRORS, run_baselines, run_eval
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    engine = args.engine if args.engine != "auto" else ("deepspeed" if world > 1 else "reference")
+    out = Path(args.out)
+    runs = bm.suite_runs(args.suite, cuda=bm.is_cuda_run(), spd_head=args.spd_head, ppsd_head=args.ppsd_head,
+                         model_b=args.model_b, alphas=args.alphas, stages_c=args.stages, num_prompts=args.num_prompts,
+                         max_new_tokens=args.max_new_tokens, baseline_prompts=args.baseline_prompts or None,
+                         prompt_sets=args.prompt_sets, extra=args.overrides)
+    for sr in runs:
+        tag = sr.suite + (sr.label.rsplit("n=", 1)[-1] if sr.suite == "c" else "")
+        sr.overrides.append(f"eval.output_dir={out / tag}")
+    t0 = time.time()
+    try:
+        cfgs = [bm.config_of(sr, args.config) for sr in runs]
+        piped = [k for k, sr in enumerate(runs) if engine == "deepspeed" and sr.suite in ("a", "b")]
+        head = int(os.environ.get("RANK", "0")) == 0
+        if not piped and not head:  # e.g. suite c under the launcher: the head rank alone runs it
+            return 0
+        if piped:  # phase 1, every rank: all pipeline sessions, one process group
+            import deepspeed
+            import torch.distributed as dist
+
+            c0 = cfgs[piped[0]]
+            deepspeed.init_distributed(dist_backend=c0.deepspeed.backend, auto_mpi_discovery=True, verbose=False,
+                                       timeout=datetime.timedelta(seconds=c0.deepspeed.timeout_s))
+            head = dist.get_rank() == 0
+            try:
+                for k in piped:
+                    runs[k].run = run_eval(cfgs[k], engine="deepspeed", baselines=False)
+            finally:
+                dist.destroy_process_group()
+            if not head:
+                return 0
+        for k, sr in enumerate(runs):  # phase 2, head rank: baselines, stage timings, reports
+            if sr.run is None:
+                sr.run = run_eval(cfgs[k], engine="reference")
+            else:
+                run_baselines(sr.run)
+            if sr.suite in ("a", "b"):
+                bm.measure_stage_forwards(sr)
+            sr.summary = summarize(sr.run)
+            if sr.stage_forward_ms is not None:
+                sr.summary["stage_forward_ms_alone"] = sr.stage_forward_ms
+            write_reports(sr.run, sr.run.cfg.eval.output_dir, summary=sr.summary)
+            sr.run.target = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    table = bm.render(runs)
+    print("\n" + table)
+    out.mkdir(parents=True, exist_ok=True)
+    header = (f"# spd-ds benchmark ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+              f"engine {engine}, world {world}, {time.time() - t0:.0f} s)\n\n")
+    (out / "benchmark.md").write_text(header + table + "\n")
+    rows = {"speed": [r for sr in runs if sr.suite in ("a", "b") for r in bm.speed_rows(sr)],
+            "acceptance": [r for sr in runs if sr.suite == "c" for r in bm.accept_rows(sr)],
+            "speed_headers": bm.SPEED_HEADERS, "acceptance_headers": bm.ACCEPT_HEADERS,
+            "stage_forward_ms_alone": {f"{sr.suite} {sr.label}": sr.stage_forward_ms for sr in runs},
+            "summaries": {f"{sr.suite} {sr.label}": str(Path(sr.run.cfg.eval.output_dir) / "summary.json")
+                          for sr in runs}}
+    (out / "benchmark.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nwrote {out}/benchmark.md, benchmark.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

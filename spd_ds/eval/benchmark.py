@@ -1,0 +1,186 @@
+"""The benchmark suites of ``docs/benchmarks.md`` and their tables (driven by ``launch/benchmark.py``).
+
+=== =====================================================================================================
+a   SmolLM2-135M-Instruct (real weights), SPD n=2 (``--spd-head``, else an untrained head) against ``ar_graph``,
+    ``hf_generate`` and ``ar`` on MT-Bench / HumanEval / GSM8K: acceptance and decode tok/s
+b   a Qwen3-4B-shaped random-weight model, n=2, oracle drafts with alpha in {1, 0.8, 0.6}: speedup against the
+    CUDA-graph AR, measured cycle time against the slowest stage's forward alone, achieved GB/s
+c   CPU: equivalent accept length of SPD heads and PPSD heads on SmolLM2 for n = 2, 3, 5, 6
+=== =====================================================================================================
+
+Every suite is a list of ``section.key=value`` overrides on the default experiment, evaluated with
+:func:`spd_ds.eval.runner.run_eval`; a suite's baselines run in the same process on the same device as its SPD
+variants. Under ``deepspeed`` (``WORLD_SIZE > 1``) the SPD variants of suites a and b run through the pipeline
+engine, all pipeline sessions first, then the baselines on rank 0 (so no stage rank waits on them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from spd_ds.config import ExperimentConfig, load_config
+
+log = logging.getLogger(__name__)
+
+SUITES = ("a", "b", "c")
+PROMPT_SETS = ("mt_bench", "humaneval", "gsm8k")
+
+
+@dataclasses.dataclass
+class SuiteRun:
+    """One evaluation of a suite: its label, config overrides and (after running) the :class:`EvalRun`."""
+
+    suite: str
+    label: str
+    overrides: list[str]
+    run: object = None
+    summary: dict | None = None
+    stage_forward_ms: list[float] | None = None
+    head_note: str = ""
+
+
+def _head_for(pattern: str | None, n: int) -> str | None:
+    """``pattern`` with ``{n}`` substituted, if that directory holds a head checkpoint."""
+    if not pattern:
+        return None
+    p = Path(pattern.format(n=n))
+    if (p / "head_config.json").is_file():
+        return str(p)
+    log.warning("no head checkpoint at %s (pattern %s, n=%d): SPD runs an untrained head, PPSD is left out",
+                p, pattern, n)
+    return None
+
+
+def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None, ppsd_head: str | None = None,
+               model_b: str = "random:qwen3-4b", alphas: Sequence[float] = (1.0, 0.8, 0.6),
+               stages_c: Sequence[int] = (2, 3, 5, 6), num_prompts: int = 4, max_new_tokens: int = 128,
+               baseline_prompts: int | None = 2, prompt_sets: Sequence[str] = PROMPT_SETS,
+               extra: Sequence[str] = ()) -> list[SuiteRun]:
+    """The evaluations of ``suites`` as override lists (``extra`` overrides go last, so they win).
+
+    Args:
+        cuda: GPU run (bf16, CUDA-graph baselines); else CPU fp32.
+        spd_head, ppsd_head: head checkpoint path patterns with ``{n}`` (e.g. ``runs/smollm2-n{n}``); a missing
+            directory means an untrained head (SPD) or no PPSD row.
+        model_b: the random-weight shape of suite b (``random:smollm2-135m`` makes it CPU-sized).
+        num_prompts: per prompt set; ``baseline_prompts``: per set for the baselines (``None`` = all).
+        prompt_sets: the prompt sets of suites a and c (suite b uses random token prompts).
+    """
+    sets = "[" + ",".join(prompt_sets) + "]"
+    dtype = "bfloat16" if cuda else "float32"
+    common = [f"decoding.max_new_tokens={max_new_tokens}", "decoding.temperature=0", f"data.num_prompts={num_prompts}",
+              "eval.plots=true"]
+    if baseline_prompts is not None:
+        common.append(f"eval.baseline_num_prompts={baseline_prompts}")
+    out = []
+    if "a" in suites:
+        head = _head_for(spd_head, 2)
+        ov = ["model.name=smollm2-135m-instruct", f"model.dtype={dtype}", "partition.num_stages=2",
+              f"eval.prompt_sets={sets}", "decoding.drafter=head", "eval.baselines=[ar_graph,hf_generate,ar]"]
+        ov += [f"head.checkpoint={head}"] if head else []
+        out.append(SuiteRun("a", f"smollm2 {dtype} n=2", ov + common + list(extra),
+                            head_note=head or "untrained head (no --spd-head for n=2)"))
+    if "b" in suites:
+        ov = [f"model.name={model_b}", f"model.dtype={dtype}", "partition.num_stages=2", "eval.prompt_sets=[random]",
+              "decoding.drafter=oracle", f"eval.oracle_alphas=[{','.join(f'{a:g}' for a in alphas)}]",
+              "eval.baselines=[ar_graph,hf_generate,ar]"]
+        out.append(SuiteRun("b", f"{model_b.split(':')[-1]} {dtype} n=2", ov + common + list(extra),
+                            head_note="oracle drafts"))
+    if "c" in suites:
+        for n in stages_c:
+            head, ppsd = _head_for(spd_head, n), _head_for(ppsd_head, n)
+            ov = ["model.name=smollm2-135m-instruct", "model.dtype=float32", "model.device=cpu",
+                  f"partition.num_stages={n}", f"eval.prompt_sets={sets}", "decoding.drafter=head",
+                  "eval.baselines=[]", "eval.warmup_prompts=0"]
+            ov += [f"head.checkpoint={head}"] if head else []
+            ov += [f"eval.ppsd_checkpoint={ppsd}"] if ppsd else []
+            note = f"spd: {head or 'untrained'}; ppsd: {ppsd or 'none'}"
+            out.append(SuiteRun("c", f"smollm2 fp32 cpu n={n}", ov + common + list(extra), head_note=note))
+    return out
+
+
+def config_of(sr: SuiteRun, base_config: str | None = None) -> ExperimentConfig:
+    """The experiment of a suite run (``base_config`` YAML under the suite's overrides)."""
+    return load_config(base_config, sr.overrides)
+
+
+def timing_position(run) -> int:
+    """Token position at which stage forwards are timed alone: mean prompt length + half the generation."""
+    mean = sum(len(p.ids) for p in run.prompts) / len(run.prompts)
+    return int(mean + run.cfg.decoding.max_new_tokens / 2)
+
+
+def measure_stage_forwards(sr: SuiteRun, iters: int = 50) -> None:
+    """Fill ``sr.stage_forward_ms`` from ``sr.run.target`` (each stage alone; CUDA graph on GPU)."""
+    from spd_ds.eval.speed import stage_forward_ms
+
+    if sr.run is None or sr.run.target is None:
+        return
+    pos = timing_position(sr.run)
+    sr.stage_forward_ms = stage_forward_ms(sr.run.target, pos, iters=iters, max_len=pos + 64)
+
+
+# ---------------------------------------------------------------------------------------------- tables
+SPEED_HEADERS = ["suite", "config", "method", "tok/s", "x ar_graph", "x hf_generate", "eq. accept len",
+                 "draft acc.", "cycle ms", "slowest stage fwd ms", "cycle / slowest", "GB/s", "% HBM"]
+ACCEPT_HEADERS = ["n", "method", "eq. accept len", "draft acc.", "tok/cycle", "acceptance by fill 1..n", "head"]
+
+
+def speed_rows(sr: SuiteRun) -> list[list]:
+    """Rows of the speed table (suites a, b): one per method; AR rows show ms per token in the cycle column."""
+    s = sr.summary
+    slow = max(sr.stage_forward_ms) if sr.stage_forward_ms else None
+    rows = []
+    for name, res in s["results"].items():
+        b = res["overall"]
+        spd = s["methods"][name]["kind"] == "spd"
+        tok_s = b["decode_tok_s"]
+        cycle = (b["cycle_time_split_ms"] or {}).get("cycle") if spd else (1e3 / tok_s if tok_s else None)
+        rows.append([sr.suite, sr.label, name, tok_s, b["speedup_vs_ar"].get("ar_graph"),
+                     b["speedup_vs_ar"].get("hf_generate"), b["equivalent_accept_length"],
+                     b["draft_acceptance_rate"], cycle, slow if spd else None,
+                     (cycle / slow) if spd and cycle and slow else None, b["achieved_gbps"],
+                     100 * b["hbm_fraction"] if b["hbm_fraction"] is not None else None])
+    return rows
+
+
+def accept_rows(sr: SuiteRun) -> list[list]:
+    """Rows of the acceptance table (suite c): one per SPD method (spd, ppsd)."""
+    s = sr.summary
+    rows = []
+    for name, res in s["results"].items():
+        if s["methods"][name]["kind"] != "spd":
+            continue
+        b = res["overall"]
+        fills = " ".join("-" if r["rate"] is None else f"{r['rate']:.2f}" for r in b["acceptance_by_depth"])
+        rows.append([s["partition"]["num_stages"], name, b["equivalent_accept_length"], b["draft_acceptance_rate"],
+                     b["tokens_per_cycle"], fills, s["methods"][name]["description"]])
+    return rows
+
+
+def render(runs: Sequence[SuiteRun]) -> str:
+    """Markdown tables of finished suite runs (speed table for a/b, acceptance table for c) plus exactness lines."""
+    from spd_ds.eval.report import exactness_lines, format_table
+
+    parts = []
+    speed = [r for sr in runs if sr.suite in ("a", "b") and sr.summary for r in speed_rows(sr)]
+    if speed:
+        parts.append(format_table(SPEED_HEADERS, speed))
+    acc = [r for sr in runs if sr.suite == "c" and sr.summary for r in accept_rows(sr)]
+    if acc:
+        parts.append(format_table(ACCEPT_HEADERS, acc))
+    for sr in runs:
+        if sr.summary:
+            parts.append(f"[{sr.suite}] {sr.label} ({sr.head_note}; engine {sr.summary['engine']}, "
+                         f"device {sr.summary['device']}):\n  " + "\n  ".join(exactness_lines(sr.summary)))
+    return "\n\n".join(parts)
+
+
+def is_cuda_run(device: str | None = None) -> bool:
+    """Whether the suites run on GPU (``model.device`` auto and CUDA available)."""
+    return torch.cuda.is_available() if device in (None, "auto") else device.startswith("cuda")

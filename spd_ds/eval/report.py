@@ -1,0 +1,332 @@
+"""Reports of an evaluation: per-prompt JSONL, the summary JSON (metrics of ``DESIGN.md``, per prompt set and pooled),
+text tables and the plots.
+
+Summary schema (``schema_version`` 1)::
+
+    {"schema_version", "created_utc", "engine", "device",
+     "model": {"name", "dir", "random_weights", "model_type", "num_layers", "hidden_size", "vocab_size", "dtype",
+               "weight_bytes_per_token"},
+     "partition": {"num_layers", "stage_layers", "anchors", "num_stages"},
+     "decoding": {"temperature", "top_k", "top_p", "seed", "max_new_tokens", "max_length", "drafter", "oracle_alpha",
+                  "eos_token_ids"},
+     "prompt_sets": {set: {"num_prompts", "mean_prompt_tokens"}},
+     "definitions": {metric: text},
+     "methods": {method: {"kind": "spd" | "baseline", "num_stages", "devices", "description", "num_prompts"}},
+     "results": {method: {"overall": BLOCK, "by_set": {set: BLOCK}}},
+     "exactness": {"checked", "reason", "reference", "by_method": {spd_method: {baseline: {"prompts", "identical",
+                   "divergences": [{"prompt_set", "question_id", "index", "method_token", "baseline_token"}]}}}},
+     "config": the resolved experiment}
+
+    BLOCK = {"num_prompts", "num_new_tokens", "num_cycles", "num_drafts", "num_accepted_tokens", "num_rollbacks",
+             "draft_acceptance_rate", "tokens_per_cycle", "equivalent_accept_length", "acceptance_by_depth",
+             "prefill_s", "decode_s", "decode_tok_s", "mean_decode_tok_s", "cycle_time_split_ms", "achieved_gbps",
+             "hbm_fraction", "speedup_vs_ar"}
+
+Draft metrics (``num_drafts`` ... ``acceptance_by_depth``) are ``None`` for AR baselines. Pooled means sums over
+prompts first (``ΣN / ΣK``, ``Σ(N-1) / Σdecode_s``), then ratios.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from spd_ds.config import as_dict
+from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_tok_s
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+EXACT_BASELINES = ("ar", "ar_graph", "hf_generate")  # token-producing AR baselines the SPD tokens are checked against
+
+DEFINITIONS = {
+    "num_new_tokens": "N: verified tokens returned per prompt, INCLUDING the token taken from the prefill logits",
+    "num_cycles": "K: decode cycles (SPD: one forward per busy stage; AR: decode steps)",
+    "num_drafts": "drafts verified",
+    "num_accepted_tokens": "drafts accepted",
+    "draft_acceptance_rate": "num_accepted_tokens / num_drafts",
+    "tokens_per_cycle": "N / K (the reference project called this an 'acceptance rate'; we do not)",
+    "equivalent_accept_length": "n * N / K (the paper's L'_acc), n = pipeline stages",
+    "acceptance_by_depth": "per fill f = 1..n (tokens in flight when the draft was made; f = n: full pipeline): "
+                           "drafts verified, accepted, rate",
+    "prefill_s": "seconds from the prompt to the first token (summed over prompts)",
+    "decode_s": "seconds of the decode loop after the first token (summed over prompts)",
+    "decode_tok_s": "(N - 1) / decode_s, pooled over prompts (the prefill token is not a decode token)",
+    "mean_decode_tok_s": "mean over prompts of each prompt's decode_tok_s",
+    "cycle_time_split_ms": "mean milliseconds per cycle: stage_forward[s], head, verify, comm, control; cycle = "
+                           "decode_s / K. Reference decoder on GPU: host timers without synchronisation, so GPU time "
+                           "lands in the phase that waits (verify); the pipeline engine times stage forwards with "
+                           "CUDA events",
+    "achieved_gbps": "weight bytes per token x decode_tok_s / 1e9 (gpt-fast's achieved bandwidth)",
+    "hbm_fraction": "achieved_gbps / (eval.hbm_gbps x devices the method runs on)",
+    "speedup_vs_ar": "decode_tok_s of the method / decode_tok_s of each baseline, pooled over the prompts both ran",
+}
+
+
+# ---------------------------------------------------------------------------------------------- metric blocks
+def metric_block(items: Sequence[SPDMetrics], spd: bool, num_stages: int, weight_bytes: int | None = None,
+                 devices: int = 1, hbm_gbps: float | None = None) -> dict:
+    """Pooled metrics of one method over some prompts (a summary ``BLOCK``, without ``speedup_vs_ar``).
+
+    Args:
+        items: per-prompt :class:`~spd_ds.decoding.metrics.SPDMetrics`.
+        spd: whether the method drafts (else the draft metrics are ``None``).
+        num_stages: ``n`` of the method (1 for AR).
+        weight_bytes: bytes read per AR token (for ``achieved_gbps``), ``None`` = not reported.
+        devices, hbm_gbps: for ``hbm_fraction``.
+    """
+    m = SPDMetrics.pooled(items, num_stages)
+    per = [x.decode_tok_s for x in items if x.decode_s > 0]
+    tok_s = pooled_decode_tok_s(items)
+    gbps = weight_bytes * tok_s / 1e9 if weight_bytes else None
+    block = {
+        "num_prompts": len(items),
+        "num_new_tokens": m.num_new_tokens,
+        "num_cycles": m.num_cycles,
+        "num_drafts": m.num_drafts if spd else None,
+        "num_accepted_tokens": m.num_accepted_tokens if spd else None,
+        "num_rollbacks": m.num_rollbacks if spd else None,
+        "draft_acceptance_rate": m.draft_acceptance_rate if spd else None,
+        "tokens_per_cycle": m.tokens_per_cycle if spd else None,
+        "equivalent_accept_length": m.equivalent_accept_length if spd else None,
+        "acceptance_by_depth": m.acceptance_by_depth() if spd else None,
+        "prefill_s": m.prefill_s,
+        "decode_s": m.decode_s,
+        "decode_tok_s": tok_s,
+        "mean_decode_tok_s": sum(per) / len(per) if per else 0.0,
+        "cycle_time_split_ms": m.cycle_time_split_ms() if spd else None,
+        "achieved_gbps": gbps,
+        "hbm_fraction": gbps / (hbm_gbps * devices) if gbps is not None and hbm_gbps else None,
+        "speedup_vs_ar": {},
+    }
+    return block
+
+
+def _pooled_tok_s(run, method, indices: Iterable[int]) -> float:
+    return pooled_decode_tok_s([method.results[i].metrics for i in indices])
+
+
+def summarize(run, weight_bytes: int | None = None) -> dict:
+    """The summary dict of an :class:`~spd_ds.eval.runner.EvalRun` (schema in the module docstring).
+
+    Args:
+        run: the evaluation.
+        weight_bytes: bytes per token for the bandwidth columns (default: computed from the architecture).
+    """
+    from spd_ds.eval.speed import weight_bytes_per_token
+    from spd_ds.models.adapter import resolve_dtype
+
+    cfg, part = run.cfg, run.partition
+    dtype = resolve_dtype(cfg.model.dtype)
+    if weight_bytes is None:
+        weight_bytes = weight_bytes_per_token(run.arch, dtype)
+    sets: dict[str, list[int]] = {}
+    for i, p in enumerate(run.prompts):
+        sets.setdefault(p.prompt_set, []).append(i)
+    results, methods = {}, {}
+    for name, mr in run.methods.items():
+        spd = mr.kind == "spd"
+        methods[name] = {"kind": mr.kind, "num_stages": mr.num_stages, "devices": mr.devices,
+                         "description": mr.description, "num_prompts": len(mr.results)}
+        scopes = {"overall": sorted(mr.results)}
+        scopes.update({s: [i for i in idx if i in mr.results] for s, idx in sets.items()})
+        blocks = {}
+        for scope, idx in scopes.items():
+            b = metric_block([mr.results[i].metrics for i in idx], spd, mr.num_stages, weight_bytes, mr.devices,
+                             cfg.eval.hbm_gbps)
+            if spd:
+                for base in run.baselines():
+                    common = [i for i in idx if i in base.results]
+                    if not common:
+                        continue
+                    bt = _pooled_tok_s(run, base, common)
+                    b["speedup_vs_ar"][base.name] = _pooled_tok_s(run, mr, common) / bt if bt > 0 else None
+            blocks[scope] = b
+        results[name] = {"overall": blocks.pop("overall"), "by_set": blocks}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "engine": run.engine,
+        "device": run.device,
+        "model": {
+            "name": cfg.model.name, "dir": str(run.arch.model_dir),
+            "random_weights": bool(getattr(run.arch, "random_weights", False)),
+            "model_type": run.arch.config.model_type, "num_layers": run.arch.num_layers,
+            "hidden_size": run.arch.hidden_size, "vocab_size": run.arch.vocab_size, "dtype": cfg.model.dtype,
+            "weight_bytes_per_token": weight_bytes,
+        },
+        "partition": {**part.to_dict(), "num_stages": part.num_stages},
+        "decoding": {k: getattr(cfg.decoding, k) for k in ("temperature", "top_k", "top_p", "seed", "max_new_tokens",
+                                                           "max_length", "drafter", "oracle_alpha", "eos_token_ids")},
+        "prompt_sets": {s: {"num_prompts": len(idx),
+                            "mean_prompt_tokens": sum(len(run.prompts[i].ids) for i in idx) / len(idx)}
+                        for s, idx in sets.items()},
+        "definitions": dict(DEFINITIONS),
+        "methods": methods,
+        "results": results,
+        "exactness": exactness(run),
+        "config": as_dict(cfg),
+    }
+
+
+def exactness(run) -> dict:
+    """SPD methods' tokens against every AR baseline's at T = 0: identical prompts and each first divergence.
+
+    ``reference`` is ``ar`` (same stage code; on CPU fp32 it must match exactly). A divergence from ``hf_generate``
+    (other kernels) or at bf16 can be a near-tie, and is reported, not hidden.
+    """
+    from spd_ds.eval.runner import first_divergence
+
+    if run.cfg.decoding.temperature != 0:
+        return {"checked": False, "reason": "temperature > 0: outputs are samples (only distributions match)",
+                "reference": "ar", "by_method": {}}
+    if not run.cfg.eval.check_exact:
+        return {"checked": False, "reason": "eval.check_exact is false", "reference": "ar", "by_method": {}}
+    bases = [b for b in run.baselines() if b.name in EXACT_BASELINES]
+    if not bases:
+        return {"checked": False, "reason": "no AR baseline ran (eval.baselines)", "reference": "ar", "by_method": {}}
+    out = {}
+    for m in run.spd_methods():
+        per = {}
+        for b in bases:
+            common = [i for i in sorted(m.results) if i in b.results]
+            divs = []
+            for i in common:
+                a, r = m.results[i].tokens, b.results[i].tokens
+                d = first_divergence(a, r)
+                if d is not None:
+                    p = run.prompts[i]
+                    divs.append({"prompt_set": p.prompt_set, "question_id": p.question_id, "index": d,
+                                 "method_token": a[d] if d < len(a) else None,
+                                 "baseline_token": r[d] if d < len(r) else None})
+            per[b.name] = {"prompts": len(common), "identical": len(common) - len(divs), "divergences": divs}
+        out[m.name] = per
+    return {"checked": True, "reason": None, "reference": "ar", "by_method": out}
+
+
+# ---------------------------------------------------------------------------------------------- per prompt
+def per_prompt_rows(run) -> list[dict]:
+    """One JSON-able row per (method, prompt): ids, tokens, decoded text (with a tokenizer), metrics, wall time and
+    the first divergence from each AR baseline (T = 0)."""
+    from spd_ds.eval.runner import first_divergence
+
+    rows = []
+    bases = [b for b in run.baselines() if b.name in EXACT_BASELINES]
+    for name, mr in run.methods.items():
+        for i in sorted(mr.results):
+            p, res = run.prompts[i], mr.results[i]
+            row = {"method": name, "kind": mr.kind, "prompt_set": p.prompt_set, "question_id": p.question_id,
+                   "prompt_tokens": len(p.ids), "tokens": res.tokens, "finish_reason": res.finish_reason,
+                   "wall_s": mr.wall_s.get(i)}
+            if run.tokenizer is not None:
+                row["text"] = run.tokenizer.decode(res.tokens, skip_special_tokens=True)
+            row.update(res.metrics.to_dict())
+            if mr.kind == "spd":
+                row["acceptance_by_depth"] = res.metrics.acceptance_by_depth()
+                row["cycle_time_split_ms"] = res.metrics.cycle_time_split_ms()
+                if run.cfg.decoding.temperature == 0:
+                    row["first_divergence"] = {b.name: first_divergence(res.tokens, b.results[i].tokens)
+                                               for b in bases if i in b.results}
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- text tables
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text (markdown) table; floats with 3 significant decimals, ``None`` as ``-``."""
+    def cell(x):
+        if x is None:
+            return "-"
+        if isinstance(x, float):
+            return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+        return str(x)
+
+    body = [[cell(x) for x in r] for r in rows]
+    widths = [max(len(h), *(len(r[k]) for r in body)) if body else len(h) for k, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in body])
+
+
+def summary_table(summary: dict, scope: str = "overall") -> str:
+    """Methods x headline metrics of a summary (``scope``: ``overall`` or a prompt-set name)."""
+    bases = [n for n, m in summary["methods"].items() if m["kind"] == "baseline"]
+    headers = ["method", "n", "tok/s"] + [f"x {b}" for b in bases] + ["eq. accept len", "draft acc.", "tok/cycle",
+                                                                      "cycle ms", "GB/s"]
+    rows = []
+    for name, res in summary["results"].items():
+        b = res["overall"] if scope == "overall" else res["by_set"].get(scope)
+        if b is None:
+            continue
+        split = b["cycle_time_split_ms"] or {}
+        rows.append([name, summary["methods"][name]["num_stages"], b["decode_tok_s"]]
+                    + [b["speedup_vs_ar"].get(x) for x in bases]
+                    + [b["equivalent_accept_length"], b["draft_acceptance_rate"], b["tokens_per_cycle"],
+                       split.get("cycle"), b["achieved_gbps"]])
+    return format_table(headers, rows)
+
+
+def exactness_lines(summary: dict) -> list[str]:
+    """One line per (SPD method, AR baseline): identical prompts and the first divergences."""
+    ex = summary["exactness"]
+    if not ex["checked"]:
+        return [f"exactness not checked: {ex['reason']}"]
+    out = []
+    for m, per in ex["by_method"].items():
+        for b, r in per.items():
+            line = f"{m} vs {b}: {r['identical']}/{r['prompts']} prompts identical"
+            if r["divergences"]:
+                line += "; first divergence " + ", ".join(f"{d['prompt_set']}/{d['question_id']}@{d['index']}"
+                                                          for d in r["divergences"][:6])
+                line += " ..." if len(r["divergences"]) > 6 else ""
+            out.append(line)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- files
+def write_reports(run, out_dir: str | Path, plots: bool | None = None, summary: dict | None = None) -> dict:
+    """Write ``per_prompt.jsonl``, ``summary.json`` and (``eval.plots``) ``acceptance_by_depth.png`` and
+    ``cycle_time_split.png`` into ``out_dir``; returns the summary.
+
+    Plots need matplotlib (``pip install -e .[eval]``); without it they are skipped with a warning.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summary or summarize(run)
+    with open(out / "per_prompt.jsonl", "w") as f:
+        for row in per_prompt_rows(run):
+            f.write(json.dumps(row) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if run.cfg.eval.plots if plots is None else plots:
+        try:
+            from spd_ds.eval.plots import plot_acceptance_by_depth, plot_cycle_time_split
+        except ImportError as e:
+            log.warning("plots skipped: %s (pip install matplotlib)", e)
+        else:
+            plot_acceptance_by_depth(summary, out / "acceptance_by_depth.png")
+            plot_cycle_time_split(summary, out / "cycle_time_split.png")
+    return summary
+
+
+def check_summary_schema(summary: dict) -> list[str]:
+    """Schema problems of a summary dict (empty list = valid); used by the tests and by consumers."""
+    problems = []
+    top = ("schema_version", "engine", "model", "partition", "decoding", "prompt_sets", "definitions", "methods",
+           "results", "exactness", "config")
+    problems += [f"missing top-level key {k!r}" for k in top if k not in summary]
+    block_keys = ("num_prompts", "num_new_tokens", "num_cycles", "num_drafts", "num_accepted_tokens",
+                  "num_rollbacks", "draft_acceptance_rate", "tokens_per_cycle", "equivalent_accept_length",
+                  "acceptance_by_depth", "prefill_s", "decode_s", "decode_tok_s", "mean_decode_tok_s",
+                  "cycle_time_split_ms", "achieved_gbps", "hbm_fraction", "speedup_vs_ar")
+    for name, res in summary.get("results", {}).items():
+        if name not in summary.get("methods", {}):
+            problems.append(f"results[{name!r}] has no methods entry")
+        blocks = [("overall", res.get("overall"))] + list(res.get("by_set", {}).items())
+        for scope, b in blocks:
+            if b is None:
+                problems.append(f"results[{name!r}] lacks {scope!r}")
+                continue
+            problems += [f"results[{name!r}][{scope!r}] lacks {k!r}" for k in block_keys if k not in b]
+    return problems

@@ -1,0 +1,632 @@
+"""Evaluation runner: SPD (its head, a PPSD head, oracle drafts) beside AR baselines, same prompts, same device, same
+process; one :class:`EvalRun` holds every generation for :mod:`spd_ds.eval.report`.
+
+Order of work (``run_eval``):
+
+1. resolve the model (``random:<shape>`` -> a committed shape with seeded random weights and no tokenizer), the
+   partition, the prompts (prompt sets with the chat template, or random token ids), the EOS ids, and shrink
+   ``decoding.max_length`` to what the prompts need (static KV caches read less);
+2. SPD variants: the single-process reference decoder (CPU or one GPU), or DeepSpeed's pipeline engine
+   (:func:`spd_ds.pipe.runner.run_distributed_inference`) when launched with ``WORLD_SIZE > 1``;
+3. AR baselines (:mod:`spd_ds.eval.baselines`) on the head rank's device, after the pipeline has shut down.
+
+Every method first runs ``eval.warmup_prompts`` untimed prompts; every timed region starts and ends with
+``torch.cuda.synchronize`` on GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import gc
+import logging
+import os
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from spd_ds import builder
+from spd_ds.config import ConfigError, ExperimentConfig
+from spd_ds.decoding.reference import GenerationResult
+from spd_ds.models.adapter import RANDOM_PREFIX, random_model_dir
+from spd_ds.partition import PartitionError, StagePartition
+
+log = logging.getLogger(__name__)
+
+RANDOM_SET = "random"
+
+
+class EngineUnavailableError(RuntimeError):
+    """The DeepSpeed pipeline engine (``spd_ds.pipe``) cannot be imported."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from spd_ds.decoding.reference import PromptError
+    from spd_ds.eval.prompts import PromptSetUnavailableError
+    from spd_ds.head import HeadMismatchError
+    from spd_ds.zoo import ModelUnavailableError
+
+    errors = (ConfigError, PromptError, PromptSetUnavailableError, HeadMismatchError, ModelUnavailableError,
+              EngineUnavailableError, FileNotFoundError)
+    try:  # the pipeline engine's own (wrong world size for the partition and placement)
+        from spd_ds.pipe.topology import WorldSizeError
+
+        errors += (WorldSizeError,)
+    except ImportError:
+        pass
+    return errors
+
+
+# errors that are the user's to fix: the CLIs print their one-line message (exit status 2) instead of a traceback
+USER_ERRORS = _user_errors()
+
+
+@dataclasses.dataclass
+class EvalPrompt:
+    """One prompt of the run.
+
+    Attributes:
+        prompt_set: set name (``mt_bench``, ..., ``random``, or a jsonl file's stem).
+        question_id: id within the set (string).
+        ids: prompt token ids (chat template applied when the tokenizer has one and ``decoding.chat_template``).
+        text: the user turn (``None`` for random token prompts).
+    """
+
+    prompt_set: str
+    question_id: str
+    ids: list[int]
+    text: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(prompt_set, question_id)``."""
+        return (self.prompt_set, self.question_id)
+
+
+@dataclasses.dataclass
+class MethodRun:
+    """Generations of one method over the run's prompts.
+
+    Attributes:
+        name: ``spd``, ``ppsd``, ``spd_oracle_0.8``, ``hf_generate``, ``ar``, ``ar_graph``, ...
+        kind: ``"spd"`` (a drafting decoder: acceptance metrics apply) or ``"baseline"`` (AR).
+        num_stages: pipeline stages (1 for AR).
+        description: one line (head checkpoint, oracle alpha, engine, ...).
+        devices: devices the method runs on (for the bandwidth column).
+        results: prompt index -> :class:`~spd_ds.decoding.reference.GenerationResult`.
+        wall_s: prompt index -> wall seconds of the whole ``generate`` call (synchronised), where measured.
+    """
+
+    name: str
+    kind: str
+    num_stages: int
+    description: str
+    devices: int = 1
+    results: dict[int, GenerationResult] = dataclasses.field(default_factory=dict)
+    wall_s: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class EvalRun:
+    """Everything one evaluation produced (input of :func:`spd_ds.eval.report.summarize`).
+
+    Attributes:
+        cfg: the experiment as run (``model.name`` resolved, ``decoding.max_length`` fitted, EOS ids explicit).
+        engine: ``"reference"`` or ``"deepspeed"``.
+        arch, partition: the target and its split.
+        prompts: the timed prompts (warm-up prompts excluded).
+        methods: name -> :class:`MethodRun`, in run order (SPD variants first).
+        tokenizer: the target's tokenizer, ``None`` for random-weight shapes.
+        target: the single-process target on the head rank's device (``None`` if none was built).
+        device: device of the single-process work (``"cpu"``, ``"cuda:0"``).
+    """
+
+    cfg: ExperimentConfig
+    engine: str
+    arch: object
+    partition: StagePartition
+    prompts: list[EvalPrompt]
+    methods: dict[str, MethodRun]
+    tokenizer: object = None
+    target: object = None
+    device: str = "cpu"
+
+    def spd_methods(self) -> list[MethodRun]:
+        """The drafting methods (SPD, PPSD, oracle variants), in run order."""
+        return [m for m in self.methods.values() if m.kind == "spd"]
+
+    def baselines(self) -> list[MethodRun]:
+        """The AR baselines, in run order."""
+        return [m for m in self.methods.values() if m.kind == "baseline"]
+
+
+# ---------------------------------------------------------------------------------------------- preparation
+def resolve_model_name(cfg: ExperimentConfig) -> ExperimentConfig:
+    """A copy of ``cfg`` whose ``model.name`` ``random:<shape>`` is replaced by the shape's directory (so every
+    builder, the pipeline engine included, finds it as a local model directory).
+
+    Raises:
+        ConfigError: unknown shape.
+    """
+    cfg = copy.deepcopy(cfg)
+    if cfg.model.name.startswith(RANDOM_PREFIX):
+        try:
+            cfg.model.name = str(random_model_dir(cfg.model.name))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return cfg
+
+
+def random_prompt_ids(count: int, lengths: Sequence[int], vocab_size: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of random token ids; prompt ``i`` has ``lengths[i % len(lengths)]`` tokens drawn uniformly
+    from ``[0, vocab_size)`` by a generator seeded with ``(seed, i)`` (the same on every rank and machine).
+
+    Raises:
+        ValueError: no lengths, or a length < 1.
+    """
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"eval.random_prompt_lengths must be a non-empty list of lengths >= 1, got {list(lengths)}")
+    out = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(1_000_003 * (seed + 1) + i)
+        out.append(torch.randint(0, vocab_size, (int(lengths[i % len(lengths)]),), generator=g).tolist())
+    return out
+
+
+def load_eval_prompts(cfg: ExperimentConfig, tokenizer, vocab_size: int) -> list[EvalPrompt]:
+    """The prompts of ``eval.prompt_sets`` (first ``data.num_prompts`` of each; ``data.eval_dir`` for set names).
+
+    A set's first user turn is encoded with :func:`spd_ds.builder.encode_prompt`. Set ``random`` (and every set when
+    ``tokenizer`` is ``None``) gives random token ids of ``eval.random_prompt_lengths``.
+
+    Raises:
+        ConfigError: no prompt sets, or a named set on a model without tokenizer.
+        FileNotFoundError / PromptSetUnavailableError / ValueError: from :func:`spd_ds.eval.prompts.load_prompts`.
+    """
+    from pathlib import Path
+
+    from spd_ds.eval.prompts import PromptSetUnavailableError, load_prompts
+
+    if not cfg.eval.prompt_sets:
+        raise ConfigError("eval.prompt_sets is empty; give set names (mt_bench, humaneval, gsm8k, random) "
+                          "or jsonl paths")
+    count = cfg.data.num_prompts if cfg.data.num_prompts is not None else 5
+    out: list[EvalPrompt] = []
+    for name in cfg.eval.prompt_sets:
+        if name == RANDOM_SET:
+            ids = random_prompt_ids(count, cfg.eval.random_prompt_lengths, vocab_size, cfg.decoding.seed)
+            out += [EvalPrompt(RANDOM_SET, f"random-{i}", p) for i, p in enumerate(ids)]
+            continue
+        if tokenizer is None:
+            raise ConfigError(f"prompt set {name!r} needs a tokenizer, and {cfg.model.name} has none (random weights); "
+                              f"use eval.prompt_sets=[{RANDOM_SET}]")
+        try:
+            recs = load_prompts(name, cfg.data.num_prompts, cfg.data.eval_dir)
+        except PromptSetUnavailableError as e:
+            raise PromptSetUnavailableError(
+                f"{e} (or: python launch/prepare_eval_data.py --source-dir DIR; data.eval_dir=DIR; or drop {name!r} "
+                "from eval.prompt_sets)") from None
+        label = Path(name).stem if name.endswith(".jsonl") else (Path(name).name if os.sep in name else name)
+        if label == "question":  # <dir>/question.jsonl
+            label = Path(name).parent.name
+        for r in recs:
+            text = r["turns"][0]
+            out.append(EvalPrompt(label, str(r["question_id"]),
+                                  builder.encode_prompt(tokenizer, text, cfg.decoding.chat_template), text))
+    return out
+
+
+def fit_max_length(cfg: ExperimentConfig, prompts: Sequence[EvalPrompt], num_stages: int) -> int:
+    """KV capacity the run needs: the longest prompt + ``max_new_tokens`` + room for the in-flight tokens and the
+    oracle's reference run, rounded up to 64, at most ``decoding.max_length``."""
+    longest = max(len(p.ids) for p in prompts)
+    need = longest + cfg.decoding.max_new_tokens + 2 * num_stages + 2
+    return min(cfg.decoding.max_length, -(-need // 64) * 64)
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where token lists ``a`` and ``b`` differ (a length difference counts at the
+    shorter length); ``None`` when identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+class _TargetView:
+    """The same target weights seen through another partition with the same stage ranges (other anchors): the
+    stages are shallow copies that capture the view's anchors; modules and parameters are shared."""
+
+    def __init__(self, target, partition: StagePartition) -> None:
+        if tuple(partition.stage_layers) != tuple(target.partition.stage_layers):
+            raise ConfigError(
+                f"the PPSD head's stages {list(partition.stage_layers)} differ from the run's "
+                f"{list(target.partition.stage_layers)}; train the PPSD head for the same "
+                "partition.num_stages/stage_layers"
+            )
+        self.arch, self.partition, self.ends = target.arch, partition, target.ends
+        self.dtype, self.device = target.dtype, target.device
+        self.stages = []
+        for s, stage in enumerate(target.stages):
+            view = copy.copy(stage)  # shares _modules/_parameters; only ``capture`` differs
+            view.capture = {j - 1: j for j in partition.stage_anchors(s) if j >= 1}
+            self.stages.append(view)
+
+    def new_caches(self, max_len: int):
+        """One KV cache per stage (as :meth:`Target.new_caches`)."""
+        return [self.arch.new_cache(st.layer_ids, max_len, self.dtype, self.device) for st in self.stages]
+
+
+def target_view(target, partition: StagePartition):
+    """``target`` (a :class:`~spd_ds.models.adapter.Target`) seen through ``partition`` (same stage ranges, other
+    anchors), without copying weights; usable by the reference decoder.
+
+    Raises:
+        ConfigError: different stage ranges.
+    """
+    if partition == target.partition:
+        return target
+    return _TargetView(target, partition)
+
+
+def ppsd_partition(path: str, arch) -> StagePartition:
+    """The partition stored in the PPSD head checkpoint ``path`` (anchors ``(0, e_1)`` for a true PPSD head).
+
+    Raises:
+        ConfigError: unreadable checkpoint or a partition for another model.
+    """
+    from spd_ds.head import SpeculationHead
+
+    try:
+        part = StagePartition.from_dict(SpeculationHead.read_config(path)["partition"])
+    except (FileNotFoundError, ValueError, KeyError, PartitionError) as e:
+        raise ConfigError(f"eval.ppsd_checkpoint: {e}") from None
+    if part.num_layers != arch.num_layers:
+        raise ConfigError(f"eval.ppsd_checkpoint {path} is for a {part.num_layers}-layer model, not {arch.num_layers}")
+    if len(part.anchors) != 2:
+        log.warning("eval.ppsd_checkpoint %s has anchors %s: a PPSD head uses (0, e_1), features from stage 1 only",
+                    path, list(part.anchors))
+    return part
+
+
+# ---------------------------------------------------------------------------------------------- timing helpers
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(gen: Callable[[list[int], int], GenerationResult], prompt: list[int], max_new: int,
+                   device) -> tuple[GenerationResult, float]:
+    """``gen(prompt, max_new)`` between two synchronisations; returns ``(result, wall seconds)``."""
+    _sync(device)
+    t = time.perf_counter()
+    res = gen(prompt, max_new)
+    _sync(device)
+    return res, time.perf_counter() - t
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool, desc: str = "eval") -> None:
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="gen", dynamic_ncols=True)
+
+    def step(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------------- SPD variants
+@dataclasses.dataclass
+class _Variant:
+    name: str
+    description: str
+    cfg: ExperimentConfig  # the config this variant runs with (head / partition / oracle alpha)
+    alpha: float | None = None  # oracle variants
+
+
+def spd_variants(cfg: ExperimentConfig, arch, alphas: Sequence[float] | None = None) -> list[_Variant]:
+    """The drafting methods of a run: ``spd`` (the head of ``head.checkpoint``, untrained if none) and ``ppsd``
+    (``eval.ppsd_checkpoint``), or with ``decoding.drafter=oracle`` one ``spd_oracle_<alpha>`` per alpha
+    (``alphas``, default ``eval.oracle_alphas`` or ``[decoding.oracle_alpha]``).
+
+    Raises:
+        ConfigError: alpha outside [0, 1], unreadable PPSD checkpoint.
+    """
+    if cfg.decoding.drafter == "oracle":
+        alphas = list(alphas if alphas is not None else (cfg.eval.oracle_alphas or [cfg.decoding.oracle_alpha]))
+        out = []
+        for a in alphas:
+            if not 0.0 <= float(a) <= 1.0:
+                raise ConfigError(f"oracle alpha must be in [0, 1], got {a}")
+            c = copy.deepcopy(cfg)
+            c.decoding.oracle_alpha = float(a)
+            out.append(_Variant(f"spd_oracle_{float(a):g}", f"oracle drafts, alpha={float(a):g}", c, float(a)))
+        if cfg.eval.ppsd_checkpoint:
+            log.warning("eval.ppsd_checkpoint is ignored with decoding.drafter=oracle")
+        return out
+    out = [_Variant("spd", f"head {cfg.head.checkpoint or 'untrained (no head.checkpoint)'}", cfg)]
+    if cfg.eval.ppsd_checkpoint:
+        part = ppsd_partition(cfg.eval.ppsd_checkpoint, arch)
+        c = copy.deepcopy(cfg)
+        c.head.checkpoint = cfg.eval.ppsd_checkpoint
+        c.partition.num_stages, c.partition.stage_layers = part.num_stages, list(part.stage_layers)
+        c.partition.anchors = list(part.anchors)
+        out.append(_Variant("ppsd", f"PPSD head {cfg.eval.ppsd_checkpoint} (anchors {list(part.anchors)})", c))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def prepare(cfg: ExperimentConfig):
+    """Resolve the model, build arch/partition/tokenizer/prompts and make EOS and ``max_length`` explicit.
+
+    Returns:
+        ``(cfg, arch, partition, tokenizer | None, prompts)``.
+    Raises:
+        ConfigError and the prompt loaders' errors.
+    """
+    cfg = resolve_model_name(cfg)
+    arch = builder.build_arch(cfg)
+    part = builder.build_partition(cfg, arch)
+    tok = None if getattr(arch, "random_weights", False) else builder.load_tokenizer(arch)
+    if cfg.decoding.eos_token_ids is None:
+        cfg.decoding.eos_token_ids = [] if tok is None else builder.eos_token_ids(cfg, arch, tok)
+    prompts = load_eval_prompts(cfg, tok, arch.vocab_size)
+    if not prompts:
+        raise ConfigError("no prompts: check eval.prompt_sets and data.num_prompts")
+    if cfg.eval.fit_max_length:
+        cfg.decoding.max_length = fit_max_length(cfg, prompts, part.num_stages)
+    return cfg, arch, part, tok, prompts
+
+
+def _warm(prompts: list[EvalPrompt], k: int) -> list[EvalPrompt]:
+    return [prompts[i % len(prompts)] for i in range(max(0, k))]
+
+
+def _baseline_indices(cfg: ExperimentConfig, prompts: list[EvalPrompt]) -> list[int]:
+    k = cfg.eval.baseline_num_prompts
+    if k is None:
+        return list(range(len(prompts)))
+    seen: dict[str, int] = {}
+    out = []
+    for i, p in enumerate(prompts):
+        if seen.get(p.prompt_set, 0) < k:
+            out.append(i)
+        seen[p.prompt_set] = seen.get(p.prompt_set, 0) + 1
+    return out
+
+
+def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequence[float] | None = None,
+             progress: bool | None = None, baselines: bool = True) -> EvalRun | None:
+    """Run SPD variants and baselines on the prompts of ``cfg`` (see the module docstring).
+
+    Args:
+        cfg: the experiment (``eval`` section: prompt sets, baselines, PPSD head, warm-up).
+        engine: ``reference`` (single process), ``deepspeed`` (pipeline engine; call on every rank) or ``auto``
+            (``deepspeed`` when ``WORLD_SIZE > 1``).
+        oracle_alphas: with ``decoding.drafter=oracle``, one variant per alpha (default ``eval.oracle_alphas``).
+        progress: tqdm bar (default ``eval.progress``; only on the head rank).
+        baselines: run ``eval.baselines`` now; ``False`` leaves them to :func:`run_baselines` (e.g. after every
+            pipeline session of a benchmark, so that no stage rank waits on the head rank's baselines).
+    Returns:
+        The :class:`EvalRun` on the head rank (rank 0), ``None`` on the other ranks.
+    Raises:
+        ConfigError, PromptError, PromptSetUnavailableError, the engine's errors; :class:`EngineUnavailableError`
+        if ``deepspeed`` is asked for but the pipeline engine cannot be imported.
+    """
+    from spd_ds.eval.baselines import BASELINES
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if engine == "auto":
+        engine = "deepspeed" if world > 1 else "reference"
+    if engine not in ("reference", "deepspeed"):
+        raise ConfigError(f"engine must be reference, deepspeed or auto, got {engine!r}")
+    progress = cfg.eval.progress if progress is None else progress
+    cfg, arch, part, tok, prompts = prepare(cfg)
+    variants = spd_variants(cfg, arch, oracle_alphas)
+    unknown = [b for b in cfg.eval.baselines if b not in BASELINES]
+    if unknown:
+        raise ConfigError(f"unknown baseline(s) {unknown} in eval.baselines; known: {', '.join(BASELINES)}")
+    log.info("eval: %d prompts (%s), SPD variants %s, baselines %s, engine %s, max_length %d", len(prompts),
+             ", ".join(sorted({p.prompt_set for p in prompts})), [v.name for v in variants], cfg.eval.baselines,
+             engine, cfg.decoding.max_length)
+
+    methods: dict[str, MethodRun] = {}
+    if engine == "deepspeed":
+        if not _run_distributed(cfg, arch, part, prompts, variants, methods):
+            return None
+        run = EvalRun(cfg, engine, arch, part, prompts, methods, tok, None, str(_local_device(cfg)))
+    else:
+        device = builder.resolve_device(cfg.model.device)
+        target = builder.build_target(cfg, arch, part, device)
+        run = EvalRun(cfg, engine, arch, part, prompts, methods, tok, target, str(device))
+        bar = _Progress(len(variants) * (len(prompts) + cfg.eval.warmup_prompts), progress, "spd")
+        try:
+            _run_reference(cfg, part, target, prompts, variants, methods, bar)
+        finally:
+            bar.close()
+    if baselines:
+        run_baselines(run, progress)
+    return run
+
+
+def run_baselines(run: EvalRun, progress: bool | None = None) -> EvalRun:
+    """Measure ``eval.baselines`` of ``run`` on its prompts (the first ``eval.baseline_num_prompts`` of each set)
+    on ``run.device``, building ``run.target`` there if needed; adds them to ``run.methods`` and returns ``run``."""
+    cfg = run.cfg
+    if not cfg.eval.baselines:
+        return run
+    if run.target is None:
+        run.target = builder.build_target(cfg, run.arch, run.partition, torch.device(run.device))
+    progress = cfg.eval.progress if progress is None else progress
+    n = len(_baseline_indices(cfg, run.prompts)) + cfg.eval.warmup_prompts
+    bar = _Progress(len(cfg.eval.baselines) * n, progress, "baselines")
+    try:
+        _run_baselines(cfg, run.target, run.prompts, run.methods, bar)
+    finally:
+        bar.close()
+    return run
+
+
+def _local_device(cfg: ExperimentConfig) -> torch.device:
+    dev = builder.resolve_device(cfg.model.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return dev
+
+
+def _run_reference(cfg, part, target, prompts, variants, methods, bar) -> None:
+    from spd_ds.decoding.ar import ARDecoder
+    from spd_ds.decoding.reference import SPDReferenceDecoder
+
+    sampling = builder.sampling_params(cfg)
+    eos, max_len, max_new = cfg.decoding.eos_token_ids, cfg.decoding.max_length, cfg.decoding.max_new_tokens
+    device = target.device
+    references: dict[tuple[int, ...], list[int]] = {}  # oracle source: prompt + AR continuation (untimed)
+
+    def reference_of(ids: list[int]) -> list[int]:
+        key = tuple(ids)
+        if key not in references:
+            ar = ARDecoder(target, sampling, eos, max_len)
+            references[key] = list(ids) + ar.generate(ids, max_new + part.num_stages).tokens
+        return references[key]
+
+    warm = _warm(prompts, cfg.eval.warmup_prompts)
+    for v in variants:
+        vt = target_view(target, builder.build_partition(v.cfg, target.arch))
+        head = None
+        if v.alpha is None:
+            head = builder.build_head(v.cfg, target.arch, vt.partition)
+        base = builder.build_drafter(v.cfg, head, target.arch, device) if head is not None else None
+        dec = SPDReferenceDecoder(vt, base, sampling, eos, max_len)
+        run = methods[v.name] = MethodRun(v.name, "spd", part.num_stages, v.description + ", reference decoder")
+        for j, p in enumerate(warm + prompts):
+            i = j - len(warm)
+            if v.alpha is not None:
+                dec.drafter = builder.build_drafter(v.cfg, None, target.arch, device, reference=reference_of(p.ids))
+            res, wall = timed_generate(dec.generate, p.ids, max_new, device)
+            if i >= 0:
+                run.results[i], run.wall_s[i] = res, wall
+            bar.step(f"{v.name} {p.prompt_set}/{p.question_id}")
+        del dec, head, base
+        gc.collect()
+
+
+def _run_baselines(cfg, target, prompts, methods, bar) -> None:
+    from spd_ds.eval.baselines import BaselineContext, build_baseline
+
+    if not cfg.eval.baselines:
+        return
+    ctx = BaselineContext(target, builder.sampling_params(cfg), list(cfg.decoding.eos_token_ids),
+                          cfg.decoding.max_length, cfg.model.attn_implementation)
+    idx = _baseline_indices(cfg, prompts)
+    warm = _warm([prompts[i] for i in idx], cfg.eval.warmup_prompts)
+    for name in cfg.eval.baselines:
+        base = build_baseline(name, ctx)
+        graphed = getattr(base, "graphed", None)
+        desc = {"hf_generate": "transformers generate (dynamic cache, eager)",
+                "ar": "ARDecoder on the stage code (eager)",
+                "ar_graph": "static KV cache + CUDA graph per token" if graphed else
+                            "static KV cache, eager (no CUDA graph on this device)"}.get(name, type(base).__name__)
+        run = methods[name] = MethodRun(name, "baseline", 1, desc)
+        for p in warm:
+            timed_generate(base.generate, p.ids, cfg.decoding.max_new_tokens, target.device)
+            bar.step(f"{name} warm-up")
+        for i in idx:
+            res, wall = timed_generate(base.generate, prompts[i].ids, cfg.decoding.max_new_tokens, target.device)
+            run.results[i], run.wall_s[i] = res, wall
+            bar.step(f"{name} {prompts[i].prompt_set}/{prompts[i].question_id}")
+        del base
+        gc.collect()
+        if target.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------- distributed
+def _import_engine():
+    try:
+        from spd_ds.pipe.runner import run_distributed_inference
+    except ImportError as e:
+        raise EngineUnavailableError(
+            f"the DeepSpeed pipeline engine (spd_ds.pipe.runner.run_distributed_inference) is not available ({e}); "
+            "run without the deepspeed launcher to use the reference decoder") from None
+    return run_distributed_inference
+
+
+def _oracle_factory(variants: list[_Variant], prompts: list[list[int]], arch):
+    """One drafter factory serving several oracle alphas in one pipeline session: generation ``g`` (in call order)
+    belongs to variant ``g // len(prompts)``; the AR reference of each prompt is computed once."""
+    from spd_ds.decoding.drafters import OracleDrafter
+
+    state = {"g": 0}
+    refs: dict[tuple[int, ...], list[int]] = {}
+
+    def make(head, prompt, ar_reference):  # noqa: ARG001 - the oracle needs no head
+        g = state["g"]
+        state["g"] += 1
+        v = variants[g // len(prompts)]
+        if list(prompt) != list(prompts[g % len(prompts)]):
+            raise RuntimeError("oracle drafter factory called out of order (the engine generated prompts in another "
+                               "order than given)")
+        key = tuple(prompt)
+        if key not in refs:
+            refs[key] = list(ar_reference())
+        return OracleDrafter(refs[key], v.alpha, None, arch.vocab_size, seed=v.cfg.decoding.seed + 7)
+
+    return make
+
+
+def _run_distributed(cfg, arch, part, prompts, variants, methods) -> bool:
+    """SPD variants through the pipeline engine (every rank). Returns whether this is the head rank."""
+    import deepspeed
+    import torch.distributed as dist
+
+    run_distributed_inference = _import_engine()
+    created = False
+    if not dist.is_initialized():  # one process group for every session of this run
+        deepspeed.init_distributed(dist_backend=cfg.deepspeed.backend, auto_mpi_discovery=True, verbose=False,
+                                   timeout=datetime.timedelta(seconds=cfg.deepspeed.timeout_s))
+        created = True
+    head_rank = dist.get_rank() == 0
+    warm = _warm(prompts, cfg.eval.warmup_prompts)
+    ids = [p.ids for p in warm + prompts]
+    max_new = cfg.decoding.max_new_tokens
+    try:
+        oracle = [v for v in variants if v.alpha is not None]
+        groups: list[tuple[list[_Variant], ExperimentConfig, object]] = []
+        if len(oracle) > 1:  # one session for the whole alpha sweep
+            groups.append((oracle, oracle[0].cfg, _oracle_factory(oracle, ids, arch)))
+        else:
+            groups += [([v], v.cfg, None) for v in oracle]
+        groups += [([v], v.cfg, None) for v in variants if v.alpha is None]
+        for vs, c, factory in groups:
+            t = time.perf_counter()
+            kw = {"drafter_factory": factory} if factory is not None else {}
+            out = run_distributed_inference(c, ids * len(vs), max_new, **kw)
+            log.info("pipeline session for %s: %.1f s", [v.name for v in vs], time.perf_counter() - t)
+            if out is None:
+                continue
+            for k, v in enumerate(vs):
+                chunk = out[k * len(ids):(k + 1) * len(ids)][len(warm):]
+                run = methods[v.name] = MethodRun(v.name, "spd", part.num_stages,
+                                                  v.description + f", DeepSpeed pipeline ({c.head.placement} head)",
+                                                  devices=part.num_stages)
+                for i, res in enumerate(chunk):
+                    run.results[i] = res
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return head_rank
+

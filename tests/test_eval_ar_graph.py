@@ -1,0 +1,46 @@
+"""The ``ar_graph`` baseline (static KV cache + CUDA graph; eager static forward on CPU) against ``ARDecoder``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spd_ds.decoding.ar import ARDecoder
+from spd_ds.decoding.ar_graph import ARGraphDecoder
+from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.models.adapter import Target, TargetArch
+from spd_ds.partition import StagePartition
+from tests.test_eval_random_weights import make_random_shape, one_thread  # noqa: F401 (autouse)
+
+PROMPT = [3, 9, 27, 81 % 96, 50, 11, 7]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request, tmp_path_factory):
+    arch = TargetArch(make_random_shape(tmp_path_factory.mktemp("shapes"), request.param))
+    return Target(arch, StagePartition.build(arch.num_layers, 2), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.9, 20, 0.95, seed=5)], ids=["greedy", "T0.9"])
+def test_same_tokens_as_ar_decoder(target, sampling):
+    want = ARDecoder(target, sampling, [], 128).generate(PROMPT, 30)
+    dec = ARGraphDecoder(target, sampling, [], 128, sync_every=7)
+    assert not dec.graphed  # CPU: eager static forward
+    for _ in range(2):  # reusable: the static caches need no reset between prompts
+        got = dec.generate(PROMPT, 30)
+        assert got.tokens == want.tokens
+        assert got.metrics.num_new_tokens == 30 and got.finish_reason == "length"
+
+
+def test_stops_at_eos_inside_a_chunk(target):
+    free = ARDecoder(target, SamplingParams(), [], 128).generate(PROMPT, 30).tokens
+    eos = free[9]
+    want = ARDecoder(target, SamplingParams(), [eos], 128).generate(PROMPT, 30)
+    got = ARGraphDecoder(target, SamplingParams(), [eos], 128, sync_every=4).generate(PROMPT, 30)
+    assert got.tokens == want.tokens and got.finish_reason == "eos" == want.finish_reason
+    assert got.metrics.num_cycles >= len(got.tokens) - 1  # replays after the EOS in its chunk are counted
+
+
+def test_refuses_graphs_on_cpu(target):
+    with pytest.raises(ValueError, match="CUDA"):
+        ARGraphDecoder(target, use_graph=True)

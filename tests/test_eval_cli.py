@@ -1,0 +1,98 @@
+"""``launch/eval.py`` and ``launch/benchmark.py`` end to end, as subprocesses on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SHARED_DATA
+from tests.test_eval_random_weights import make_random_shape
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(args, timeout=600, launcher=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = (launcher or [sys.executable]) + args
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def tiny(shape, out, *extra):
+    return [f"model.name={shape}", "eval.prompt_sets=[random]", "eval.random_prompt_lengths=[6]", "data.num_prompts=2",
+            "decoding.max_new_tokens=10", f"eval.output_dir={out}", "eval.progress=false", *extra]
+
+
+def test_eval_cli_tiny_model(tmp_path):
+    shape = make_random_shape(tmp_path)
+    p = run(["launch/eval.py", "--strict-exact", *tiny(shape, tmp_path / "out", "eval.baselines=[ar,ar_graph]")])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "spd vs ar: 2/2 prompts identical" in p.stdout
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert set(s["methods"]) == {"spd", "ar", "ar_graph"} and s["engine"] == "reference"
+    assert len((tmp_path / "out" / "per_prompt.jsonl").read_text().splitlines()) == 6
+    assert (tmp_path / "out" / "acceptance_by_depth.png").exists()
+
+
+def test_eval_cli_bad_config_is_one_line(tmp_path):
+    p = run(["launch/eval.py", "eval.nope=1"])
+    assert p.returncode == 2 and "valid keys of eval" in p.stderr
+    p = run(["launch/eval.py", *tiny(make_random_shape(tmp_path), tmp_path, "eval.baselines=[fast_ar]")])
+    assert p.returncode == 2 and "unknown baseline" in p.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_eval_cli_smollm2_prompt_sets(tmp_path, smollm2_dir):
+    from spd_ds.eval.prompts import materialize_prompt_set
+
+    for name in ("mt_bench", "humaneval"):
+        materialize_prompt_set(name, tmp_path / "eval_data", source_dir=SHARED_DATA / "eval_data")
+    p = run(["launch/eval.py", "--config", "launch/configs/smollm2_spd.yaml", "--strict-exact",
+             "eval.prompt_sets=[mt_bench,humaneval]", f"data.eval_dir={tmp_path / 'eval_data'}", "data.num_prompts=1",
+             "decoding.max_new_tokens=8", "eval.baselines=[ar,hf_generate]", f"eval.output_dir={tmp_path / 'out'}",
+             "eval.progress=false"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "out" / "per_prompt.jsonl").read_text().splitlines()]
+    assert {r["prompt_set"] for r in rows} == {"mt_bench", "humaneval"} and all(r["text"] for r in rows)
+    assert rows[0]["prompt_tokens"] > 20  # chat template applied (system prompt + markers)
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert set(s["results"]["spd"]["by_set"]) == {"mt_bench", "humaneval"}
+
+
+@pytest.mark.slow
+def test_benchmark_cli_tiny_suite_b(tmp_path):
+    shape = make_random_shape(tmp_path)
+    p = run(["launch/benchmark.py", "--suite", "b", "--model-b", str(shape), "--alphas", "1", "0.5",
+             "--num-prompts", "2", "--max-new-tokens", "10", "--out", str(tmp_path / "bench"),
+             "eval.random_prompt_lengths=[6]", "eval.progress=false"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    table = (tmp_path / "bench" / "benchmark.md").read_text()
+    for word in ("spd_oracle_1", "spd_oracle_0.5", "ar_graph", "hf_generate", "slowest stage fwd ms", "GB/s"):
+        assert word in table
+    rows = json.loads((tmp_path / "bench" / "benchmark.json").read_text())["speed"]
+    assert rows[0][2] == "spd_oracle_1" and rows[0][6] == pytest.approx(2.0)  # eq. accept length at alpha 1, n=2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="needs the deepspeed launcher")
+def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
+    """The distributed path (2 gloo ranks through the pipeline engine) gives the reference decoder's tokens and
+    cycle counts; baselines run on rank 0 after the pipeline."""
+    shape = make_random_shape(tmp_path)
+    args = tiny(shape, tmp_path / "ds", "eval.baselines=[ar]", "deepspeed.backend=gloo")
+    p = run(["--num_gpus", "2", "launch/eval.py", "--strict-exact", *args], launcher=["deepspeed"])
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    q = run(["launch/eval.py", *tiny(shape, tmp_path / "ref", "eval.baselines=[ar]")])
+    assert q.returncode == 0, q.stderr[-3000:]
+
+    def spd_rows(d):
+        rows = map(json.loads, (d / "per_prompt.jsonl").read_text().splitlines())
+        return [(r["tokens"], r["num_cycles"]) for r in rows if r["method"] == "spd"]
+
+    assert spd_rows(tmp_path / "ds") == spd_rows(tmp_path / "ref")
+    assert json.loads((tmp_path / "ds" / "summary.json").read_text())["engine"] == "deepspeed"

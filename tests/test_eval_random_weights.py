@@ -1,0 +1,110 @@
+"""Random weights of real shapes (``random:<shape>``): seeded, stage-local, with a well-defined fingerprint; the
+``hf_generate`` baseline gets the same weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.models.adapter import (RandomWeights, Target, TargetArch, is_random_model_dir, random_model_dir,
+                                   random_shapes)
+from spd_ds.partition import StagePartition
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is faster (and immune to a busy machine's spin-waits)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TINY_SHAPES = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 96, "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": 2},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 32, "vocab_size": 96, "max_position_embeddings": 512, "tie_word_embeddings": False,
+              "use_sliding_window": False, "eos_token_id": 2},
+}
+
+
+def make_random_shape(root: Path, model_type: str = "llama", seed: int = 0, std: float = 0.2, **overrides) -> Path:
+    """A tiny shape directory (``config.json`` + ``random_weights.json``) under ``root``; large ``std`` so that
+    logits are far from ties."""
+    cfg = dict(TINY_SHAPES[model_type], **overrides)
+    d = Path(root) / f"shape-{model_type}-{seed}-{std}-{cfg['num_hidden_layers']}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "random_weights.json").write_text(json.dumps({"seed": seed, "std": std}))
+    return d
+
+
+def test_committed_shapes_have_the_public_parameter_counts():
+    from transformers import AutoModelForCausalLM
+
+    assert {"qwen3-4b", "llama-3.1-8b", "smollm2-135m"} <= set(random_shapes())
+    want = {"qwen3-4b": 4.022e9, "llama-3.1-8b": 8.030e9, "smollm2-135m": 0.1345e9}
+    for name, n in want.items():
+        arch = TargetArch(f"random:{name}")
+        assert arch.random_weights and is_random_model_dir(arch.model_dir)
+        with torch.device("meta"):
+            m = AutoModelForCausalLM.from_config(arch.config)
+        assert sum(p.numel() for p in m.parameters()) == pytest.approx(n, rel=2e-3)
+    cfg = TargetArch("random:llama-3.1-8b").config
+    rope = getattr(cfg, "rope_parameters", None) or cfg.rope_scaling
+    assert rope["rope_type"] == "llama3" and rope.get("rope_theta", getattr(cfg, "rope_theta", None)) == 500000.0
+    assert TargetArch("random:qwen3-4b").config.head_dim == 128
+    with pytest.raises(ValueError, match="known: random:"):
+        random_model_dir("random:nope-1b")
+
+
+def test_weights_are_seeded_per_tensor_and_stage_local(tmp_path, monkeypatch):
+    d = make_random_shape(tmp_path)
+    a, b = TargetArch(d), TargetArch(d)
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert torch.equal(a.load_tensor(name), b.load_tensor(name))
+    assert not torch.equal(a.load_tensor(name), a.load_tensor("model.layers.2.mlp.up_proj.weight"))
+    assert torch.equal(a.load_tensor("model.layers.0.input_layernorm.weight"), torch.ones(64))
+    assert a.fingerprint() == b.fingerprint()
+    other = TargetArch(make_random_shape(tmp_path, seed=1))
+    assert other.fingerprint() != a.fingerprint()
+    assert not torch.equal(other.load_tensor(name), a.load_tensor(name))
+    assert a.tied_embeddings
+
+    # a stage builds (generates) only its own layers
+    seen: list[str] = []
+    orig = RandomWeights.get
+
+    def spy(self, n):
+        seen.append(n)
+        return orig(self, n)
+
+    monkeypatch.setattr(RandomWeights, "get", spy)
+    from spd_ds.models.adapter import TargetStage
+
+    part = StagePartition.build(4, 2)
+    TargetStage(a, part.stage_range(1), torch.float32, "cpu")
+    layers = {int(n.split(".")[2]) for n in seen if n.startswith("model.layers.")}
+    assert layers == {2, 3}
+
+
+def test_hf_generate_baseline_uses_the_target_weights(tmp_path):
+    from spd_ds.decoding.ar import ARDecoder
+    from spd_ds.eval.baselines import BaselineContext, build_baseline
+
+    for mt in ("llama", "qwen3"):
+        arch = TargetArch(make_random_shape(tmp_path, mt))
+        target = Target(arch, StagePartition.build(4, 2), torch.float32, "cpu")
+        ctx = BaselineContext(target, SamplingParams(), [], 128)
+        hf = build_baseline("hf_generate", ctx)
+        prompt = [5, 17, 33, 2, 60, 61]
+        want = ARDecoder(target, eos_token_ids=[], max_len=128).generate(prompt, 16).tokens
+        got = hf.generate(prompt, 16)
+        assert got.tokens == want, mt
+        assert got.metrics.num_new_tokens == 16 and got.metrics.decode_s > 0

@@ -1,0 +1,49 @@
+"""Acceptance regression: the committed SmolLM2 head keeps its recorded equivalent accept length on a fixed prompt
+set; and the record/check machinery itself on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from spd_ds.eval.prompts import materialize_prompt_set
+from spd_ds.eval.regression import ACCEPTANCE_FILE, DEFAULT_HEAD_DIR, check_acceptance, record_acceptance
+from tests.conftest import SHARED_DATA
+from tests.test_eval_random_weights import make_random_shape, one_thread  # noqa: F401 (autouse)
+
+
+def test_committed_head_keeps_its_acceptance(tmp_path, smollm2_dir):
+    """Deliberately fails (does not skip) until the head is committed: the lead commits it with its record."""
+    if not (DEFAULT_HEAD_DIR / "head_config.json").is_file():
+        pytest.fail(f"no committed head at {DEFAULT_HEAD_DIR}: train the SmolLM2 n=2 head, save it there and record "
+                    f"its acceptance: python -m spd_ds.eval.regression {DEFAULT_HEAD_DIR} --record --eval-dir DIR")
+    if not (DEFAULT_HEAD_DIR / ACCEPTANCE_FILE).is_file():
+        pytest.fail(f"{DEFAULT_HEAD_DIR} has no {ACCEPTANCE_FILE}: python -m spd_ds.eval.regression "
+                    f"{DEFAULT_HEAD_DIR} --record --eval-dir DIR")
+    spec = json.loads((DEFAULT_HEAD_DIR / ACCEPTANCE_FILE).read_text())["spec"]
+    materialize_prompt_set(spec["prompt_set"], tmp_path, source_dir=SHARED_DATA / "eval_data")
+    ok, msg, _ = check_acceptance(DEFAULT_HEAD_DIR, eval_dir=tmp_path)
+    assert ok, msg
+
+
+def test_record_then_check(tmp_path):
+    from spd_ds.head import SpeculationHead
+    from spd_ds.models.adapter import TargetArch
+    from spd_ds.partition import StagePartition
+
+    shape = make_random_shape(tmp_path)
+    torch.manual_seed(0)
+    head = SpeculationHead(TargetArch(shape), StagePartition.build(4, 2)).save(tmp_path / "head")
+    spec = {"model": str(shape), "prompt_set": "random", "num_prompts": 2, "max_new_tokens": 12}
+    path = record_acceptance(head, spec)
+    rec = json.loads(path.read_text())
+    assert rec["recorded"]["num_new_tokens"] == 24 and rec["tolerance"] == {"equivalent_accept_length": 0.05}
+    ok, msg, measured = check_acceptance(head)
+    assert ok, msg
+    assert measured == rec["recorded"]  # fp32 CPU greedy: bit-for-bit the same run
+    rec["recorded"]["equivalent_accept_length"] += 0.2
+    path.write_text(json.dumps(rec))
+    ok, msg, _ = check_acceptance(head)
+    assert not ok and "moved" in msg and "equivalent_accept_length" in msg

@@ -1,0 +1,137 @@
+"""The evaluation runner and its reports on a tiny random-weight model: summary schema, per-prompt rows, plots,
+exactness against every AR baseline, PPSD beside SPD, oracle sweeps, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from spd_ds.config import ConfigError, load_config
+from spd_ds.eval.report import check_summary_schema, per_prompt_rows, summarize, write_reports
+from spd_ds.eval.runner import first_divergence, random_prompt_ids, run_eval
+from tests.test_eval_random_weights import make_random_shape, one_thread  # noqa: F401 (autouse)
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    """A tiny shape, an (untrained) SPD head for n=2 and a PPSD head (anchors (0, e_1)) saved as checkpoints."""
+    from spd_ds.head import SpeculationHead
+    from spd_ds.models.adapter import TargetArch
+    from spd_ds.partition import StagePartition
+
+    root = tmp_path_factory.mktemp("eval")
+    shape = make_random_shape(root, "qwen3")
+    arch = TargetArch(shape)
+    torch.manual_seed(0)
+    spd = SpeculationHead(arch, StagePartition.build(4, 2)).save(root / "spd-n2")
+    ppsd = SpeculationHead(arch, StagePartition.build(4, 2, anchors=[0, 2])).save(root / "ppsd-n2")
+    return shape, spd, ppsd
+
+
+def overrides(shape, out, *extra):
+    return [f"model.name={shape}", "eval.prompt_sets=[random]", "eval.random_prompt_lengths=[5,9]",
+            "data.num_prompts=2", "decoding.max_new_tokens=12", f"eval.output_dir={out}", "eval.progress=false",
+            *extra]
+
+
+def test_summary_schema_ppsd_and_exactness(heads, tmp_path):
+    shape, spd, ppsd = heads
+    cfg = load_config(None, overrides(shape, tmp_path, f"head.checkpoint={spd}", f"eval.ppsd_checkpoint={ppsd}",
+                                      "eval.baselines=[ar,ar_graph,hf_generate]"))
+    run = run_eval(cfg, engine="reference")
+    assert list(run.methods) == ["spd", "ppsd", "ar", "ar_graph", "hf_generate"]
+    assert run.cfg.decoding.max_length == 64 and run.cfg.decoding.eos_token_ids == []  # fitted; random: no EOS
+    summary = write_reports(run, tmp_path)
+    assert check_summary_schema(summary) == []
+    assert json.loads((tmp_path / "summary.json").read_text())["schema_version"] == 1
+    assert (tmp_path / "acceptance_by_depth.png").stat().st_size > 1000
+    assert (tmp_path / "cycle_time_split.png").stat().st_size > 1000
+    rows = [json.loads(x) for x in (tmp_path / "per_prompt.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 * 2 and {r["method"] for r in rows} == set(run.methods)
+    assert all(r["num_new_tokens"] == 12 for r in rows)
+    assert all(r["first_divergence"] == {"ar": None, "ar_graph": None, "hf_generate": None}
+               for r in rows if r["kind"] == "spd")
+    ex = summary["exactness"]
+    assert ex["checked"] and all(r["identical"] == r["prompts"] == 2 for per in ex["by_method"].values()
+                                 for r in per.values())
+    spd_o = summary["results"]["spd"]["overall"]
+    # every verification appends one token (accepted draft or replacement) after each prompt's prefill token
+    assert spd_o["num_new_tokens"] == 24 == 2 + spd_o["num_drafts"]
+    assert spd_o["num_drafts"] == spd_o["num_accepted_tokens"] + spd_o["num_rollbacks"]
+    assert set(spd_o["speedup_vs_ar"]) == {"ar", "ar_graph", "hf_generate"}
+    assert summary["results"]["ar"]["overall"]["draft_acceptance_rate"] is None
+    assert summary["methods"]["ppsd"]["description"].startswith("PPSD head")
+    assert set(summary["results"]["spd"]["by_set"]) == {"random"}
+    assert "INCLUDING" in summary["definitions"]["num_new_tokens"]
+
+
+def test_oracle_sweep_in_one_run(heads, tmp_path):
+    shape, _, _ = heads
+    cfg = load_config(None, overrides(shape, tmp_path, "decoding.drafter=oracle", "eval.oracle_alphas=[1,0.5]",
+                                      "eval.baselines=[ar]", "eval.warmup_prompts=0"))
+    run = run_eval(cfg, engine="reference")
+    s = summarize(run)
+    full = s["results"]["spd_oracle_1"]["overall"]
+    assert full["draft_acceptance_rate"] == 1.0 and full["equivalent_accept_length"] == pytest.approx(2.0)
+    half = s["results"]["spd_oracle_0.5"]["overall"]
+    assert 0 < half["draft_acceptance_rate"] < 1
+    assert all(r["identical"] == 2 for per in s["exactness"]["by_method"].values() for r in per.values())
+    assert len(per_prompt_rows(run)) == 3 * 2
+
+
+def test_sampling_skips_exactness_and_limits_baselines(heads, tmp_path):
+    shape, _, _ = heads
+    cfg = load_config(None, overrides(shape, tmp_path, "decoding.temperature=0.8", "eval.baselines=[ar]",
+                                      "eval.baseline_num_prompts=1", "eval.plots=false"))
+    s = summarize(run_eval(cfg, engine="reference"))
+    assert not s["exactness"]["checked"] and "temperature" in s["exactness"]["reason"]
+    assert s["methods"]["ar"]["num_prompts"] == 1 and s["methods"]["spd"]["num_prompts"] == 2
+
+
+def test_clear_errors(heads, tmp_path):
+    from spd_ds.head import SpeculationHead
+    from spd_ds.models.adapter import TargetArch
+    from spd_ds.partition import StagePartition
+
+    shape, spd, _ = heads
+    with pytest.raises(ConfigError, match="known: hf_generate"):
+        run_eval(load_config(None, overrides(shape, tmp_path, "eval.baselines=[nope]")), engine="reference")
+    with pytest.raises(ConfigError, match="needs a tokenizer"):
+        run_eval(load_config(None, overrides(shape, tmp_path, "eval.prompt_sets=[mt_bench]")), engine="reference")
+    with pytest.raises(ConfigError, match="unknown random model shape"):
+        run_eval(load_config(None, overrides("random:qwen9-1t", tmp_path)), engine="reference")
+    odd = SpeculationHead(TargetArch(shape), StagePartition.build(4, stage_layers=[1, 3], anchors=[0, 1])).save(
+        tmp_path / "ppsd-odd")
+    with pytest.raises(ConfigError, match="PPSD head's stages"):
+        run_eval(load_config(None, overrides(shape, tmp_path, f"head.checkpoint={spd}", f"eval.ppsd_checkpoint={odd}",
+                                             "eval.baselines=[]")), engine="reference")
+
+
+def test_helpers():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    a = random_prompt_ids(3, [4, 7], 100, seed=1)
+    assert [len(p) for p in a] == [4, 7, 4] and a == random_prompt_ids(3, [4, 7], 100, seed=1)
+    assert a != random_prompt_ids(3, [4, 7], 100, seed=2)
+
+
+def test_baseline_registry_is_pluggable(heads, tmp_path):
+    from spd_ds.decoding.ar import ARDecoder
+    from spd_ds.eval.baselines import BASELINES, register_baseline, resolve_baseline
+
+    shape, _, _ = heads
+    register_baseline("ar_again", lambda ctx: ARDecoder(ctx.target, ctx.sampling, ctx.eos_token_ids, ctx.max_len))
+    register_baseline("ar_by_name", "spd_ds.decoding.ar:ARDecoder")
+    try:
+        run = run_eval(load_config(None, overrides(shape, tmp_path, "eval.baselines=[ar_again,ar_by_name]",
+                                                   "eval.plots=false")), engine="reference")
+        s = summarize(run)
+        assert set(s["results"]["spd"]["overall"]["speedup_vs_ar"]) == {"ar_again", "ar_by_name"}
+        assert s["exactness"]["checked"] is False  # only the known AR names count for exactness
+    finally:
+        BASELINES.pop("ar_again"), BASELINES.pop("ar_by_name")
+    with pytest.raises(ValueError, match="unknown baseline"):
+        resolve_baseline("ar_again")
