@@ -643,6 +643,13 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, cache_dir: st
             downloaded and no ``$SPD_GGUF``, or a hub id that is offline / not on the hub.
     """
     raw = os.fspath(name_or_path)
+    if raw.startswith("random:"):  # seeded random weights of a committed real shape (systems benchmarks)
+        from spd_ds.models.adapter import random_model_dir
+
+        try:
+            return random_model_dir(raw)
+        except ValueError as e:
+            raise ModelUnavailableError(str(e)) from None
     path = Path(raw).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
