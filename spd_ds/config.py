@@ -114,7 +114,7 @@ class TrainConfig:
     resume: bool = False
     tensorboard: bool = False
     # spd_ds.train additions
-    teacher_pipe_degree: Optional[int] = None  # 1 | partition.num_stages; None = 1 (the target on every rank)
+    teacher_pipe_degree: Optional[int] = None  # 1 | partition.num_stages; None = 1 if the target fits one GPU, else n
     autocast: str = "auto"  # auto (bf16 on CUDA, off on CPU) | bf16 | off: head compute dtype; weights stay fp32
     outside_vocab: str = "weight"  # positions whose teacher argmax is outside the draft vocab: weight | drop | keep
     keep_checkpoints: int = 2  # newest DeepSpeed checkpoints kept under output_dir/checkpoints

@@ -95,6 +95,14 @@ def reference_tokens(cfg, job, prompts, max_new):
     return out
 
 
+def engine_info(engine) -> dict:
+    mod = engine.module
+    return {"class": type(engine).__name__, "bases": [c.__name__ for c in type(engine).__mro__],
+            "module_class": type(mod).__name__, "module_bases": [c.__name__ for c in type(mod).__mro__],
+            "parts": list(mod.parts), "local_layers": {str(s): st.layer_ids for s, st in mod.target_stages.items()},
+            "instructions": sorted(c.__name__ for c in engine._INSTRUCTION_MAP)}
+
+
 def install_fault(fault) -> None:
     """Kill or stall this rank at its ``after``-th stage forward (a test of failure handling)."""
     import signal
@@ -107,6 +115,7 @@ def install_fault(fault) -> None:
     def faulty(self, stage):
         count["n"] += 1
         if count["n"] == fault["after"]:
+            print(f"SPD-FAULT t={time.time():.3f}", flush=True)
             if fault["kind"] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(10_000)
@@ -128,9 +137,11 @@ def run_job(job, tiny_root: Path) -> dict | None:
                  "decoding.max_length=256"] + list(job.get("overrides", []))
     cfg = load_config(None, overrides)
     prompts, max_new = job["prompts"], job["max_new_tokens"]
-    if "eos_at" in job:  # an EOS that is accepted while later drafts are still in flight
-        ar = single_process_ar(cfg, prompts[0], max_new)
-        cfg.decoding.eos_token_ids = [ar[job["eos_at"]], 10 ** 6]
+    eos_index = None
+    if "eos_at" in job:  # an EOS that is accepted while later drafts are still in flight: the first token at or
+        ar = single_process_ar(cfg, prompts[0], max_new)  # after eos_at that did not occur before
+        eos_index = next(i for i in range(job["eos_at"], len(ar)) if ar[i] not in ar[:i])
+        cfg.decoding.eos_token_ids = [ar[eos_index], 10 ** 6]
     if job.get("fault") and job["fault"]["rank"] == rank:
         install_fault(job["fault"])
     factory = oracle_head_factory(cfg, job.get("alpha", 1.0)) if job.get("drafter") == "oracle_head" else None
@@ -140,29 +151,108 @@ def run_job(job, tiny_root: Path) -> dict | None:
     try:
         if not session.is_head:
             session.serve()
+            session.close(destroy_process_group=False)
             return None
-        res = {"name": job["name"], "spd": [], "metrics": [], "ar": [], "setup_s": t_setup}
+        res = {"name": job["name"], "spd": [], "metrics": [], "ar": [], "setup_s": t_setup, "eos_index": eos_index,
+               "finish": [], "engine": engine_info(session.engine)}
         t1 = time.time()
         for p in prompts:
             r = session.generate(p, max_new)
             res["spd"].append(r.tokens)
-            res["finish"] = r.finish_reason
+            res["finish"].append(r.finish_reason)
             res["metrics"].append(r.metrics.to_dict())
             if job.get("ar"):
                 res["ar"].append(session.generate_ar(p, max_new).tokens)
         res["run_s"] = time.time() - t1
         session.shutdown()
+        session.close(destroy_process_group=False)
     except BaseException:
         session.abort()
+        session.close(destroy_process_group=False)
         raise
     if job.get("reference", True):
         res.update(reference_tokens(cfg, job, prompts, max_new))
     return res
 
 
+# ---------------------------------------------------------------------------------------- launching (pytest side)
+WORKER = Path(__file__).resolve()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(**extra) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def launch(cmd_prefix: list[str], jobs: dict, tmp: Path, timeout: float, env: dict | None = None):
+    """Run the worker under a launcher (``cmd_prefix`` + worker + files); returns (results, returncode, log)."""
+    import subprocess
+
+    jobs_file, out_file, log_file = tmp / "jobs.json", tmp / "out.json", tmp / "log.txt"
+    jobs_file.write_text(json.dumps(jobs))
+    with open(log_file, "w") as log:
+        proc = subprocess.run(cmd_prefix + [str(WORKER), str(jobs_file), str(out_file)], cwd=ROOT,
+                              env=env or worker_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                              check=False)
+    results = json.loads(out_file.read_text())["results"] if out_file.exists() else []
+    return {r["name"]: r for r in results}, proc.returncode, log_file.read_text()
+
+
+def deepspeed_cmd(num_procs: int) -> list[str]:
+    return ["deepspeed", "--num_gpus", str(num_procs), "--master_port", str(free_port())]
+
+
+def spawn_start(world: int, jobs: dict, tmp: Path) -> list:
+    """Start ``world`` worker processes directly: the environment a launcher sets, but no launcher that kills the
+    others when one dies. Output goes to ``tmp/rank<r>.log``. Returns the ``Popen`` objects."""
+    import subprocess
+
+    jobs_file, out_file = tmp / "jobs.json", tmp / "out.json"
+    jobs_file.write_text(json.dumps(jobs))
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = worker_env(RANK=r, WORLD_SIZE=world, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=port)
+        with open(tmp / f"rank{r}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(jobs_file), str(out_file)], cwd=ROOT,
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def spawn_wait(procs: list, tmp: Path, timeout: float) -> list:
+    """Wait for :func:`spawn_start`'s processes; [(returncode, output)] per rank (``None``: killed at ``timeout``)."""
+    import subprocess
+
+    t0 = time.time()
+    out = []
+    for r, p in enumerate(procs):
+        try:
+            p.wait(timeout=max(1.0, timeout - (time.time() - t0)))
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            rc = None
+        out.append((rc, (tmp / f"rank{r}.log").read_text()))
+    return out
+
+
 def main() -> None:
-    jobs = json.loads(Path(sys.argv[1]).read_text())
-    out_path = Path(sys.argv[2])
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
+    jobs = json.loads(Path(args[0]).read_text())
+    out_path = Path(args[1])
     tiny_root = Path(jobs.get("tiny_root", "/tmp/spd_tiny"))
     results = []
     import torch.distributed as dist
@@ -174,6 +264,7 @@ def main() -> None:
                 results.append(r)
                 out_path.write_text(json.dumps({"results": results}))
     except Exception as e:  # noqa: BLE001 - report the error line for the test, then fail
+        print(f"SPD-ERROR t={time.time():.3f}", flush=True)
         traceback.print_exc()
         if int(os.environ.get("RANK", "0")) == 0:
             out_path.with_suffix(".error").write_text(f"{type(e).__name__}: {e}")

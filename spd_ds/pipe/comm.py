@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 HEADER_LEN = 5
-STATS_LEN = 4  # [stage forward seconds, forwards, comm wait seconds, stale forwards]
+STATS_LEN = 4  # END statistics of a stage: [decode forward seconds, decode forwards, receive-wait seconds, 0]
 FLAG_ANCHORS = 1  # the head wants every anchor (SPD); without it only the last stage answers, with its output (AR)
 FLAG_ABORT = 2  # on SHUTDOWN: the head stopped after an error (no acknowledgement; stages raise PipeAborted)
 
@@ -93,20 +93,22 @@ class Link:
         self.wait_s = 0.0  # host time spent blocked in receives
 
     # ---- errors and waits --------------------------------------------------------------------------
-    def _fail(self, what: str, e: BaseException) -> PipeCommError:
+    def _fail(self, what: str, e: BaseException, timeout_s: float | None = None) -> PipeCommError:
+        deadline = (f"deepspeed.timeout_s={self.timeout_s:g}s" if timeout_s is None
+                    else f"{timeout_s:g}s between generations")
         return PipeCommError(
             f"{self.me_name}: {what} {self.peer_name} failed: {_first_line(e)}; a rank died or stalled "
-            f"(deadline deepspeed.timeout_s={self.timeout_s:g}s)"
+            f"(deadline {deadline})"
         )
 
-    def _wait(self, work, what: str, device_side: bool = False) -> None:
+    def _wait(self, work, what: str, device_side: bool = False, timeout_s: float | None = None) -> None:
         try:
             if device_side:
                 work.wait()  # NCCL: makes the current stream wait, does not block the host
             else:
-                work.wait(timeout=self._td)
+                work.wait(timeout=self._td if timeout_s is None else datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:
-            raise self._fail(what, e) from None
+            raise self._fail(what, e, timeout_s) from None
 
     def host_wait(self, tensor_ready: "torch.cuda.Event", what: str) -> None:
         """Block the host until ``tensor_ready`` has completed, at most ``timeout_s`` (CUDA only)."""
@@ -172,14 +174,14 @@ class Link:
         self._pending = keep
 
     # ---- receives (blocking, with deadline) ----------------------------------------------------------
-    def recv_header(self) -> Header:
-        """The next header from the peer (blocks the host up to ``timeout_s``)."""
+    def recv_header(self, timeout_s: float | None = None) -> Header:
+        """The next header from the peer (blocks the host up to ``timeout_s``, default the link's)."""
         t = time.perf_counter()
         try:
             work = dist.irecv(self._hdr_in, self.peer, group=self.ctrl_group)
         except RuntimeError as e:
             raise self._fail("receiving from", e) from None
-        self._wait(work, "receiving from")
+        self._wait(work, "receiving from", timeout_s=timeout_s)
         self.wait_s += time.perf_counter() - t
         return Header(*(int(x) for x in self._hdr_in.tolist()))
 

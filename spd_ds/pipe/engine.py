@@ -1,22 +1,23 @@
 """``SPDPipelineEngine``: DeepSpeed's ``PipelineEngine`` running SPD's own schedule.
 
 The engine is built by ``deepspeed.initialize`` from an :class:`~spd_ds.pipe.module.SPDPipelineModule` (see
-:func:`spd_ds.pipe.runner.build_engine`), like DeepSpeed's own ``DualPipeVEngine``: a subclass whose
+:class:`spd_ds.pipe.runner.SPDSession`), like DeepSpeed's own ``DualPipeVEngine``: a subclass whose
 ``_INSTRUCTION_MAP`` adds SPD's instructions (:mod:`spd_ds.pipe.schedule`) to the parent's, and whose schedules are
 dispatched by the parent's ``_exec_schedule``.
 
 The head rank's cycle is the reference decoder's cycle (:mod:`spd_ds.decoding.reference`) with the stage forwards
 replaced by messages, so the tokens are the same for the same config and seed (randomness is keyed by position).
 How a cycle overlaps across ranks: every stage forwards the token it holds as soon as its input arrives; the head
-drafts from the previous cycle's anchors meanwhile (on GPU on its own CUDA stream); only the token leaving the last
-stage waits for verification before the next token enters stage 0, and that wait is spread over ``n`` cycles
-because no other stage waits for it. Stage ranks never read the device on the host (headers come over gloo), so on
-GPU their launches run ahead of their kernels; the head synchronises once per cycle, for verification.
+drafts from the previous cycle's anchors meanwhile (on GPU on its own CUDA stream); only stage 0's next token waits
+for verification, and since no other stage waits for it, that wait is spread over ``n`` cycles. Stage ranks never
+read the device on the host (headers come over gloo), so on GPU their launches run ahead of their kernels; the head
+synchronises for the draft token and for verification.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Sequence
 
@@ -34,6 +35,53 @@ from spd_ds.models.graphs import GraphedStage
 from spd_ds.pipe import schedule as sch
 from spd_ds.pipe.comm import FLAG_ABORT, FLAG_ANCHORS, FlatBuffer, Header, Kind, Link, PipeAborted, PipeProtocolError
 from spd_ds.pipe.topology import PipePlan
+
+logger = logging.getLogger(__name__)
+
+IDLE_TIMEOUT_S = 3600.0  # how long stage ranks wait for the next generation (a dead head is noticed at once)
+
+
+class Watchdog:
+    """Ends this process when it makes no progress for ``limit_s`` while it is inside a schedule.
+
+    Waits on other ranks are bounded by ``deepspeed.timeout_s`` (they raise), so a rank that passes no schedule
+    step for ``2 x timeout_s`` is stalled itself (a stuck kernel, a deadlock): it prints one line and exits, so the run
+    ends on every rank instead of leaving one process hanging. Idle time outside schedules is not watched.
+
+    Args:
+        limit_s: seconds without progress before the process exits.
+        name: this rank's description, for the message.
+    """
+
+    def __init__(self, limit_s: float, name: str) -> None:
+        import threading
+
+        self.limit_s, self.name = float(limit_s), name
+        self._last: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spd-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def idle(self) -> None:
+        self._last = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        import os
+        import sys
+
+        while not self._stop.wait(min(1.0, self.limit_s / 4)):
+            last = self._last
+            if last is not None and time.monotonic() - last > self.limit_s:
+                sys.stderr.write(f"spd-ds watchdog: {self.name} made no progress for {self.limit_s:g}s "
+                                 f"(2 x deepspeed.timeout_s); this rank is stalled, exiting\n")
+                sys.stderr.flush()
+                os._exit(70)
 
 
 class StageRunner:
@@ -58,7 +106,16 @@ class StageRunner:
         self.device, self.dtype = p.device, p.dtype
         self.cuda = self.device.type == "cuda"
         self.static = static
-        self.graph_stage = GraphedStage(stage, max_len, use_graph=graphs, pool=pool) if static else None
+        self.graph_stage = None
+        if static:
+            try:
+                self.graph_stage = GraphedStage(stage, max_len, use_graph=graphs, pool=pool)
+            except RuntimeError as e:  # e.g. MoE routing with data-dependent shapes cannot be captured
+                if not graphs:
+                    raise
+                logger.warning("stage %s: CUDA graph capture failed (%s); running it eagerly on the static cache",
+                               stage.layer_ids, str(e).splitlines()[0])
+                self.graph_stage = GraphedStage(stage, max_len, use_graph=False)
         self.cache = None if static else stage.arch.new_cache(stage.layer_ids, max_len, self.dtype, self.device)
         self.forward_s = 0.0
         self.forwards = 0
@@ -158,6 +215,7 @@ class _Generation:
     replacement: tuple[int, int] | None = None
     t_decode: float | None = None
     wait0: float = 0.0
+    snapshot_ready: object = None
 
 
 class SPDPipelineEngine(PipelineEngine):
@@ -205,14 +263,37 @@ class SPDPipelineEngine(PipelineEngine):
                         for s, st in stages.items()}
         self.is_head = self.stage_id == 0
         self._seq = 0
+        self._wait_mark = 0.0
         self.spd: _Generation | None = None
         self.stage_msg: Header | None = None
+        self.watchdog = Watchdog(2 * self.timeout_s, self._name(self.stage_id))
         self._build_links()
         if self.is_head:
             self.ends = mod.head_ends.ends
             self.head_module = mod.head_ends.head
             self.head_stream = torch.cuda.Stream(self.spd_device) if self.cuda else None
+            self._token_ids = torch.zeros(1, 1, dtype=torch.long, device=self.spd_device)
         self._warmup()
+
+    def heartbeat(self) -> None:
+        """Called at every schedule step (see :class:`Watchdog`)."""
+        wd = getattr(self, "watchdog", None)
+        if wd is not None:
+            wd.beat()
+
+    def _exec_schedule(self, pipe_schedule):
+        try:
+            super()._exec_schedule(pipe_schedule)
+        finally:
+            wd = getattr(self, "watchdog", None)
+            if wd is not None:
+                wd.idle()
+
+    def close_spd(self) -> None:
+        """Stop the watchdog (the session is over)."""
+        wd = getattr(self, "watchdog", None)
+        if wd is not None:
+            wd.stop()
 
     def _rank_of(self, pipe: int) -> int:
         return self.grid.stage_to_global(stage_id=pipe)
@@ -323,7 +404,11 @@ class SPDPipelineEngine(PipelineEngine):
         return self._seq
 
     def _enter(self, pos: int, token: int, verified: bool, fill: int = 0, draft: Draft | None = None) -> _Entry:
-        h = self.ends.embed(torch.tensor([[token]], device=self.spd_device))
+        if self.cuda:  # fill_ passes the id as a kernel argument: no blocking host-to-device copy
+            ids = self._token_ids.fill_(token)
+        else:
+            ids = torch.tensor([[token]], device=self.spd_device)
+        h = self.ends.embed(ids)
         feats = None
         if self.spd.mode == "spd":
             feats = h.new_zeros(self.m, h.shape[-1])
@@ -437,6 +522,9 @@ class SPDPipelineEngine(PipelineEngine):
         inflight = torch.stack([e.feats for e in st.pipeline])
         comp = torch.stack(st.completed) if st.completed else inflight.new_zeros(0, self.m, inflight.shape[-1])
         st.snapshot = (comp, inflight, [self.f[e.depth] for e in st.pipeline], st.head_start)
+        if self.cuda:  # the head's stream waits for the snapshot only, not for the stage forward launched next
+            st.snapshot_ready = torch.cuda.Event()
+            st.snapshot_ready.record()
         st.head_start += len(st.completed)
         st.completed = []
         st.at_stage = {}
@@ -465,7 +553,7 @@ class SPDPipelineEngine(PipelineEngine):
         comp, inflight, types, start = st.snapshot
         t = time.perf_counter()
         if self.head_stream is not None:
-            self.head_stream.wait_stream(torch.cuda.current_stream(self.spd_device))
+            self.head_stream.wait_event(st.snapshot_ready)
             with torch.cuda.stream(self.head_stream):
                 draft = st.drafter.propose(comp, inflight, types, start, self.sampling)
             torch.cuda.current_stream(self.spd_device).wait_stream(self.head_stream)
@@ -587,7 +675,13 @@ class SPDPipelineEngine(PipelineEngine):
 
     # ------------------------------------------------------------------ stage instructions
     def _exec_recv_hidden(self) -> None:
-        hdr = self.in_link.recv_header()
+        prev = self.stage_msg
+        if prev is None or prev.kind in (Kind.END, Kind.WARMUP):  # between generations the head may be busy
+            self.watchdog.idle()  # elsewhere (e.g. an evaluation's baselines): wait up to IDLE_TIMEOUT_S
+            hdr = self.in_link.recv_header(timeout_s=max(self.timeout_s, IDLE_TIMEOUT_S))
+            self.watchdog.beat()
+        else:
+            hdr = self.in_link.recv_header()
         self.stage_msg = hdr
         if hdr.kind in (Kind.PREFILL, Kind.DECODE, Kind.WARMUP):
             self.stage_in = self.in_link.recv_payload(self.in_buffer.view(1, hdr.q, self.H))
@@ -627,9 +721,8 @@ class SPDPipelineEngine(PipelineEngine):
         if self.is_head:
             return self._head_end_generation()
         fs, nf = self.runners[self.my_stage].take_stats()
-        wait, self._wait_mark = self._comm_wait_s(), self._comm_wait_s()
-        wait -= getattr(self, "_wait_mark_prev", 0.0)
-        self._wait_mark_prev = self._wait_mark
+        total_wait = self._comm_wait_s()
+        wait, self._wait_mark = total_wait - self._wait_mark, total_wait
         self.head_link.send_stats(Kind.END, torch.tensor([fs, nf, wait, 0.0], dtype=torch.float64))
         if self.out_link is not None:
             self.out_link.send(Kind.END, self.stage_msg.seq)

@@ -85,6 +85,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_timeout_s(cfg: ExperimentConfig) -> float:
+    """Timeout of the default process group: start-up collectives (model loading may skew ranks by minutes) get at
+    least 10 minutes; SPD's own waits use ``deepspeed.timeout_s`` explicitly."""
+    return max(float(cfg.deepspeed.timeout_s), 600.0)
+
+
 def init_distributed(cfg: ExperimentConfig, plan: PipePlan) -> bool:
     """Initialise ``torch.distributed`` through DeepSpeed (gloo on CPU, NCCL on GPU unless ``deepspeed.backend``).
 
@@ -103,14 +109,49 @@ def init_distributed(cfg: ExperimentConfig, plan: PipePlan) -> bool:
         if not launched:  # python launch/infer.py ... --engine deepspeed
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(_free_port()))
+        port = int(os.environ.get("MASTER_PORT", "29500"))  # MPI discovery would otherwise force 29500
         deepspeed.init_distributed(dist_backend=cfg.deepspeed.backend, auto_mpi_discovery=True, verbose=False,
-                                   timeout=datetime.timedelta(seconds=cfg.deepspeed.timeout_s))
+                                   distributed_port=port, timeout=datetime.timedelta(seconds=init_timeout_s(cfg)))
         created = True
     world = dist.get_world_size()
     if world != plan.world_size:
         PipePlan.build(plan.partition, plan.placement, world)  # raises the same one-line error on every rank
         raise WorldSizeError(f"the launcher reported {plan.world_size} processes but {world} joined")
     return created
+
+
+def _precheck_head(cfg: ExperimentConfig, arch) -> None:
+    """The head checkpoint / draft vocabulary checks of ``SpeculationHead.load``, on every rank before any collective
+    (only the head rank builds the head, after the process group exists).
+
+    Raises:
+        FileNotFoundError / HeadMismatchError / ValueError: as ``builder.build_head`` would on the head rank.
+    """
+    from spd_ds.head import HeadMismatchError, SpeculationHead, load_draft_vocab
+
+    if cfg.head.checkpoint:
+        meta = SpeculationHead.read_config(cfg.head.checkpoint)
+        if meta["base_model_fingerprint"] != arch.fingerprint() or meta["hidden_size"] != arch.hidden_size:
+            raise HeadMismatchError(
+                f"head {cfg.head.checkpoint} was trained for another base model (fingerprint "
+                f"{meta['base_model_fingerprint']}, this model {arch.fingerprint()}); use a head trained for "
+                f"{arch.model_dir}"
+            )
+    elif cfg.head.draft_vocab:
+        load_draft_vocab(cfg.head.draft_vocab)
+
+
+def _eos_with_tokenizer(cfg: ExperimentConfig, arch, default: list[int]) -> list[int]:
+    """``builder.eos_token_ids`` with the model's tokenizer when it has one (random-weight shapes have none)."""
+    from spd_ds.builder import eos_token_ids, load_tokenizer
+
+    if cfg.decoding.eos_token_ids is not None or not any(arch.model_dir.glob("tokenizer*")):
+        return default
+    try:
+        return eos_token_ids(cfg, arch, load_tokenizer(arch))
+    except Exception as e:  # noqa: BLE001 - a broken tokenizer must not stop generation; config EOS still applies
+        logger.warning("tokenizer of %s not loaded (%s); EOS from the model config only", arch.model_dir, e)
+        return default
 
 
 class SPDSession:
@@ -147,6 +188,8 @@ class SPDSession:
         self.max_new_tokens = max_new_tokens or cfg.decoding.max_new_tokens
         for p in prompts or ():
             check_prompt(p, self.max_new_tokens, self.max_len, self.partition.num_stages)
+        if cfg.decoding.drafter == "head" or drafter_factory is not None:
+            _precheck_head(cfg, self.arch)
         self.ds_config = load_ds_config(cfg)
         self.dtype = resolve_dtype(cfg.model.dtype)
         self.head_dtype = resolve_dtype(cfg.head.dtype or cfg.model.dtype)
@@ -171,9 +214,7 @@ class SPDSession:
         cfg = self.cfg
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         acc = get_accelerator()
-        device = torch.device(acc.device_name(local_rank))
-        if cfg.model.device == "cpu":
-            device = torch.device("cpu")
+        device = torch.device(acc.device_name(local_rank))  # DeepSpeed's accelerator (DS_ACCELERATOR=cpu forces CPU)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         with_head = cfg.decoding.drafter == "head" or self.drafter_factory is not None
@@ -188,6 +229,8 @@ class SPDSession:
             raise RuntimeError(f"deepspeed.initialize built {type(self.engine).__name__}, not SPDPipelineEngine")
         cuda = device.type == "cuda"
         static = cfg.deepspeed.static_cache if cfg.deepspeed.static_cache is not None else cuda
+        if self.engine.stage_id == 0:  # the head decides EOS: same set as the single-process paths (tokenizer included)
+            self.eos = _eos_with_tokenizer(cfg, self.arch, self.eos)
         self.engine.setup_spd(self.plan, self.sampling, self.eos, self.max_len,
                               timeout_s=cfg.deepspeed.timeout_s, static_cache=bool(static),
                               cuda_graphs=bool(cfg.deepspeed.cuda_graphs and cuda and static))
@@ -242,15 +285,23 @@ class SPDSession:
             self.engine.abort_pipeline()
 
     def close(self, destroy_process_group: bool | None = None) -> None:
-        """Destroy the process groups (default: if this session created them)."""
+        """Destroy the process groups (default: if this session created them). The watchdog stays armed meanwhile,
+        so a teardown blocked by a dead peer still ends the process."""
         import torch.distributed as dist
 
+        wd = getattr(self.engine, "watchdog", None) if self.engine is not None else None
+        if wd is not None:
+            wd.beat()
         destroy = self._created_pg if destroy_process_group is None else destroy_process_group
-        if destroy and dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:  # noqa: BLE001 - a broken group (dead peer) may refuse; nothing left to do
-                logger.warning("destroy_process_group failed: %s", e)
+        try:
+            if destroy and dist.is_available() and dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception as e:  # noqa: BLE001 - a broken group (dead peer) may refuse; nothing left to do
+                    logger.warning("destroy_process_group failed: %s", e)
+        finally:
+            if self.engine is not None:
+                self.engine.close_spd()
 
 
 def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequence[Sequence[int]],

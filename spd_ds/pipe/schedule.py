@@ -110,6 +110,10 @@ class _EngineSchedule(PipeSchedule):
     def num_pipe_buffers(self) -> int:
         return 1
 
+    def __next__(self):
+        self.engine.heartbeat()  # the engine's watchdog sees progress at every step
+        return super().__next__()
+
 
 class HeadSPDSchedule(_EngineSchedule):
     """Head rank: one SPD generation (prompt and limits are on ``engine.spd``)."""

@@ -1,0 +1,218 @@
+"""Distributed SPD through DeepSpeed's pipeline engine equals the reference decoder (several gloo processes).
+
+Each world size is one ``deepspeed --num_gpus N`` launch running several jobs (tests/test_pipe_worker.py); the
+head rank also runs the single-process reference and AR decoders on the same config after the distributed run.
+Matrix: n = 1, 2, 3 stages; co-located and dedicated head; T = 0 and T > 0; the untrained head (every draft
+rejected: rollbacks) and the oracle over the head (accepts and rollbacks); an EOS accepted while drafts are in
+flight; static KV caches (the GPU path, eager on CPU); SmolLM2-135M-Instruct; a one-process run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.test_pipe_worker import deepspeed_cmd, launch, worker_env
+
+pytestmark = pytest.mark.slow
+
+TINY = {"type": "qwen3", "layers": 6}
+P1, P2 = [3, 14, 15, 92, 65], [7, 8, 9]
+T1 = ["decoding.temperature=0.35", "decoding.top_k=20", "decoding.top_p=0.95", "decoding.seed=5"]
+
+
+def job(name, n, placement, prompts=(P1,), max_new=20, overrides=(), **kw):
+    return dict(name=name, model=TINY, prompts=list(prompts), max_new_tokens=max_new,
+                overrides=[f"partition.num_stages={n}", f"head.placement={placement}", "deepspeed.timeout_s=60",
+                           *overrides], **kw)
+
+
+def check(res, *, rollbacks=True, accepts=False, greedy=True, cycles=True):
+    """SPD tokens and counters equal the reference decoder's; AR through the pipe equals the AR decoder's."""
+    assert res["spd"] == res["reference"], res["name"]
+    for m, ref in zip(res["metrics"], res["reference_metrics"]):
+        assert {k: m[k] for k in ref} == ref, res["name"]
+    if res["ar"]:
+        assert res["ar"] == res["ar_single"], res["name"]
+        if greedy:
+            assert res["spd"] == res["ar"], res["name"]
+    if rollbacks:
+        assert sum(m["num_rollbacks"] for m in res["metrics"]) > 0, res["name"]
+    if accepts:
+        assert sum(m["num_accepted_tokens"] for m in res["metrics"]) > 0, res["name"]
+    for m in res["metrics"]:
+        assert len(m["stage_forward_s"]) == len(m["drafts_by_fill"]) - 1
+        if cycles:
+            assert m["decode_s"] > 0 and all(t > 0 for t in m["stage_forward_s"]) and m["decode_tok_s"] > 0
+
+
+def run_world(tmp_path, tiny_root, world, jobs, timeout=600, cmd=None):
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(tiny_root, "qwen3", 6)  # created here: ranks must not race to write it
+    cmd = cmd or (deepspeed_cmd(world) if world > 1 else [sys.executable])
+    results, rc, log = launch(cmd, {"tiny_root": str(tiny_root), "jobs": jobs}, tmp_path, timeout)
+    assert rc == 0, log[-4000:]
+    assert set(results) == {j["name"] for j in jobs}, log[-4000:]
+    return results
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, tiny_root):
+    jobs = [
+        job("colo2_head", 2, "colocated", prompts=(P1, P2), ar=True),
+        job("colo2_oracle", 2, "colocated", drafter="oracle_head", alpha=0.7),
+        job("colo2_T1", 2, "colocated", max_new=24, overrides=T1, drafter="oracle_head", alpha=0.8, ar=True),
+        job("colo2_eos", 2, "colocated", prompts=(P2,), max_new=25, eos_at=8,
+            overrides=["decoding.drafter=oracle", "decoding.oracle_alpha=1.0"]),
+        job("colo2_static", 2, "colocated", drafter="oracle_head", alpha=0.6, ar=True,
+            overrides=["deepspeed.static_cache=true"]),
+        job("colo2_eos_replacement", 2, "colocated", prompts=(P2,), max_new=25, eos_at=4,
+            overrides=["decoding.drafter=oracle", "decoding.oracle_alpha=0.0"]),
+        job("colo2_one_token", 2, "colocated", prompts=(P1, P2), max_new=1),
+        job("ded1_oracle", 1, "dedicated", drafter="oracle_head", alpha=0.6, ar=True),
+    ]
+    return run_world(tmp_path_factory.mktemp("w2"), tiny_root, 2, jobs)
+
+
+@pytest.fixture(scope="module")
+def world3(tmp_path_factory, tiny_root, smollm2_prompts):
+    jobs = [
+        job("colo3_oracle", 3, "colocated", max_new=24, drafter="oracle_head", alpha=0.7),
+        job("colo3_T1", 3, "colocated", max_new=24, overrides=T1, drafter="oracle_head", alpha=0.8),
+        job("colo3_eos", 3, "colocated", prompts=(P2,), max_new=25, eos_at=8,
+            overrides=["decoding.drafter=oracle", "decoding.oracle_alpha=1.0"]),
+        job("ded2_head", 2, "dedicated", prompts=(P1, P2), ar=True),
+        job("ded2_oracle", 2, "dedicated", max_new=24, drafter="oracle_head", alpha=0.7, ar=True),
+        job("ded2_T1", 2, "dedicated", max_new=24, overrides=T1, drafter="oracle_head", alpha=0.8),
+        dict(job("smol_ded2", 2, "dedicated", prompts=smollm2_prompts[:2], max_new=20, drafter="oracle_head",
+                 alpha=0.8, ar=True, overrides=["decoding.max_length=128"]), model="smollm2"),
+        dict(job("smol_colo3_T1", 3, "colocated", prompts=smollm2_prompts[4:5], max_new=12,
+                 overrides=["decoding.max_length=160", *T1]), model="smollm2"),
+    ]
+    return run_world(tmp_path_factory.mktemp("w3"), tiny_root, 3, jobs, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, tiny_root):
+    jobs = [
+        job("ded3_oracle", 3, "dedicated", max_new=24, drafter="oracle_head", alpha=0.7, ar=True),
+        job("ded3_T1", 3, "dedicated", max_new=24, overrides=T1),
+    ]
+    return run_world(tmp_path_factory.mktemp("w4"), tiny_root, 4, jobs)
+
+
+# ---------------------------------------------------------------------------------------------------- n = 2 / 1
+def test_colocated_n2_untrained_head_rollbacks(world2):
+    check(world2["colo2_head"])
+
+
+def test_colocated_n2_oracle_accepts_and_rollbacks(world2):
+    check(world2["colo2_oracle"], accepts=True)
+
+
+def test_colocated_n2_sampling(world2):
+    check(world2["colo2_T1"], accepts=True, greedy=False)
+
+
+def test_colocated_n2_eos_accepted_with_drafts_in_flight(world2):
+    r = world2["colo2_eos"]
+    check(r, rollbacks=False)
+    first = r["eos_index"]
+    assert r["finish"] == ["eos"] and r["spd"][0] == r["ar_single"][0][: first + 1]
+    assert r["metrics"][0]["num_rollbacks"] == 0 and first + 1 < 25  # later drafts were in flight, not returned
+
+
+def test_colocated_n2_eos_as_replacement(world2):
+    r = world2["colo2_eos_replacement"]  # every draft is rejected: the EOS arrives as a replacement token
+    check(r)
+    m = r["metrics"][0]
+    assert r["finish"] == ["eos"] and m["num_accepted_tokens"] == 0 and m["num_rollbacks"] == len(r["spd"][0]) - 1
+
+
+def test_max_new_tokens_one(world2):
+    r = world2["colo2_one_token"]  # only the prefill token: no decode cycle, then the next prompt
+    check(r, rollbacks=False, cycles=False)
+    assert [len(t) for t in r["spd"]] == [1, 1] and all(m["num_cycles"] == 0 for m in r["metrics"])
+
+
+def test_engine_is_deepspeed_pipeline_engine(world2):
+    info = world2["colo2_head"]["engine"]
+    assert info["class"] == "SPDPipelineEngine" and "PipelineEngine" in info["bases"]
+    assert info["module_class"] == "SPDPipelineModule" and "PipelineModule" in info["module_bases"]
+    assert info["parts"] == [0, 2, 3] and info["local_layers"] == {"0": [0, 1, 2]}  # head + stage 0 on pipe stage 0
+    assert {"StageForward", "Verify", "Rollback", "ForwardPass"} <= set(info["instructions"])
+
+
+def test_colocated_n2_static_cache(world2):
+    check(world2["colo2_static"], accepts=True)
+
+
+def test_dedicated_n1(world2):
+    check(world2["ded1_oracle"], accepts=True)
+
+
+# ---------------------------------------------------------------------------------------------------- n = 3 / 2
+def test_colocated_n3_oracle(world3):
+    check(world3["colo3_oracle"], accepts=True)
+
+
+def test_colocated_n3_sampling(world3):
+    check(world3["colo3_T1"], accepts=True, greedy=False)
+
+
+def test_colocated_n3_eos_accepted_with_drafts_in_flight(world3):
+    r = world3["colo3_eos"]
+    check(r, rollbacks=False)
+    assert r["finish"] == ["eos"] and r["spd"][0] == r["ar_single"][0][: r["eos_index"] + 1]
+
+
+def test_dedicated_n2_untrained_head(world3):
+    check(world3["ded2_head"])
+
+
+def test_dedicated_n2_oracle(world3):
+    check(world3["ded2_oracle"], accepts=True)
+
+
+def test_dedicated_n2_sampling(world3):
+    check(world3["ded2_T1"], accepts=True, greedy=False)
+
+
+def test_smollm2_dedicated_n2_greedy(world3):
+    check(world3["smol_ded2"], accepts=True)
+
+
+def test_smollm2_colocated_n3_sampling_head(world3):
+    check(world3["smol_colo3_T1"], greedy=False)
+
+
+# ---------------------------------------------------------------------------------------------------- n = 3, 4 ranks
+def test_dedicated_n3_oracle(world4):
+    check(world4["ded3_oracle"], accepts=True)
+
+
+def test_dedicated_n3_sampling_head(world4):
+    check(world4["ded3_T1"], greedy=False)
+
+
+# ---------------------------------------------------------------------------------------------------- one process
+def test_single_process_plain_python(tmp_path, tiny_root):
+    """World 1 without a launcher (``python launch/infer.py --engine deepspeed``): every stage in the head's
+    process, still a DeepSpeed PipelineEngine."""
+    jobs = [job("w1_colo3", 3, "colocated", drafter="oracle_head", alpha=0.6, ar=True),
+            job("w1_ded2", 2, "dedicated", overrides=T1)]
+    res = run_world(tmp_path, tiny_root, 1, jobs)
+    check(res["w1_colo3"], accepts=True)
+    check(res["w1_ded2"], greedy=False)
+    assert worker_env()["OMP_NUM_THREADS"] == "1"
+
+
+def test_single_process_deepspeed_launch(tmp_path, tiny_root):
+    """``deepspeed launch/infer.py`` with one process (n = 1 co-located, and n = 2 in one process)."""
+    jobs = [job("ds1_colo1", 1, "colocated", drafter="oracle_head", alpha=0.6),
+            job("ds1_colo2", 2, "colocated")]
+    res = run_world(tmp_path, tiny_root, 1, jobs, cmd=deepspeed_cmd(1))
+    check(res["ds1_colo1"], accepts=True)
+    check(res["ds1_colo2"])

@@ -1,0 +1,109 @@
+"""Static KV cache mode and GraphedStage (the GPU speed path's code, run eagerly on CPU; CUDA graphs on GPU)."""
+
+import pytest
+import torch
+
+from spd_ds.models.adapter import Target, TargetArch
+from spd_ds.models.graphs import GraphedStage, make_static_cache, static_stage_forward
+from spd_ds.models.kv_cache import StageKVCache
+from spd_ds.partition import StagePartition
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def target(tiny_root):
+    arch = TargetArch(make_tiny_model(tiny_root, "qwen3", 6))
+    return Target(arch, StagePartition.build(6, 2), torch.float32, "cpu")
+
+
+def test_static_cache_writes_at_bound_positions_and_masks_the_rest():
+    c = StageKVCache([0], num_kv_heads=1, head_dim=2, max_len=6, dtype=torch.float32, device="cpu", static=True)
+    pos = torch.tensor([0, 1, 2])
+    c.bind(pos)
+    k, v = c.update(torch.ones(1, 1, 3, 2), 2 * torch.ones(1, 1, 3, 2), 0)
+    assert k.shape == (1, 1, 6, 2) and k[0, 0, :3].eq(1).all() and k[0, 0, 3:].eq(0).all() and v[0, 0, 2].eq(2).all()
+    m = c.attention_mask(pos)
+    assert m.shape == (1, 1, 3, 6) and m[0, 0].tolist() == [[i <= r for i in range(6)] for r in range(3)]
+    c.bind(torch.tensor([1]))  # a rollback: writing at position 1 hides everything after it
+    c.update(5 * torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 0)
+    assert c.keys[0][0, 0, 1].eq(5).all() and c.attention_mask(torch.tensor([1]))[0, 0, 0].tolist() == [True, True] + [False] * 4
+    with pytest.raises(RuntimeError, match="static=True"):
+        StageKVCache([0], 1, 2, 4, torch.float32, "cpu").bind(pos)
+
+
+def run_eager(target, ids, caches):
+    h = target.ends.embed(ids)
+    pos = torch.arange(caches[0].length, caches[0].length + ids.shape[1])
+    for s, st in enumerate(target.stages):
+        h, _ = st(h, pos, caches[s])
+    return target.ends.logits(h[0, -1])
+
+
+@torch.no_grad()
+def test_static_stage_matches_eager_and_rolls_back_exactly(target):
+    graphed = [GraphedStage(st, 64, use_graph=False) for st in target.stages]
+    assert not graphed[0].graphed
+    caches = target.new_caches(64)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    ref = run_eager(target, prompt, caches)
+    h = target.ends.embed(prompt)
+    for g in graphed:
+        h, _ = g.prefill(h)
+    torch.testing.assert_close(target.ends.logits(h[0, -1]), ref, atol=1e-4, rtol=1e-4)
+
+    def step(tok, pos):
+        h = target.ends.embed(torch.tensor([[tok]]))
+        cap = {}
+        for g in graphed:
+            h, c = g.step(h, pos)
+            cap.update(c)
+        return target.ends.logits(h[0, 0]), {j: t.clone() for j, t in cap.items()}
+
+    toks, outs = [int(ref.argmax())], []
+    for pos in range(5, 12):  # greedy continuation: same tokens as the eager path
+        lg, cap = step(toks[-1], pos)
+        outs.append((lg, cap))
+        e = run_eager(target, torch.tensor([[toks[-1]]]), caches)
+        torch.testing.assert_close(lg, e, atol=1e-4, rtol=1e-4)
+        assert int(lg.argmax()) == int(e.argmax())
+        toks.append(int(lg.argmax()))
+    assert set(outs[0][1]) == {3, 6}  # anchors of both stages (default anchors 0, 3, 6)
+    # rollback to position 8 with another token, then replay the originals: bit-identical to the first pass
+    step(7, 8)
+    step(9, 9)
+    for i, pos in enumerate(range(8, 12)):
+        lg, cap = step(toks[pos - 5], pos)
+        assert torch.equal(lg, outs[pos - 5][0]) and all(torch.equal(cap[j], outs[pos - 5][1][j]) for j in cap)
+
+
+def test_graphs_need_cuda(target):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ValueError, match="CUDA device"):
+        GraphedStage(target.stages[0], 16, use_graph=True)
+
+
+def test_make_static_cache(target):
+    c = make_static_cache(target.stages[1], 32)
+    assert c.static and c.layer_ids == [3, 4, 5] and c.keys[3].shape[2] == 32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+@torch.no_grad()
+def test_cuda_graph_replay_equals_eager_static_forward(tiny_root):
+    arch = TargetArch(make_tiny_model(tiny_root, "qwen3", 6))
+    tgt = Target(arch, StagePartition.build(6, 2), torch.bfloat16, "cuda")
+    g = GraphedStage(list(tgt.stages), 64, use_graph=True)  # both stages in one graph (AR-baseline style)
+    e = GraphedStage(list(tgt.stages), 64, use_graph=False)
+    h = tgt.ends.embed(torch.tensor([[3, 14, 15, 92, 65]], device="cuda"))
+    a, _ = g.prefill(h)
+    b, _ = e.prefill(h)
+    assert torch.equal(a, b)
+    tok = int(tgt.ends.logits(a[0, -1]).argmax())
+    for pos in range(5, 15):
+        x = tgt.ends.embed(torch.tensor([[tok]], device="cuda"))
+        ya, ca = g.step(x, pos)
+        yb, cb = e.step(x, torch.tensor([pos], device="cuda"))
+        assert torch.equal(ya, yb) and all(torch.equal(ca[j], cb[j]) for j in ca)
+        tok = int(tgt.ends.logits(ya[0, 0]).argmax())
+    assert static_stage_forward is not None
