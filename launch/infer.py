@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spd_ds import builder  # noqa: E402
 from spd_ds.config import ConfigError, load_config, to_yaml  # noqa: E402
-from spd_ds.decoding.metrics import SPDMetrics  # noqa: E402
+from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_tok_s  # noqa: E402
 
 log = logging.getLogger("spd_ds.infer")
 
@@ -127,11 +127,10 @@ def report(cfg, arch, tok, prompts, ids, results, args) -> None:
         target = builder.build_target(cfg, arch, part)
         ar = ARDecoder(target, builder.sampling_params(cfg), builder.eos_token_ids(cfg, arch, tok), cfg.decoding.max_length)
         ar_tokens = [ar.generate(p, cfg.decoding.max_new_tokens).tokens for p in ids]
-    total = SPDMetrics(num_stages=results[0].metrics.num_stages)
+    total = SPDMetrics.pooled([r.metrics for r in results])
     rows = []
     for i, ((qid, text), res) in enumerate(zip(prompts, results)):
         m = res.metrics
-        total = total + m
         print(f"\n=== [{qid}] {text[:200]}")
         print(tok.decode(res.tokens, skip_special_tokens=True))
         same = None if ar_tokens is None else ar_tokens[i] == res.tokens
@@ -141,7 +140,9 @@ def report(cfg, arch, tok, prompts, ids, results, args) -> None:
         rows.append({"question_id": qid, "tokens": res.tokens, "finish_reason": res.finish_reason,
                      "identical_to_ar": same, **m.to_dict()})
     print("\n=== totals")
-    print(json.dumps({k: v for k, v in total.to_dict().items() if not isinstance(v, list)}, indent=1))
+    totals = {k: v for k, v in total.to_dict().items() if not isinstance(v, list)}
+    totals["decode_tok_s"] = pooled_decode_tok_s([r.metrics for r in results])  # prefill token excluded per prompt
+    print(json.dumps(totals, indent=1))
     if ar_tokens is not None:
         n_same = sum(r["identical_to_ar"] for r in rows)
         print(f"identical to AR decoding: {n_same}/{len(rows)} prompts")
