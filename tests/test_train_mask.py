@@ -196,14 +196,15 @@ def test_mask_matches_reference_decoder(tiny8, L, stage_layers, anchors):
     n, m, f = part.num_stages, part.num_types, part.depth_to_type
     target = Target(arch, part, torch.float32, "cpu")
     prompt = [3, 17, 5, 9, 2]
-    ref_out = SPDReferenceDecoder(target, OracleDrafter([], 0.0, vocab_size=arch.vocab_size)).generate(prompt, 40)
+    ref_dec = SPDReferenceDecoder(target, OracleDrafter([], 0.0, vocab_size=arch.vocab_size), max_len=64)
+    ref_out = ref_dec.generate(prompt, 32)
     reference = prompt + ref_out.tokens
     intern = _Interner()
     seen_fills = set()
     for alpha in (0.5, 0.85):
         rec = _RecordingDrafter(m, intern)
-        dec = SPDReferenceDecoder(target, OracleDrafter(reference, alpha, base=rec, seed=int(alpha * 100)))
-        out = dec.generate(prompt, 40)
+        dec = SPDReferenceDecoder(target, OracleDrafter(reference, alpha, base=rec, seed=int(alpha * 100)), max_len=64)
+        out = dec.generate(prompt, 32)
         assert out.tokens == ref_out.tokens  # lossless, whatever the drafts
         S = len(reference) + n + 1
         train_ids = {F: _training_identities(intern, S, F, f) for F in range(1, n + 1)}

@@ -52,3 +52,53 @@ class HeadTrainModule(nn.Module):
         if unused:
             logits = logits + 0.0 * sum(head.aggr[k].weight.sum() for k in unused)
         return logits
+
+
+class WorldDataParallel:
+    """A minimal DeepSpeed ``mpu`` for the head's engine: data parallel over every rank, no model parallelism.
+
+    The teacher's ``PipelineEngine`` registers its pipeline grid as DeepSpeed's global ``mpu``; with a pipe degree
+    above 1 a second engine would otherwise take the pipeline for model parallelism. Construct it on every rank at
+    the same point (it creates one single-rank process group per rank, a collective call).
+    """
+
+    def __init__(self) -> None:
+        import torch.distributed as tdist
+
+        self.rank, self.world = tdist.get_rank(), tdist.get_world_size()
+        self._dp = tdist.group.WORLD
+        self._mp = None
+        for r in range(self.world):
+            g = tdist.new_group([r])
+            if r == self.rank:
+                self._mp = g
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.world
+
+    def get_data_parallel_rank(self) -> int:
+        return self.rank
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(range(self.world))
+
+    def get_model_parallel_group(self):
+        return self._mp
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_tensor_model_parallel_group(self):
+        return self._mp

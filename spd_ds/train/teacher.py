@@ -168,6 +168,7 @@ class Teacher:
                              bcast_loss=False, num_micro_batches=1)
         if eng.is_last_stage():
             feats, ld, lse, am = out[0]
+            eng.fwd_outputs = []
         else:
             B, S = ids.shape
             N = int(valid.sum())

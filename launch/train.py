@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Distil a speculation head for a target (knowledge distillation, DeepSpeed ZeRO-2).
+
+Examples::
+
+    deepspeed launch/train.py --config launch/configs/train_smollm2_n3.yaml --deepspeed_config ds_configs/zero2.json
+    deepspeed --num_gpus 8 launch/train.py --config EXP.yaml --deepspeed_config ds_configs/zero2.json train.lr=3e-4
+    deepspeed launch/train.py --config EXP.yaml --deepspeed_config ds_configs/zero2.json --resume
+
+Overrides are ``section.key=value`` (values parsed as YAML; unknown keys are refused). The run directory
+(``train.output_dir``) receives ``config.yaml``, ``train_log.jsonl``, ``checkpoints/`` and the final ``head/``.
+See docs/training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+try:
+    import spd_ds  # noqa: F401
+except ImportError:  # run from a checkout without installing the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=None, help="experiment YAML (sections model, partition, head, data, train)")
+    ap.add_argument("--deepspeed_config", default="ds_configs/zero2.json", help="DeepSpeed JSON of the head's engine")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in train.output_dir")
+    ap.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
+    ap.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = ap.parse_args(argv)
+
+    from spd_ds.config import ConfigError, load_config
+    from spd_ds.train.chat import ChatTemplateError, EmptyMaskError
+    from spd_ds.train.data import DataError
+    from spd_ds.zoo import ModelUnavailableError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 2
+    from spd_ds.train.loop import train
+
+    try:
+        train(cfg, args.deepspeed_config, resume=True if args.resume else None)
+    except (ConfigError, DataError, EmptyMaskError, ChatTemplateError, ModelUnavailableError) as e:
+        print(f"train.py: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        import torch.distributed as tdist
+
+        if tdist.is_available() and tdist.is_initialized():
+            tdist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

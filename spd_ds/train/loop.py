@@ -1,0 +1,434 @@
+"""The head-distillation loop: read this file top to bottom.
+
+    deepspeed launch/train.py --config launch/configs/train_smollm2_n3.yaml --deepspeed_config ds_configs/zero2.json
+
+Two DeepSpeed engines share the processes:
+
+1. the **teacher**: the frozen target as a ``PipelineModule`` built from the run's :class:`StagePartition`
+   (``spd_ds.train.teacher``), pipe degree 1 (every rank holds the whole target) or ``n``. It produces the raw anchor
+   hidden states (the head's inputs) and the teacher logits (the targets);
+2. the **student**: the speculation head in its training layout (``spd_ds.train.student``), trained by a ZeRO-2
+   engine over all ranks (fp32 weights = master weights; bf16 autocast on GPU; torch AdamW, linear warmup/decay).
+   DeepSpeed refuses ZeRO-2 inside a PipelineModule, hence the second engine.
+
+Per micro-batch: teacher forward -> draw the pipeline fill ``F`` (full with probability ``train.full_pipeline_prob``,
+else uniform in ``1..n-1``) -> head forward under the structural mask of ``F`` -> forward KL over the draft
+vocabulary -> backward -> step (DeepSpeed applies gradient accumulation). Every ``train.save_every`` steps a
+DeepSpeed checkpoint holds the head, optimizer, scheduler, RNG and data position, so ``train.resume=true``
+continues exactly where a run stopped. The final head is written with :meth:`SpeculationHead.save`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from spd_ds.config import ConfigError, ExperimentConfig, to_yaml
+from spd_ds.train.chat import EmptyMaskError, set_chat_template
+from spd_ds.train.data import BatchPlanner, iterate, load_records, tokenize_records
+from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss, position_weights, top1_agreement
+from spd_ds.train.mask import sample_fill
+
+CHECKPOINTS = "checkpoints"
+LOG_FILE = "train_log.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------------- setup pieces
+def load_ds_config(path_or_dict, micro_batch_rows: int) -> dict:
+    """The head engine's DeepSpeed config, with ``train_micro_batch_size_per_gpu`` set to our rows per micro-batch.
+
+    Raises:
+        ConfigError: missing file, an ``optimizer``/``scheduler`` section (spd-ds passes its own), or fp16.
+    """
+    if isinstance(path_or_dict, dict):
+        cfg = dict(path_or_dict)
+    else:
+        p = Path(path_or_dict or "ds_configs/zero2.json")
+        if not p.exists():
+            raise ConfigError(f"DeepSpeed config {p} not found; pass --deepspeed_config ds_configs/zero2.json")
+        cfg = json.loads(p.read_text())
+    for key in ("optimizer", "scheduler"):
+        if key in cfg:
+            raise ConfigError(f"remove the '{key}' section from the DeepSpeed config: spd-ds passes a torch AdamW "
+                              "and a warmup/linear schedule (set train.lr / train.warmup_steps)")
+    if cfg.get("fp16", {}).get("enabled"):
+        raise ConfigError("fp16 is not supported for head training; use bf16 (or train.autocast=bf16)")
+    cfg.pop("train_batch_size", None)
+    cfg["train_micro_batch_size_per_gpu"] = int(micro_batch_rows)
+    cfg.setdefault("gradient_accumulation_steps", 1)
+    cfg.setdefault("steps_per_print", 1 << 30)
+    return cfg
+
+
+class WarmupLinear:
+    """Learning-rate multiplier for ``LambdaLR``: linear warmup over ``warmup`` steps, then linear decay to 0.
+
+    Training ends after ``total`` steps or, with a time budget (``train.max_time_s``), when time runs out, whichever
+    comes first; the loop keeps :attr:`time_fraction` (elapsed / budget) up to date, and the decay follows the larger
+    of the step and the time fraction, so a time-bounded run still anneals.
+    """
+
+    def __init__(self, warmup: int, total: int) -> None:
+        self.warmup, self.total = int(warmup), int(total)
+        self.time_fraction = 0.0
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        done = (step - self.warmup) / max(1, self.total - self.warmup)
+        return max(0.0, 1.0 - max(done, self.time_fraction))
+
+
+def rng_state() -> dict:
+    """Python, NumPy and torch RNG states (saved in checkpoints)."""
+    import numpy as np
+
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    import numpy as np
+
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+@dataclasses.dataclass
+class Meter:
+    """Sums over a logging interval (all-reduced across ranks before printing)."""
+
+    loss: float = 0.0
+    micro: int = 0
+    weight: float = 0.0
+    positions: int = 0
+    tokens: int = 0
+    agree: list[int] = dataclasses.field(default_factory=list)  # per fill F = 1..n (index F)
+    count: list[int] = dataclasses.field(default_factory=list)
+
+    def reduce(self, device) -> "Meter":
+        import deepspeed.comm as dist
+
+        vals = torch.tensor([self.loss, self.micro, self.weight, self.positions, self.tokens, *self.agree, *self.count],
+                            dtype=torch.float64, device=device)
+        dist.all_reduce(vals)
+        v = vals.tolist()
+        k = len(self.agree)
+        return Meter(v[0], int(v[1]), v[2], int(v[3]), int(v[4]), [int(x) for x in v[5:5 + k]],
+                     [int(x) for x in v[5 + k:]])
+
+
+def _autocast(mode: str, device: torch.device):
+    use = mode == "bf16" or (mode == "auto" and device.type == "cuda")
+    if mode not in ("auto", "bf16", "off"):
+        raise ConfigError(f"train.autocast must be auto, bf16 or off, got {mode!r}")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if use else contextlib.nullcontext()
+
+
+def _all_min(x: int, device) -> int:
+    import deepspeed.comm as dist
+
+    t = torch.tensor([x], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def auto_pipe_degree(model_dir: Path, num_stages: int, world: int, device: torch.device,
+                     fraction: float = 0.6) -> int:
+    """``train.teacher_pipe_degree`` when unset: 1 if the target's checkpoint fits in ``fraction`` of one device's
+    memory (always on CPU), else ``n`` (each rank then holds one SPD stage), provided ``n`` divides the world size."""
+    if device.type != "cuda":
+        return 1
+    size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    total = torch.cuda.get_device_properties(device).total_memory
+    return num_stages if size > fraction * total and world % num_stages == 0 else 1
+
+
+def _say(msg: str, rank: int) -> None:
+    if rank == 0:
+        print(f"spd_ds.train: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool | None = None) -> Path | None:
+    """Distil a speculation head for ``cfg.model`` (see module doc). Call in every process of a DeepSpeed launch.
+
+    Returns:
+        The directory of the final head on the logging rank, ``None`` on the others.
+
+    Raises:
+        ConfigError: bad settings (one line, raised on every rank before any collective can hang).
+        EmptyMaskError: the data (or a batch on any rank) has no position to learn from.
+    """
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from spd_ds.builder import build_arch, build_head, build_partition, eos_token_ids, load_tokenizer
+    from spd_ds.models.adapter import resolve_dtype
+    from spd_ds.train.student import HeadTrainModule, WorldDataParallel
+    from spd_ds.train.teacher import Teacher, build_teacher_module
+
+    tc, dc = cfg.train, cfg.data
+    resume = tc.resume if resume is None else resume
+    if tc.outside_vocab not in OUTSIDE_VOCAB_POLICIES:
+        raise ConfigError(f"train.outside_vocab must be one of {OUTSIDE_VOCAB_POLICIES}, got {tc.outside_vocab!r}")
+
+    out_dir = Path(tc.output_dir)
+    ckpt_dir = out_dir / CHECKPOINTS
+    if not resume and (ckpt_dir / "latest").exists():  # checked on every rank before any collective
+        raise ConfigError(f"{ckpt_dir} already holds a run; continue it with --resume (train.resume=true) or set "
+                          "another train.output_dir")
+
+    # 1. processes and devices
+    deepspeed.init_distributed(timeout=__import__("datetime").timedelta(seconds=max(600.0, cfg.deepspeed.timeout_s)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    acc = get_accelerator()
+    if acc.device_name() == "cuda":
+        acc.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    # 2. target, partition, head (same partition for the teacher and the head)
+    arch = build_arch(cfg)
+    part = build_partition(cfg, arch)
+    tokenizer = load_tokenizer(arch)
+    set_chat_template(tokenizer, dc.chat_template)
+    head = build_head(cfg, arch, part)  # seeded with train.seed: identical on every rank
+    if cfg.head.checkpoint:
+        _say(f"starting from head.checkpoint={cfg.head.checkpoint}", rank)
+    n = part.num_stages
+    degree = tc.teacher_pipe_degree or auto_pipe_degree(arch.model_dir, n, world, device)
+    if degree not in (1, n) or world % degree:
+        raise ConfigError(f"train.teacher_pipe_degree={degree} must be 1 or n={n} and divide the world size {world}")
+    if dc.micro_batch_size % degree:
+        raise ConfigError(f"data.micro_batch_size={dc.micro_batch_size} must be a multiple of "
+                          f"train.teacher_pipe_degree={degree} (each pipeline rank trains the head on its share)")
+    tdtype = resolve_dtype(cfg.model.dtype)
+    _say(f"target {arch.model_dir} (L={arch.num_layers}), partition {part}, f(d)={part.depth_to_type}, "
+         f"draft vocab {head.draft_vocab_size}, world {world}, teacher pipe degree {degree}, device {device}", rank)
+
+    # 3. the teacher: a PipelineModule run by DeepSpeed's PipelineEngine (frozen, no optimizer)
+    tmod = build_teacher_module(arch, part, tdtype, degree, head.draft_ids.tolist(), tc.kd_temperature,
+                                dynamic_shape=not dc.pack)
+    teng, *_ = deepspeed.initialize(model=tmod, config={"train_micro_batch_size_per_gpu": dc.micro_batch_size,
+                                                       "gradient_accumulation_steps": 1,
+                                                       "steps_per_print": 1 << 30})
+    teacher = Teacher(teng, tdtype, part.num_types, arch.hidden_size, head.draft_vocab_size)
+    dp_rank, dp_world = teng.grid.get_data_parallel_id(), teng.grid.get_data_parallel_world_size()
+
+    # 4. data: records -> (regenerated) -> tokenised -> per-rank plan of packed micro-batches
+    records = load_records(dc.train_files, cfg.model.cache_dir, dc.max_conversations)
+    if dc.regenerate:
+        records = _regenerate_shared(cfg, records, tokenizer, arch, out_dir, rank, world, device,
+                                     eos_token_ids(cfg, arch, tokenizer))
+    data = tokenize_records(records, tokenizer, dc.max_seq_length, dc.min_seq_length, dc.overflow, dc.num_workers)
+    _say(f"data: {data.summary()}", rank)
+    planner = BatchPlanner(data, dc.max_seq_length, dc.micro_batch_size, dp_rank, dp_world, tc.seed, dc.pack)
+
+    # 5. the student: ZeRO-2 engine over all ranks, torch AdamW (DeepSpeed's own Adam JIT-builds for minutes on CPU)
+    ds_cfg = load_ds_config(ds_config, dc.micro_batch_size // degree)
+    gas = int(ds_cfg["gradient_accumulation_steps"])
+    steps_per_epoch = len(planner.plan(0)) // gas
+    total_steps = tc.epochs * steps_per_epoch
+    if tc.max_steps is not None:
+        total_steps = min(total_steps, tc.max_steps) if tc.epochs else tc.max_steps
+    if total_steps < 1:
+        raise ConfigError(f"no optimizer step to take: {len(planner.plan(0))} micro-batches per rank per epoch, "
+                          f"gradient_accumulation_steps={gas}; use more data or smaller batches")
+    student = HeadTrainModule(head)
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    schedule = WarmupLinear(tc.warmup_steps, total_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    engine, _, _, sched = deepspeed.initialize(model=student, optimizer=opt, lr_scheduler=sched, config=ds_cfg,
+                                               mpu=WorldDataParallel())
+    head.rotary.inv_freq = head.rotary.inv_freq.float()  # RoPE frequencies stay fp32 (as at inference)
+    autocast = _autocast(tc.autocast, device)
+    _say(f"{sum(p.numel() for p in params) / 1e6:.2f} M trainable head parameters; {steps_per_epoch} steps/epoch, "
+         f"{total_steps} steps, {gas} micro-batches/step", rank)
+
+    # 6. resume: head, optimizer, scheduler (DeepSpeed) + data position and RNG (client state)
+    step, epoch, index, micro = 0, 0, 0, 0
+    if resume:
+        if (ckpt_dir / "latest").exists():
+            _, cs = engine.load_checkpoint(str(ckpt_dir))
+            step, epoch, index, micro = cs["step"], cs["epoch"], cs["index"], cs["micro"]
+            set_rng_state(cs["rng"][rank] if rank < len(cs["rng"]) else cs["rng"][0])
+            _say(f"resumed from {ckpt_dir} at step {step} (epoch {epoch}, micro-batch {index})", rank)
+        else:
+            _say(f"train.resume: no checkpoint under {ckpt_dir}; starting fresh", rank)
+
+    # 7. logging
+    is_logger = rank == 0
+    tb = _tensorboard(out_dir) if (tc.tensorboard and is_logger) else None
+    bar = None
+    if is_logger and tc.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_steps, initial=step, desc=f"head n={n}", unit="step", dynamic_ncols=True)
+    log_path = out_dir / LOG_FILE
+    if is_logger and step == 0:
+        log_path.unlink(missing_ok=True)  # a fresh run starts a fresh log
+    meter = Meter(agree=[0] * (n + 1), count=[0] * (n + 1))
+    t_start, t_log = time.perf_counter(), time.perf_counter()
+    tokens_total, stop = 0, False
+
+    # 8. the loop
+    head.train()
+    batches = iterate(planner, epoch, index)
+    while step < total_steps and not stop:
+        epoch, index, batch = next(batches)
+        if _all_min(int(batch["valid"].sum()), device) == 0:  # every rank raises together: no hang
+            raise EmptyMaskError(f"micro-batch {index} of epoch {epoch} has no loss position on some rank")
+        mine, feats, targets = teacher(batch)
+        fill = sample_fill(n, tc.full_pipeline_prob, tc.seed, micro, rank)
+        if tc.max_time_s:
+            schedule.time_fraction = (time.perf_counter() - t_start) / tc.max_time_s
+        with autocast:
+            logits = engine(feats, mine["segments"], mine["valid"], fill)
+        weights = position_weights(targets, head.draft_ids, tc.kd_temperature, tc.outside_vocab)
+        loss = kd_loss(logits, targets, weights, tc.kd_temperature)
+        engine.backward(loss)
+        engine.step()
+        micro += 1
+        # metrics
+        agree = top1_agreement(logits.detach(), targets, head.draft_ids)
+        meter.loss += float(loss.detach())
+        meter.micro += 1
+        meter.weight += float(weights.sum())
+        meter.positions += int(agree.numel())
+        ntok = int((mine["segments"] > 0).sum())
+        meter.tokens += ntok
+        meter.agree[fill] += int(agree.sum())
+        meter.count[fill] += int(agree.numel())
+        if micro % gas:
+            continue
+        step += 1
+        if bar is not None:
+            bar.update(1)
+        if tc.max_time_s is not None:
+            over = torch.tensor([float(time.perf_counter() - t_start > tc.max_time_s)], device=device)
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+            stop = bool(over.item())
+        if step % tc.log_every == 0 or step == total_steps or stop:
+            m = meter.reduce(device)
+            now = time.perf_counter()
+            tokens_total += m.tokens
+            rec = {"step": step, "epoch": epoch, "loss": m.loss / max(m.micro, 1), "lr": sched.get_last_lr()[0],
+                   "top1_agreement": sum(m.agree) / max(sum(m.count), 1),
+                   "agreement_by_fill": {f: m.agree[f] / m.count[f] for f in range(1, n + 1) if m.count[f]},
+                   "mean_weight": m.weight / max(m.positions, 1), "loss_positions": m.positions,
+                   "tokens_per_s": m.tokens / max(now - t_log, 1e-9), "elapsed_s": now - t_start}
+            if is_logger:
+                with open(log_path, "a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+                if bar is not None:
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", agree=f"{rec['top1_agreement']:.3f}",
+                                    tok_s=f"{rec['tokens_per_s']:.0f}")
+                if tb is not None:
+                    for k in ("loss", "lr", "top1_agreement", "mean_weight", "tokens_per_s"):
+                        tb.add_scalar(f"train/{k}", rec[k], step)
+                    for f, a in rec["agreement_by_fill"].items():
+                        tb.add_scalar(f"train/agreement_fill{f}", a, step)
+            meter = Meter(agree=[0] * (n + 1), count=[0] * (n + 1))
+            t_log = now
+        if step % tc.save_every == 0 or step == total_steps or stop:
+            _save(engine, ckpt_dir, step, epoch, index + 1, micro, rank, world, tc.keep_checkpoints, device)
+
+    # 9. the final head
+    elapsed = time.perf_counter() - t_start
+    if bar is not None:
+        bar.close()
+    if tb is not None:
+        tb.close()
+    final = None
+    if is_logger:
+        final = out_dir / "head"
+        head.to(dtype=resolve_dtype(tc.save_dtype)).save(final)
+        summary = {"steps": step, "elapsed_s": elapsed, "tokens": tokens_total,
+                   "tokens_per_s": tokens_total / max(elapsed, 1e-9), "world_size": world,
+                   "teacher_pipe_degree": degree, "partition": part.to_dict(), "head": str(final)}
+        (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
+        _say(f"done: {step} steps in {elapsed:.1f} s, {summary['tokens_per_s']:.0f} tokens/s; head -> {final}", rank)
+    dist.barrier()
+    return final
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro: int, rank: int, world: int,
+          keep: int, device) -> None:
+    """DeepSpeed checkpoint ``step<N>`` with the data position and every rank's RNG state; keep the newest ``keep``."""
+    import deepspeed.comm as dist
+
+    states = [None] * world
+    dist.all_gather_object(states, rng_state())
+    client = {"step": step, "epoch": epoch, "index": next_index, "micro": micro, "rng": states}
+    engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client)
+    if rank == 0 and keep > 0:
+        tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
+        for old in tags[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def _regenerate_shared(cfg: ExperimentConfig, records, tokenizer, arch, out_dir: Path, rank: int, world: int, device,
+                       eos: list[int]):
+    """``data.regenerate``: every rank answers records ``rank::world`` with the target; all ranks read all answers."""
+    import deepspeed.comm as dist
+
+    from spd_ds.models.adapter import resolve_dtype
+    from spd_ds.train.data import iter_json_records, write_jsonl_gz
+    from spd_ds.train.regenerate import regenerate_records
+
+    dc = cfg.data
+    part_dir = out_dir / "regenerated"
+    mine = part_dir / f"part-{rank:03d}.jsonl.gz"
+    if not mine.exists():
+        recs = regenerate_records(records[rank::world], arch.model_dir, tokenizer,
+                                  max_new_tokens=dc.regenerate_max_new_tokens, temperature=dc.regenerate_temperature,
+                                  batch_size=dc.regenerate_batch_size,
+                                  max_prompt_tokens=dc.regenerate_max_prompt_tokens,
+                                  device=device, dtype=resolve_dtype(cfg.model.dtype), seed=cfg.train.seed + rank,
+                                  eos_token_ids=eos, progress=rank == 0)
+        write_jsonl_gz(recs, str(mine) + ".tmp")
+        os.replace(str(mine) + ".tmp", mine)
+    dist.barrier()
+    out = []
+    for r in range(world):
+        out += list(iter_json_records(part_dir / f"part-{r:03d}.jsonl.gz"))
+    if not out:
+        raise EmptyMaskError("data.regenerate produced no answer (no conversation with a user turn?)")
+    return out
+
+
+def _tensorboard(out_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception as e:  # noqa: BLE001 - optional dependency
+        print(f"spd_ds.train: TensorBoard unavailable ({type(e).__name__}); logging to {LOG_FILE} only",
+              file=sys.stderr)
+        return None
+    return SummaryWriter(str(out_dir / "tensorboard"))
+
+
+__all__ = ["train", "load_ds_config", "WarmupLinear", "Meter"]

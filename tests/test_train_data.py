@@ -1,0 +1,258 @@
+"""spd_ds.train.data / chat: sources, ShareGPT parsing, chat templates and assistant masks, packing, batches.
+
+Also home of :func:`make_chat_model`, the tiny random llama with a character-level tokenizer and a ChatML template
+that the other ``test_train_*`` files train on.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from spd_ds.train.chat import (
+    ChatTemplateError, EmptyMaskError, encode_conversation, has_generation_markers, set_chat_template,
+)
+from spd_ds.train.data import (
+    BatchPlanner, DataError, iter_json_records, load_records, normalize_record, pack_rows, tokenize_records,
+    write_jsonl_gz,
+)
+from tests.tiny_models import make_tiny_model
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_MARKED = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+                 "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+                 "{% endgeneration %}{{ '\n' }}{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+WORDS = "the cat dog sat on a mat and ran to see big red sun why how is it ok yes no".split()
+
+
+def make_tokenizer(template: str = CHATML):
+    """Character-level fast tokenizer (99 ids: <unk>, <|im_start|>, <|im_end|>, newline, printable ASCII)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["\n"] + [chr(i) for i in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<|im_start|>", "<|im_end|>"] + chars)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = template
+    return tok
+
+
+def make_chat_model(root: Path, num_layers: int = 4, template: str = CHATML) -> Path:
+    """A tiny random llama (vocab 128, EOS = <|im_end|> = 2) with the character tokenizer saved beside it."""
+    d = make_tiny_model(Path(root), "llama", num_layers=num_layers, vocab_size=128, eos_token_id=2, bos_token_id=1)
+    if not (d / "tokenizer.json").exists():
+        make_tokenizer(template).save_pretrained(d)
+    return d
+
+
+def make_chats(path: Path, n: int = 200, seed: int = 0, sharegpt: bool = False) -> Path:
+    """``n`` random one- or two-turn chats as JSON lines (``messages``, or ShareGPT ``conversations``)."""
+    rng = random.Random(seed)
+    recs = []
+    for _ in range(n):
+        turns = []
+        for _ in range(rng.randint(1, 2)):
+            turns.append(("user", " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))))
+            turns.append(("assistant", " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20)))))
+        if sharegpt:
+            recs.append({"id": str(len(recs)), "conversations": [
+                {"from": {"user": "human", "assistant": "gpt"}[r], "value": c} for r, c in turns]})
+        else:
+            recs.append({"messages": [{"role": r, "content": c} for r, c in turns]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def test_cut_off_json_array_is_read_record_by_record(tmp_path):
+    recs = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+            for i in range(5)]
+    text = json.dumps(recs, indent=2)
+    cut = text[: text.index('"q3"') + 2]  # cut inside the 4th record
+    p = tmp_path / "cut.json"
+    p.write_text(cut)
+    got = list(iter_json_records(p))
+    assert [r["id"] for r in got] == ["0", "1", "2"]
+    pz = tmp_path / "cut.json.gz"
+    pz.write_bytes(gzip.compress(cut.encode()))
+    assert [r["id"] for r in iter_json_records(pz)] == ["0", "1", "2"]
+    pl = tmp_path / "x.jsonl"
+    pl.write_text("\n".join(json.dumps(r) for r in recs) + "\n\n")
+    assert len(list(iter_json_records(pl))) == 5
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"a": 1}\n{oops\n')
+    with pytest.raises(DataError, match="bad.jsonl:2"):
+        list(iter_json_records(bad))
+
+
+def test_normalize_sharegpt_and_messages():
+    r = normalize_record({"conversations": [{"from": "gpt", "value": "hi first"}, {"from": "human", "value": "Q"},
+                                            {"from": "gpt", "value": "A"}, {"from": "human", "value": "  "}]})
+    assert r == {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+    assert normalize_record({"messages": [{"role": "user", "content": "only a question"}]}) is None
+    assert normalize_record({"text": "no chat"}) is None
+    pre = normalize_record({"input_ids": [5, 6, 7], "assistant_mask": [0, 1, 1]})
+    assert pre == {"input_ids": [5, 6, 7], "assistant_mask": [0, 1, 1]}
+    assert normalize_record({"input_ids": [5, 6], "assistant_mask": [1, 0]}) is None  # nothing to predict
+
+
+def test_load_records_sources(tmp_path):
+    make_chats(tmp_path / "a.jsonl", 10)
+    (tmp_path / "sub").mkdir()
+    make_chats(tmp_path / "sub" / "b.jsonl", 7, sharegpt=True)
+    write_jsonl_gz([{"input_ids": [1, 2, 3], "assistant_mask": [0, 1, 1]}], tmp_path / "sub" / "c.jsonl.gz")
+    assert len(load_records([str(tmp_path / "a.jsonl")])) == 10
+    assert len(load_records([str(tmp_path / "sub")])) == 8
+    assert len(load_records([str(tmp_path / "a.jsonl"), str(tmp_path / "sub")], limit=12)) == 12
+    with pytest.raises(DataError, match="not found"):
+        load_records(["no_such_file.jsonl"])
+    with pytest.raises(DataError, match="empty"):
+        load_records([])
+
+
+def test_parquet_source(tmp_path):
+    import datasets
+
+    recs = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(4)]
+    datasets.Dataset.from_list(recs).to_parquet(str(tmp_path / "d.parquet"))
+    got = load_records([str(tmp_path / "d.parquet")])
+    assert [r["messages"][1]["content"] for r in got] == ["a0", "a1", "a2", "a3"]
+
+
+def test_shared_sharegpt_file_if_present():
+    from tests.conftest import SHARED_DATA
+
+    p = SHARED_DATA / "sharegpt6k" / "sharegpt_6k.jsonl.gz"
+    if not p.exists():
+        pytest.skip("shared sharegpt_6k file not present")
+    recs = load_records([str(p)], limit=20)
+    assert len(recs) == 20 and all(m["role"] in ("user", "assistant", "system") for r in recs for m in r["messages"])
+
+
+# ---------------------------------------------------------------------------------------------------- chat masks
+CONVS = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello you"}],
+    [{"role": "system", "content": "be nice"}, {"role": "user", "content": "a b"},
+     {"role": "assistant", "content": "c"},
+     {"role": "user", "content": "d"}, {"role": "assistant", "content": "e f g"}],
+]
+
+
+@pytest.mark.parametrize("conv", CONVS)
+def test_prefix_diff_mask_equals_generation_marker_mask(conv):
+    plain, marked = make_tokenizer(CHATML), make_tokenizer(CHATML_MARKED)
+    assert not has_generation_markers(plain) and has_generation_markers(marked)
+    a, b = encode_conversation(plain, conv), encode_conversation(marked, conv)
+    assert a.input_ids == b.input_ids
+    assert a.assistant_mask == b.assistant_mask
+    text = "".join(plain.decode([t]) for t, m in zip(a.input_ids, a.assistant_mask) if m)
+    assert text == "".join(m["content"] + "<|im_end|>" for m in conv if m["role"] == "assistant")
+
+
+def test_prefix_diff_on_smollm2_template(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert not has_generation_markers(tok)
+    e = encode_conversation(tok, CONVS[1])
+    spans, cur = [], []
+    for t, m in zip(e.input_ids, e.assistant_mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(tok.decode(cur))
+            cur = []
+    assert spans == ["c<|im_end|>", "e f g<|im_end|>"]
+
+
+def test_truncation_and_template_errors():
+    tok = make_tokenizer()
+    e = encode_conversation(tok, CONVS[0], max_length=10)
+    assert e.truncated and len(e.input_ids) == 10
+    bare = make_tokenizer(None)
+    with pytest.raises(ChatTemplateError):
+        set_chat_template(bare, None)
+    set_chat_template(bare, CHATML)
+    assert encode_conversation(bare, CONVS[0]).num_assistant > 0
+
+
+def test_empty_assistant_mask_is_an_error():
+    # a template that drops assistant turns: nothing to learn, and tokenising says so instead of training on nothing
+    tok = make_tokenizer("{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
+                         "{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    recs = [{"messages": c} for c in CONVS]
+    with pytest.raises(EmptyMaskError, match="no training example"):
+        tokenize_records(recs, tok, 512)
+    from spd_ds.train.loss import TeacherTargets, kd_loss
+
+    empty = TeacherTargets(torch.zeros(0, 8), torch.zeros(0), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(EmptyMaskError):
+        kd_loss(torch.zeros(0, 8), empty, torch.zeros(0))
+    one = TeacherTargets(torch.zeros(1, 8), torch.zeros(1), torch.zeros(1, dtype=torch.long))
+    with pytest.raises(EmptyMaskError):  # all weights zero (e.g. every argmax outside the draft vocab, 'drop')
+        kd_loss(torch.zeros(1, 8), one, torch.zeros(1))
+
+
+# ---------------------------------------------------------------------------------------------------- batches
+def test_pack_rows_places_every_example_once():
+    rng = random.Random(1)
+    lengths = [rng.randint(1, 50) for _ in range(300)]
+    order = list(range(300))
+    rng.shuffle(order)
+    rows = pack_rows(lengths, order, 64, window=100)
+    flat = sorted(i for r in rows for i in r)
+    assert flat == list(range(300))
+    assert all(sum(lengths[i] for i in r) <= 64 for r in rows)
+    assert sum(lengths) / (64 * len(rows)) > 0.85  # dense
+
+
+def _tokenized(n=120):
+    tok = make_tokenizer()
+    rng = random.Random(0)
+    recs = [{"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(3))},
+                          {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(5))}]}
+            for _ in range(n)]
+    return tokenize_records(recs, tok, 64, 4)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_batch_planner_shards_and_collates(pack):
+    data = _tokenized()
+    planners = [BatchPlanner(data, 128, 2, r, 2, seed=3, pack=pack) for r in range(2)]
+    plans = [p.plan(0) for p in planners]
+    assert len(plans[0]) == len(plans[1]) > 0
+    used = [i for p in plans for mb in p.micro_batches for row in mb for i in row]
+    assert len(used) == len(set(used))  # no example twice in an epoch, across ranks
+    assert planners[0].plan(0).micro_batches == plans[0].micro_batches  # deterministic
+    assert planners[0].plan(1).micro_batches != plans[0].micro_batches  # reshuffled per epoch
+    b = planners[0].collate(plans[0].micro_batches[0])
+    assert b["input_ids"].shape == b["segments"].shape == b["valid"].shape
+    if pack:
+        assert b["input_ids"].shape == (2, 128)
+    # valid[t] <=> token t+1 is an assistant token of the same document
+    for r, row in enumerate(plans[0].micro_batches[0]):
+        t = 0
+        for i in row:
+            ids, m = data.input_ids[i], data.assistant_mask[i]
+            assert b["input_ids"][r, t:t + len(ids)].tolist() == ids
+            assert b["valid"][r, t:t + len(ids)].tolist() == [bool(x) for x in m[1:]] + [False]
+            t += len(ids)
+        assert not b["valid"][r, t:].any() and not b["segments"][r, t:].any()
+
+
+def test_planner_refuses_too_little_data():
+    data = _tokenized(3)
+    with pytest.raises(DataError, match="fewer than"):
+        BatchPlanner(data, 64, 4, 0, 2).plan(0)

@@ -1,0 +1,139 @@
+"""Training computes, numerically, what inference computes.
+
+The reference decoder drafts with a :class:`HeadDrafter` (KV cache, rows at their pipeline depth); the training
+path runs the teacher stages (``spd_ds.train.teacher``) over the finished sequence and the head in its training
+layout (``spd_ds.train.student``) at the fill each draft was made with. Their draft logits agree (fp32, CPU) — for
+a two-layer tower, a non-injective ``f`` and every fill — and packing two documents into one row changes nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+from spd_ds.decoding.reference import SPDReferenceDecoder
+from spd_ds.head import SpeculationHead
+from spd_ds.models.adapter import Target, TargetArch
+from spd_ds.partition import StagePartition
+from spd_ds.train.loss import kd_loss, position_weights
+from spd_ds.train.student import HeadTrainModule
+from spd_ds.train.teacher import TeacherStage
+from tests.tiny_models import make_tiny_model
+
+
+def teacher_forward(stages, ids, segments, valid):
+    """The degree-1 PipelineModule's forward: the stages in turn."""
+    x = (ids, segments, valid.long())
+    for st in stages:
+        x = st(x)
+    return x
+
+
+@pytest.fixture(scope="module")
+def arch8(tmp_path_factory):
+    return TargetArch(make_tiny_model(tmp_path_factory.mktemp("layout"), "llama", num_layers=8))
+
+
+@pytest.mark.parametrize("stage_layers,anchors,num_layers", [
+    ((4, 4), None, 2),
+    ((2, 2, 2, 2), (0, 4, 8), 2),  # non-injective f = 0,0,1,1,2
+    ((3, 3, 2), None, 1),
+])
+def test_training_logits_equal_inference_draft_logits(arch8, stage_layers, anchors, num_layers):
+    torch.manual_seed(0)
+    part = StagePartition.build(8, stage_layers=stage_layers, anchors=anchors)
+    n = part.num_stages
+    draft_ids = sorted(set(range(0, arch8.vocab_size, 3)) | {2})
+    head = SpeculationHead(arch8, part, num_layers, draft_ids)
+    with torch.no_grad():  # a non-trivial head
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    target = Target(arch8, part, torch.float32, "cpu")
+    prompt = [5, 9, 13, 4, 7, 11]
+    ar = SPDReferenceDecoder(target, OracleDrafter([], 0.0, vocab_size=arch8.vocab_size), max_len=64)
+    ar = ar.generate(prompt, 24)
+    seq = prompt + ar.tokens
+    # inference: every draft accepted (oracle), so every in-flight token is the final one; record logits per draft
+    drafter = HeadDrafter(head, 64, torch.float32, "cpu")
+    records, logits_seen = [], []
+    orig_logits, orig_propose = head.logits, drafter.propose
+
+    def logits_hook(h):
+        out = orig_logits(h)
+        logits_seen.append(out.clone())
+        return out
+
+    def propose(completed, inflight, types, start, sampling):
+        d = orig_propose(completed, inflight, types, start, sampling)
+        records.append((start + completed.shape[0] + inflight.shape[0] - 1, inflight.shape[0]))
+        return d
+
+    head.logits = logits_hook
+    drafter.propose = propose
+    out = SPDReferenceDecoder(target, OracleDrafter(seq, 1.0, base=drafter), max_len=64).generate(prompt, 24)
+    head.logits = orig_logits
+    assert out.tokens == ar.tokens
+    assert {f for _, f in records} == set(range(1, n + 1))
+
+    # training: teacher stages over the whole sequence, head in its layout at each fill
+    stages = [TeacherStage(arch8, part, s, torch.float32, draft_ids) for s in range(n)]
+    ids = torch.tensor([seq])
+    seg = torch.ones_like(ids)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    feats, ld, lse, am = teacher_forward(stages, ids, seg, valid)
+    student = HeadTrainModule(head).eval()
+    with torch.no_grad():
+        by_fill = {F: student(feats, seg, valid, F) for F in range(1, n + 1)}
+    checked = 0
+    for (P, F), lg in zip(records, logits_seen):
+        if P >= len(seq):  # drafted after the last returned token: its in-flight tokens are not in seq
+            continue
+        checked += 1
+        torch.testing.assert_close(by_fill[F][P], lg, atol=2e-5, rtol=2e-5)
+    assert checked >= len(ar.tokens) - n
+
+    # teacher targets equal the target's own logits at those positions
+    full = target.ends.logits(_hidden_last(target, seq))
+    torch.testing.assert_close(ld, full[:, draft_ids], atol=1e-5, rtol=1e-5)
+    assert torch.equal(am, full.argmax(-1))
+
+    # packing: the same document after another one in the row gives the same logits
+    other = [3, 8, 1, 1, 6]
+    ids2 = torch.tensor([other + seq])
+    seg2 = torch.tensor([[1] * len(other) + [2] * len(seq)])
+    valid2 = torch.zeros_like(ids2, dtype=torch.bool)
+    valid2[0, len(other):] = True
+    feats2, ld2, *_ = teacher_forward(stages, ids2, seg2, valid2)
+    torch.testing.assert_close(ld2, ld, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        for F in range(1, n + 1):
+            torch.testing.assert_close(student(feats2, seg2, valid2, F), by_fill[F], atol=2e-5, rtol=2e-5)
+
+
+def _hidden_last(target, seq):
+    h = target.ends.embed(torch.tensor([seq]))
+    pos = torch.arange(len(seq))
+    for st in target.stages:
+        h, _ = st(h, pos, None)
+    return h[0]
+
+
+def test_every_trainable_parameter_gets_a_gradient_at_every_fill(arch8):
+    part = StagePartition.build(8, stage_layers=(2, 2, 2, 2), anchors=(0, 4, 8))
+    head = SpeculationHead(arch8, part, 1, list(range(40)))
+    student = HeadTrainModule(head)
+    stages = [TeacherStage(arch8, part, s, torch.float32, list(range(40))) for s in range(4)]
+    ids = torch.randint(3, 90, (2, 12))
+    seg = torch.ones_like(ids)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    feats, ld, lse, am = teacher_forward(stages, ids, seg, valid)
+    from spd_ds.train.loss import TeacherTargets
+
+    t = TeacherTargets(ld, lse, am)
+    for F in (1, 2, 4):
+        student.zero_grad()
+        loss = kd_loss(student(feats, seg, valid, F), t, position_weights(t, head.draft_ids, 1.0, "weight"))
+        loss.backward()
+        missing = [n for n, p in student.named_parameters() if p.requires_grad and p.grad is None]
+        assert not missing, (F, missing)

@@ -1,0 +1,69 @@
+"""spd_ds.train.loss and the loop's small pieces: KD loss, outside-vocabulary weights, agreement, schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spd_ds.config import ConfigError
+from spd_ds.train.loop import WarmupLinear, load_ds_config
+from spd_ds.train.loss import TeacherTargets, kd_loss, position_weights, top1_agreement
+
+
+def _targets(z_full: torch.Tensor, draft_ids: torch.Tensor, T: float = 1.0) -> TeacherTargets:
+    return TeacherTargets(z_full[:, draft_ids], torch.logsumexp(z_full / T, -1), z_full.argmax(-1))
+
+
+def test_kd_loss_is_forward_kl_over_the_draft_vocab():
+    torch.manual_seed(0)
+    V, ids = 20, torch.tensor([0, 2, 3, 7, 11, 19])
+    z = torch.randn(5, V) * 3
+    s = torch.randn(5, ids.numel(), requires_grad=True)
+    t = _targets(z, ids, 2.0)
+    w = torch.tensor([1.0, 0.5, 0.0, 2.0, 1.0])
+    loss = kd_loss(s, t, w, temperature=2.0)
+    p = torch.softmax(z[:, ids] / 2.0, -1)
+    q = torch.softmax(s / 2.0, -1)
+    kl = (p * (p.log() - q.log())).sum(-1)
+    assert torch.allclose(loss, 4.0 * (w * kl).sum() / w.sum(), atol=1e-6)
+    loss.backward()
+    assert s.grad.abs().sum() > 0 and s.grad[2].abs().sum() == 0  # zero weight: no gradient
+    # the minimum is the teacher restricted to D
+    assert kd_loss(z[:, ids] / 1.0, _targets(z, ids), torch.ones(5)).abs() < 1e-6
+    assert loss.dtype == torch.float32
+    with pytest.raises(ValueError):
+        kd_loss(s, t, w, temperature=0.0)
+
+
+def test_outside_vocab_policies_and_agreement():
+    ids = torch.tensor([0, 1, 2])
+    z = torch.tensor([[5.0, 0, 0, 0, 0, 0],    # argmax 0 in D
+                      [0.0, 0, 0, 5, 0, 0]])   # argmax 3 outside D
+    t = _targets(z, ids)
+    w = position_weights(t, ids, 1.0, "weight")
+    mass = torch.softmax(z, -1)[:, :3].sum(-1)
+    assert torch.allclose(w, mass, atol=1e-6) and w[0] > 0.9 and w[1] < 0.05
+    assert position_weights(t, ids, 1.0, "drop").tolist() == [1.0, 0.0]
+    assert position_weights(t, ids, 1.0, "keep").tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError):
+        position_weights(t, ids, 1.0, "nope")
+    s = torch.tensor([[3.0, 0, 0], [0.0, 0, 3]])
+    assert top1_agreement(s, t, ids).tolist() == [True, False]  # an argmax outside D is never matched
+
+
+def test_lr_schedule_and_ds_config(tmp_path):
+    f = WarmupLinear(4, 20)
+    assert [round(f(s), 3) for s in (0, 3, 4, 12, 20, 25)] == [0.25, 1.0, 1.0, 0.5, 0.0, 0.0]
+    assert math.isclose(WarmupLinear(0, 10)(0), 1.0)
+    f.time_fraction = 0.75  # a time budget three quarters spent decays faster than the steps say
+    assert math.isclose(f(12), 0.25)
+    cfg = load_ds_config("ds_configs/zero2.json", 6)
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["train_micro_batch_size_per_gpu"] == 6
+    with pytest.raises(ConfigError, match="optimizer"):
+        load_ds_config({"optimizer": {"type": "AdamW"}}, 1)
+    with pytest.raises(ConfigError, match="fp16"):
+        load_ds_config({"fp16": {"enabled": True}}, 1)
+    with pytest.raises(ConfigError, match="not found"):
+        load_ds_config(str(tmp_path / "none.json"), 1)

@@ -1,0 +1,137 @@
+"""End to end: ``deepspeed --num_gpus 2 launch/train.py`` on CPU (gloo), ZeRO-2, a tiny random llama.
+
+Slow tier (each launch starts two Python processes with torch, transformers and DeepSpeed; the very first DeepSpeed
+launch on a machine also JIT-builds its CPU communication op, about 100 s once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_train_data import make_chat_model, make_chats
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _experiment(tmp: Path, model: Path, data: Path, **train) -> Path:
+    cfg = {
+        "model": {"name": str(model), "dtype": "float32"},
+        "partition": {"num_stages": 2},
+        "head": {"num_layers": 1},
+        "data": {"train_files": [str(data)], "max_seq_length": 128, "micro_batch_size": 2, "min_seq_length": 4},
+        "train": {"output_dir": str(tmp / "run"), "max_steps": 12, "lr": 3e-3, "warmup_steps": 2, "log_every": 1,
+                  "save_every": 6, "progress": False, **train},
+    }
+    path = tmp / "exp.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _launch(config: Path, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
+           str(_free_port()), "launch/train.py", "--config", str(config), "--deepspeed_config",
+           "ds_configs/zero2.json", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return proc
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "train_log.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train_run")
+    model = make_chat_model(tmp)
+    data = make_chats(tmp / "chats.jsonl", 200)
+    return tmp, model, data
+
+
+@pytest.fixture(scope="module")
+def run_a(setup):
+    tmp, model, data = setup
+    (tmp / "a").mkdir()
+    cfg = _experiment(tmp / "a", model, data)
+    proc = _launch(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp / "a" / "run", proc
+
+
+@pytest.mark.slow
+def test_two_ranks_zero2_lower_the_loss_and_save_a_head(run_a, setup):
+    run, proc = run_a
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, 13))
+    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (10, 11, 12)) / 3
+    assert last < 0.7 * first, losses
+    rec = json.loads((run / "train_log.jsonl").read_text().splitlines()[-1])
+    assert set(rec["agreement_by_fill"]) <= {"1", "2"} and rec["tokens_per_s"] > 0
+    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step12", "step6"]
+    from spd_ds.head import SpeculationHead
+    from spd_ds.models.adapter import TargetArch
+
+    head = SpeculationHead.load(run / "head", TargetArch(setup[1]))
+    assert head.partition.num_stages == 2 and head.num_layers == 1
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["steps"] == 12 and summary["tokens_per_s"] > 0 and summary["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(run_a, setup):
+    tmp, model, data = setup
+    run_a_dir, _ = run_a
+    (tmp / "b").mkdir()
+    cfg = _experiment(tmp / "b", model, data)
+    ck = tmp / "b" / "run" / "checkpoints"
+    ck.mkdir(parents=True)
+    shutil.copytree(run_a_dir / "checkpoints" / "step6", ck / "step6")  # as if the run had stopped after step 6
+    (ck / "latest").write_text("step6")
+    fresh = _launch(cfg)  # a fresh start must not overwrite a run
+    assert fresh.returncode == 2 and "--resume" in fresh.stderr
+    proc = _launch(cfg, "--resume")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    a, b = _losses(run_a_dir), _losses(tmp / "b" / "run")
+    assert sorted(b) == list(range(7, 13))
+    assert [b[s] for s in range(7, 13)] == [a[s] for s in range(7, 13)]
+    sa = torch.load(run_a_dir / "checkpoints" / "step12" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    sb = torch.load(ck / "step12" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.slow
+def test_teacher_pipeline_degree_n(setup):
+    tmp, model, data = setup
+    (tmp / "c").mkdir()
+    cfg = _experiment(tmp / "c", model, data, teacher_pipe_degree=2, max_steps=8, save_every=100)
+    proc = _launch(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pipe=1, data=0" in proc.stdout + proc.stderr  # a real two-stage pipeline
+    losses = _losses(tmp / "c" / "run")
+    assert losses[8] < losses[1]
+
+
+def test_bad_config_fails_fast_with_one_line(tmp_path):
+    sys.path.insert(0, str(REPO / "launch"))
+    import train as train_launcher
+
+    assert train_launcher.main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert train_launcher.main(["train.no_such_key=1"]) == 2
