@@ -19,6 +19,18 @@ from spd_ds.models.adapter import Target, TargetArch, resolve_dtype
 from spd_ds.partition import PartitionError, StagePartition
 
 
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_path(path: str | None) -> str | None:
+    """A relative path from the config, taken from the working directory, else from the repository / install root
+    (so ``spd_ds/assets/...`` and ``draft_vocab/...`` work from anywhere)."""
+    if path is None or Path(path).is_absolute() or Path(path).exists():
+        return path
+    alt = _REPO_ROOT / path
+    return str(alt) if alt.exists() else path
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` -> cuda if available else cpu."""
     if name == "auto":
@@ -45,6 +57,8 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
         ConfigError: invalid partition, or one that disagrees with the head checkpoint.
     """
     p = cfg.partition
+    cfg.head.checkpoint = resolve_path(cfg.head.checkpoint)
+    cfg.head.draft_vocab = resolve_path(cfg.head.draft_vocab)
     try:
         part = StagePartition.build(arch.num_layers, p.num_stages if p.stage_layers is None else None,
                                     p.stage_layers, p.anchors)
@@ -62,6 +76,8 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
 
 def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartition) -> SpeculationHead:
     """Load ``head.checkpoint`` or make an untrained head (draft vocabulary from ``head.draft_vocab``)."""
+    cfg.head.checkpoint = resolve_path(cfg.head.checkpoint)
+    cfg.head.draft_vocab = resolve_path(cfg.head.draft_vocab)
     if cfg.head.checkpoint:
         return SpeculationHead.load(cfg.head.checkpoint, arch, partition)
     ids = load_draft_vocab(cfg.head.draft_vocab) if cfg.head.draft_vocab else None

@@ -158,6 +158,7 @@ class SpeculationHead(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        state["draft_ids"] = state["draft_ids"].to(torch.int32)  # ids < 2^31: half the bytes on disk
         save_file(state, str(path / HEAD_WEIGHTS))
         meta = {
             "format_version": HEAD_FORMAT_VERSION,
@@ -211,6 +212,7 @@ class SpeculationHead(nn.Module):
                 "drop the partition overrides or train a head for this partition"
             )
         state = load_file(str(Path(path) / HEAD_WEIGHTS))
+        state["draft_ids"] = state["draft_ids"].long()
         head = cls(arch, saved, meta["num_layers"], state["draft_ids"].tolist(), meta.get("intermediate_size"),
                    init_from_target=False)
         head.load_state_dict(state)

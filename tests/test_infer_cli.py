@@ -19,7 +19,9 @@ def run(cmd, timeout=600):
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "deepspeed"])
 def test_infer_answers_match_ar(smollm2_dir, tmp_path, launcher):
-    args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=12", "partition.num_stages=3",
+    # python: the shipped n=2 head; deepspeed (one process): an untrained head at n=3
+    extra = [] if launcher == "python" else ["partition.num_stages=3", "head.checkpoint=null"]
+    args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=12", *extra,
             "--prompt", "What is the capital of France?", "--prompt", "Name three colours.",
             "--output", str(tmp_path / "out.jsonl")]
     cmd = [sys.executable, *args] if launcher == "python" else ["deepspeed", "--num_gpus", "1", *args]
@@ -42,3 +44,10 @@ def test_too_many_stages_is_a_clear_error(smollm2_dir):
     r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "partition.num_stages=31", "--prompt", "hi"])
     assert r.returncode == 2
     assert "partition.num_stages=31 exceeds the model's 30 decoder layers" in r.stderr
+
+
+@pytest.mark.slow
+def test_head_for_another_partition_is_refused(smollm2_dir):
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "partition.num_stages=3", "--prompt", "hi"])
+    assert r.returncode == 2
+    assert "was trained for partition" in r.stderr and "partition.num_stages=2" in r.stderr
