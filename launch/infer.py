@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spd_ds import builder  # noqa: E402
-from spd_ds.config import ConfigError, load_config, to_yaml  # noqa: E402
+from spd_ds.config import ConfigError, load_config  # noqa: E402
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_tok_s  # noqa: E402
 
 log = logging.getLogger("spd_ds.infer")

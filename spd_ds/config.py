@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 

@@ -1,12 +1,10 @@
 """Warpers, verification rules, and the T > 0 lossless property (chi-square against exact target probabilities)."""
 
-import itertools
 
 import pytest
 import torch
 from scipy import stats
 
-from spd_ds.decoding.ar import ARDecoder
 from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
 from spd_ds.decoding.reference import SPDReferenceDecoder, prefill
 from spd_ds.decoding.sampling import SamplingParams, keyed_uniform, logits_to_probs, sample_from_probs, warp_logits

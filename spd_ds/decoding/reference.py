@@ -26,8 +26,8 @@ import torch
 
 from spd_ds.decoding.drafters import Draft, Drafter
 from spd_ds.decoding.metrics import SPDMetrics
-from spd_ds.decoding.sampling import STREAM_ACCEPT, STREAM_TARGET, SamplingParams, keyed_uniform, logits_to_probs, sample_from_probs
-from spd_ds.decoding.verify import verify_greedy, verify_sampling
+from spd_ds.decoding.sampling import STREAM_TARGET, SamplingParams, keyed_uniform, logits_to_probs, sample_from_probs
+from spd_ds.decoding.verify import verify_draft
 from spd_ds.models.adapter import Target
 
 
@@ -202,13 +202,7 @@ class SPDReferenceDecoder:
             t = time.perf_counter()
             cand = pipeline[1]
             logits = target.ends.logits(oldest.hidden[0, 0])
-            if sampling.greedy:
-                ok, token = verify_greedy(logits, cand.token)
-            else:
-                p = logits_to_probs(logits, sampling)
-                q = cand.draft.q_full(p.shape[0], p.device)
-                ok, token = verify_sampling(p, q, cand.token, keyed_uniform(sampling.seed, cand.pos, STREAM_ACCEPT),
-                                            keyed_uniform(sampling.seed, cand.pos, STREAM_TARGET))
+            ok, token = verify_draft(logits, cand.token, cand.draft.q_full, cand.pos, sampling)
             metrics.num_drafts += 1
             metrics.drafts_by_fill[cand.fill] += 1
             completed.append(oldest.feats)

@@ -43,3 +43,25 @@ def verify_sampling(p: torch.Tensor, q: torch.Tensor, draft: int, u_accept: floa
     if float(residual.sum()) <= 1e-12:  # q dominates p everywhere it matters: the residual is p itself
         residual = p
     return False, sample_from_probs(residual, u_resample)
+
+
+def verify_draft(target_logits: torch.Tensor, draft_token: int, q_full, position: int, sampling) -> tuple[bool, int]:
+    """The verification step every decoder runs: greedy match at T = 0, speculative sampling at T > 0.
+
+    Args:
+        target_logits: ``[V]`` fp32 target logits at the position before the draft.
+        draft_token: the drafted token at ``position``.
+        q_full: callable ``(V, device) -> [V]`` giving the draft distribution (only called at T > 0).
+        position: the draft's token position (keys the uniforms, see ``spd_ds.decoding.sampling``).
+        sampling: :class:`~spd_ds.decoding.sampling.SamplingParams`.
+    Returns:
+        ``(accepted, token)``: the emitted token is the draft or the replacement.
+    """
+    from spd_ds.decoding.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs
+
+    if sampling.greedy:
+        return verify_greedy(target_logits, draft_token)
+    p = logits_to_probs(target_logits, sampling)
+    q = q_full(p.shape[0], p.device)
+    return verify_sampling(p, q, draft_token, keyed_uniform(sampling.seed, position, STREAM_ACCEPT),
+                           keyed_uniform(sampling.seed, position, STREAM_TARGET))

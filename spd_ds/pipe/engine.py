@@ -28,8 +28,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from spd_ds.decoding.drafters import Draft, Drafter
 from spd_ds.decoding.metrics import SPDMetrics
 from spd_ds.decoding.reference import GenerationResult, check_prompt, eos_set, first_token
-from spd_ds.decoding.sampling import STREAM_ACCEPT, STREAM_TARGET, SamplingParams, keyed_uniform, logits_to_probs
-from spd_ds.decoding.verify import verify_greedy, verify_sampling
+from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.decoding.verify import verify_draft
 from spd_ds.models.adapter import TargetStage
 from spd_ds.models.graphs import GraphedStage
 from spd_ds.pipe import schedule as sch
@@ -595,13 +595,7 @@ class SPDPipelineEngine(PipelineEngine):
         t = time.perf_counter()
         cand = st.pipeline[1]
         logits = self.ends.logits(oldest.hidden[0, 0])
-        if sampling.greedy:
-            ok, token = verify_greedy(logits, cand.token)
-        else:
-            p = logits_to_probs(logits, sampling)
-            q = cand.draft.q_full(p.shape[0], p.device)
-            ok, token = verify_sampling(p, q, cand.token, keyed_uniform(sampling.seed, cand.pos, STREAM_ACCEPT),
-                                        keyed_uniform(sampling.seed, cand.pos, STREAM_TARGET))
+        ok, token = verify_draft(logits, cand.token, cand.draft.q_full, cand.pos, sampling)
         m = st.metrics
         m.num_drafts += 1
         m.drafts_by_fill[cand.fill] += 1
