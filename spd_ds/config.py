@@ -223,6 +223,17 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"partition.num_stages must be >= 1, got {cfg.partition.num_stages}")
     if cfg.decoding.max_new_tokens < 1:
         raise ConfigError(f"decoding.max_new_tokens must be >= 1, got {cfg.decoding.max_new_tokens}")
+    from spd_ds.decoding.sampling import SamplingParams
+
+    d = cfg.decoding
+    try:
+        SamplingParams(d.temperature, d.top_k, d.top_p, d.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.data.num_prompts is not None and cfg.data.num_prompts < 1:
+        raise ConfigError(f"data.num_prompts must be >= 1 (or null for all), got {cfg.data.num_prompts}")
+    if not 0.0 <= d.oracle_alpha <= 1.0:
+        raise ConfigError(f"decoding.oracle_alpha must be in [0, 1], got {d.oracle_alpha}")
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:

@@ -11,6 +11,8 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# prompt sets: the team's shared copy when present (beside the checkout), else the registry packages
+EVAL_SOURCE = SHARED_DATA / "eval_data" if (SHARED_DATA / "eval_data").is_dir() else None
 
 
 @pytest.fixture(scope="session")

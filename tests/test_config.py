@@ -38,5 +38,11 @@ def test_bad_values():
         load_config(None, ["num_stages=2"])
     with pytest.raises(ConfigError, match="head.placement"):
         load_config(None, ["head.placement=sideways"])
+    with pytest.raises(ConfigError, match="decoding.temperature must be >= 0"):
+        load_config(None, ["decoding.temperature=-1"])
+    with pytest.raises(ConfigError, match="top_p must be in"):
+        load_config(None, ["decoding.top_p=2"])
+    with pytest.raises(ConfigError, match="data.num_prompts must be >= 1"):
+        load_config(None, ["data.num_prompts=0"])
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent.yaml")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SHARED_DATA
+from tests.conftest import EVAL_SOURCE
 from tests.test_eval_random_weights import make_random_shape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def test_eval_cli_smollm2_prompt_sets(tmp_path, smollm2_dir):
     from spd_ds.eval.prompts import materialize_prompt_set
 
     for name in ("mt_bench", "humaneval"):
-        materialize_prompt_set(name, tmp_path / "eval_data", source_dir=SHARED_DATA / "eval_data")
+        materialize_prompt_set(name, tmp_path / "eval_data", source_dir=EVAL_SOURCE)
     p = run(["launch/eval.py", "--config", "launch/configs/smollm2_spd.yaml", "--strict-exact",
              "eval.prompt_sets=[mt_bench,humaneval]", f"data.eval_dir={tmp_path / 'eval_data'}", "data.num_prompts=1",
              "decoding.max_new_tokens=8", "eval.baselines=[ar,hf_generate]", f"eval.output_dir={tmp_path / 'out'}",
