@@ -158,7 +158,9 @@ class SpeculationHead(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        state["draft_ids"] = state["draft_ids"].to(torch.int32)  # ids < 2^31: half the bytes on disk
+        mask = torch.zeros(self.arch.vocab_size, dtype=torch.bool)  # sorted unique ids <=> a vocabulary mask
+        mask[state.pop("draft_ids")] = True
+        state["draft_mask"] = mask
         save_file(state, str(path / HEAD_WEIGHTS))
         meta = {
             "format_version": HEAD_FORMAT_VERSION,
@@ -212,6 +214,8 @@ class SpeculationHead(nn.Module):
                 "drop the partition overrides or train a head for this partition"
             )
         state = load_file(str(Path(path) / HEAD_WEIGHTS))
+        if "draft_mask" in state:
+            state["draft_ids"] = state.pop("draft_mask").nonzero().flatten()
         state["draft_ids"] = state["draft_ids"].long()
         head = cls(arch, saved, meta["num_layers"], state["draft_ids"].tolist(), meta.get("intermediate_size"),
                    init_from_target=False)
