@@ -92,6 +92,7 @@ class SpeculationHead(nn.Module):
     # ------------------------------------------------------------------ forward pieces
     @property
     def draft_vocab_size(self) -> int:
+        """``V_d``, size of the draft vocabulary."""
         return int(self.draft_ids.numel())
 
     def aggregate(self, feats: torch.Tensor, types: Sequence[int]) -> torch.Tensor:
@@ -105,9 +106,9 @@ class SpeculationHead(nn.Module):
         """
         R, _, H = feats.shape
         out = feats.new_empty(R, H)
-        types_t = torch.as_tensor(list(types))
-        for k in sorted(set(int(t) for t in types)):
-            idx = (types_t == k).nonzero().flatten().tolist()
+        types = [int(t) for t in types]
+        for k in sorted(set(types)):
+            idx = [r for r, t in enumerate(types) if t == k]  # host-side: no device round trip per cycle
             out[idx] = self.aggr[k](feats[idx, : k + 1].reshape(len(idx), (k + 1) * H))
         return out
 

@@ -77,6 +77,7 @@ class HeadDrafter:
 
     @torch.no_grad()
     def start(self, prompt_feats: torch.Tensor) -> None:
+        """Commit the prompt's rows (``prompt_feats [s0, m, H]``, all at the deepest type) to the head's KV cache."""
         self.cache.reset()
         s0 = prompt_feats.shape[0]
         rows = self.head.aggregate(prompt_feats.to(self.dtype), [self.m - 1] * s0)
@@ -84,6 +85,8 @@ class HeadDrafter:
 
     @torch.no_grad()
     def propose(self, completed, inflight, inflight_types, start_pos, sampling) -> Draft:
+        """See :class:`Drafter`. Rows of ``completed`` are committed to the cache; in-flight rows are not (their depth
+        changes next cycle). Raises RuntimeError if ``start_pos`` is not the cache length (a broken cycle)."""
         C = self.cache.length
         if C != start_pos:
             raise RuntimeError(f"head cache holds {C} positions but the window starts at {start_pos}")
@@ -128,10 +131,13 @@ class OracleDrafter:
         self.reference, self.alpha, self.base, self.vocab_size, self.seed = list(reference), alpha, base, vocab_size, seed
 
     def start(self, prompt_feats: torch.Tensor) -> None:
+        """Start the base drafter, if any (the oracle itself keeps no per-prompt state)."""
         if self.base is not None:
             self.base.start(prompt_feats)
 
     def propose(self, completed, inflight, inflight_types, start_pos, sampling) -> Draft:
+        """See :class:`Drafter`: the reference token with probability ``alpha`` (deterministic, ``q`` one-hot), else
+        the base drafter's draft or a sure-to-be-rejected token."""
         pos = start_pos + completed.shape[0] + inflight.shape[0]
         base = self.base.propose(completed, inflight, inflight_types, start_pos, sampling) if self.base else None
         hit = pos < len(self.reference) and keyed_uniform(self.seed, pos, STREAM_ORACLE) < self.alpha

@@ -47,14 +47,17 @@ class SPDMetrics:
 
     @property
     def draft_acceptance_rate(self) -> float:
+        """accepted / verified drafts (0 without drafts)."""
         return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     @property
     def tokens_per_cycle(self) -> float:
+        """N / K (0 without cycles)."""
         return self.num_new_tokens / self.num_cycles if self.num_cycles else 0.0
 
     @property
     def equivalent_accept_length(self) -> float:
+        """n · N / K, the paper's L'_acc."""
         return self.num_stages * self.tokens_per_cycle
 
     @property

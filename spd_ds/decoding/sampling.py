@@ -59,6 +59,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True at temperature 0 (argmax decoding, exact-match verification)."""
         return self.temperature == 0.0
 
 

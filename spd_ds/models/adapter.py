@@ -96,27 +96,33 @@ class TargetArch:
     # ---- geometry -----------------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
+        """``L``, decoder layers of the target."""
         return int(self.config.num_hidden_layers)
 
     @property
     def hidden_size(self) -> int:
+        """``H``, residual-stream width."""
         return int(self.config.hidden_size)
 
     @property
     def vocab_size(self) -> int:
+        """``V``, target vocabulary size."""
         return int(self.config.vocab_size)
 
     @property
     def num_kv_heads(self) -> int:
+        """KV heads per layer (GQA)."""
         return int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
 
     @property
     def head_dim(self) -> int:
+        """Per-head width of queries/keys/values."""
         hd = getattr(self.config, "head_dim", None)
         return int(hd) if hd else self.hidden_size // int(self.config.num_attention_heads)
 
     @property
     def max_positions(self) -> int:
+        """Context length in positions (``max_position_embeddings``)."""
         return int(getattr(self.config, "max_position_embeddings", 1 << 20))
 
     @property
@@ -126,6 +132,7 @@ class TargetArch:
 
     @property
     def tied_embeddings(self) -> bool:
+        """True when the LM head shares the embedding matrix (or the checkpoint has no ``lm_head.weight``)."""
         return bool(getattr(self.config, "tie_word_embeddings", False)) or not self._weights.has("lm_head.weight")
 
     # ---- module factories ----------------------------------------------------------------------------
@@ -134,9 +141,11 @@ class TargetArch:
         return self.layer_cls(config or self.config, layer_idx=idx)
 
     def make_norm(self) -> nn.Module:
+        """The target's RMSNorm class over ``H`` (random init; load weights with :meth:`load_into`)."""
         return self.norm_cls(self.hidden_size, eps=self.config.rms_norm_eps)
 
     def make_rotary(self, config=None) -> nn.Module:
+        """The target's rotary-embedding module (``forward(x, position_ids [B, q]) -> (cos, sin)``, fp32 inv_freq)."""
         return self.rotary_cls(config=config or self.config)
 
     def load_tensor(self, name: str) -> torch.Tensor:
@@ -374,9 +383,11 @@ class TargetEnds(nn.Module):
         self.eval().requires_grad_(False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: ``ids [1, q] int64 -> [1, q, H]`` in the compute dtype."""
         return self.embedding(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target logits: raw last-layer states ``[.., H]`` -> final norm -> LM head -> fp32 ``[.., V]``."""
         return self.lm_head(self.norm(hidden)).float()
 
 

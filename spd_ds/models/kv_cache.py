@@ -91,6 +91,7 @@ class StageKVCache:
         return k[:, :, :end], v[:, :, :end]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Committed positions (same for every layer of the cache)."""
         return self.length
 
     # ---- SPD bookkeeping ------------------------------------------------------------------------
