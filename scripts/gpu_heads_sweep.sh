@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# Suite (c) of docs/benchmarks.md on one GPU node: SPD and PPSD speculation heads for SmolLM2-135M-Instruct at every
+# n in $STAGES, trained with one recipe, then their acceptance through the reference decoder.
+#
+# Phases ($PHASES, default "regen train eval"; each phase reuses what the earlier ones left in $WORK, so they can
+# run in separate commands on a machine that stays up):
+#   regen  the target answers the first user turn of the carried ShareGPT conversations (as scripts/gpu_train_heads.sh)
+#          -> $WORK/regen.jsonl.gz
+#   train  for each n: an SPD head (default anchors: every stage boundary) and a PPSD head (anchors [0, e_1]: features
+#          of the first stage only), same data, same hyper-parameters, same time budget ($TRAIN_SECONDS). The two
+#          heads of one n train at the same time on the same GPU (equal share); n values go round-robin over the
+#          GPUs, one wave of NUM_GPUS pairs at a time. -> $WORK/heads/{spd,ppsd}_n<n>/head
+#   eval   each head through launch/eval.py (reference decoder, fp32, T = 0, no baselines) on $EVAL_DEVICE, all heads
+#          at once (round-robin over the GPUs); then the suite-(c) table -> $OUT/suite_c.md, $OUT/suite_c.json.
+#          Acceptance does not depend on the device: the decoder is the same code on CPU and GPU (fp32).
+# Also under $OUT: log.txt, train_<variant>_n<n>.log, eval_<variant>_n<n>.log, and with COLLECT="spd_n3 ppsd_n3"
+# those heads as heads.tgz.part-NN (<= 15 MB each; `cat heads.tgz.part-* | tar xz`).
+#
+# Needs what scripts/gpu_train_heads.sh needs (see its header), plus prepared prompt sets in $SPD_EVAL_DIR.
+# Usage (repo root):  source .devkit/on_device.sh && OUT=$OUT WORK=/root/sweep bash scripts/gpu_heads_sweep.sh
+# Knobs (env): STAGES="2 3 5 6", PHASES, REGEN_SECONDS=100, REGEN_FILE, TRAIN_SECONDS=90, MICRO_BATCH=8,
+#   SEQ_LEN=2048, LR=1e-3, NUM_PROMPTS=10 (per prompt set), MAX_NEW=128, EVAL_DEVICE=cuda, SPD_EVAL_DIR=eval_data.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the output directory}"
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+STAGES=${STAGES:-"2 3 5 6"}
+PHASES=${PHASES:-"regen train eval"}
+REGEN_SECONDS=${REGEN_SECONDS:-100}
+TRAIN_SECONDS=${TRAIN_SECONDS:-90}
+DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt6k.jsonl.gz}
+MODEL=${SPD_MODEL:-smollm2-135m-instruct}
+NUM_PROMPTS=${NUM_PROMPTS:-10}
+MAX_NEW=${MAX_NEW:-128}
+EVAL_DEVICE=${EVAL_DEVICE:-cuda}
+EVAL_DIR=${SPD_EVAL_DIR:-eval_data}
+WORK=${WORK:-/root/spd_sweep}
+mkdir -p "$WORK/heads" "$WORK/eval"
+LOG="$OUT/log.txt"
+touch "$LOG"
+say() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+NUM_GPUS=${NUM_GPUS:-$("$PY" -c 'import torch; print(max(1, torch.cuda.device_count()))')}
+say "gpu_heads_sweep: phases [$PHASES], stages [$STAGES], gpus $NUM_GPUS, work $WORK"
+"$PY" -c "from spd_ds.zoo import resolve_model; print('model dir', resolve_model('$MODEL'))" >> "$LOG" 2>&1
+
+# e_1 (layers of the first stage) for a uniform n-stage split of the target
+e1() { "$PY" -c "
+import json; from spd_ds.zoo import resolve_model; from spd_ds.partition import StagePartition
+L = json.load(open(resolve_model('$MODEL') / 'config.json'))['num_hidden_layers']
+print(StagePartition.build(L, $1).stage_layers[0])" | tail -1; }
+
+REGEN=${REGEN_FILE:-$WORK/regen.jsonl.gz}
+if has regen && [[ ! -f "$REGEN" ]]; then
+  t0=$SECONDS
+  timeout $((REGEN_SECONDS + 120)) "$PY" launch/prepare_train_data.py regenerate --model "$MODEL" --data "$DATA" \
+    --out "$REGEN" --time-budget "$REGEN_SECONDS" --batch-size "${REGEN_BATCH:-256}" \
+    --max-new-tokens "${REGEN_MAX_NEW:-384}" --max-prompt-tokens 512 --temperature 1.0 --sample-fraction 0.5 \
+    >> "$OUT/regen.log" 2>&1 && say "regenerate: done in $((SECONDS - t0)) s" || say "regenerate: failed (see regen.log)"
+fi
+TRAIN_FILES="$DATA"
+if [[ -f "$REGEN" ]]; then TRAIN_FILES="$REGEN,$DATA"; fi
+
+train_one() {  # variant n gpu port
+  local variant=$1 n=$2 gpu=$3 port=$4 anchors=()
+  [[ $variant == ppsd ]] && anchors=("partition.anchors=[0,$(e1 "$n")]")
+  local dir="$WORK/heads/${variant}_n$n"
+  [[ -f "$dir/head/head_config.json" ]] && { say "train $variant n=$n: already there"; return 0; }
+  rm -rf "$dir"
+  local t0=$SECONDS rc=0
+  timeout $((TRAIN_SECONDS + 300)) "$PY" -m deepspeed.launcher.runner --include "localhost:$gpu" --master_port "$port" \
+    launch/train.py --config launch/configs/train_smollm2_n3.yaml --deepspeed_config ds_configs/zero2.json \
+    "model.name=$MODEL" "partition.num_stages=$n" "${anchors[@]}" "data.train_files=[$TRAIN_FILES]" \
+    data.max_conversations=null "data.micro_batch_size=${MICRO_BATCH:-8}" "data.max_seq_length=${SEQ_LEN:-2048}" \
+    "train.lr=${LR:-1e-3}" "train.max_time_s=$TRAIN_SECONDS" train.epochs=4 "train.output_dir=$dir" \
+    train.save_every=1000000 train.progress=false train.log_every=10 > "$OUT/train_${variant}_n$n.log" 2>&1 || rc=$?
+  rm -rf "$dir/checkpoints"
+  say "train $variant n=$n on gpu $gpu: exit $rc in $((SECONDS - t0)) s"
+}
+
+if has train; then
+  i=0 port=$((29500 + RANDOM % 1000))
+  for n in $STAGES; do
+    gpu=$((i % NUM_GPUS))
+    train_one spd "$n" "$gpu" "$port" & train_one ppsd "$n" "$gpu" $((port + 1)) &
+    port=$((port + 2)) i=$((i + 1))
+    if (( i % NUM_GPUS == 0 )); then wait; fi
+  done
+  wait
+fi
+
+eval_one() {  # variant n gpu
+  local variant=$1 n=$2 gpu=$3 anchors=()
+  [[ $variant == ppsd ]] && anchors=("partition.anchors=[0,$(e1 "$n")]")
+  local head="$WORK/heads/${variant}_n$n/head" out="$WORK/eval/${variant}_n$n"
+  [[ -f "$head/head_config.json" ]] || { say "eval $variant n=$n: no head"; return 0; }
+  local t0=$SECONDS rc=0
+  CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=${EVAL_THREADS:-4} timeout 900 "$PY" launch/eval.py --config launch/configs/smollm2_spd.yaml \
+    "head.checkpoint=$head" "partition.num_stages=$n" "${anchors[@]}" model.dtype=float32 "model.device=$EVAL_DEVICE" \
+    decoding.temperature=0 "decoding.max_new_tokens=$MAX_NEW" "data.num_prompts=$NUM_PROMPTS" \
+    "data.eval_dir=$EVAL_DIR" "eval.baselines=[]" eval.warmup_prompts=0 eval.progress=false eval.plots=false \
+    "eval.output_dir=$out" > "$OUT/eval_${variant}_n$n.log" 2>&1 || rc=$?
+  say "eval $variant n=$n on $EVAL_DEVICE $gpu: exit $rc in $((SECONDS - t0)) s"
+}
+
+if has eval; then
+  i=0
+  for n in $STAGES; do
+    for variant in spd ppsd; do
+      eval_one "$variant" "$n" $((i % NUM_GPUS)) &
+      i=$((i + 1))
+    done
+  done
+  wait
+  WORK="$WORK" OUT="$OUT" STAGES="$STAGES" TRAIN_SECONDS="$TRAIN_SECONDS" "$PY" - <<'EOF' 2>&1 | tee -a "$LOG"
+import json, os
+from pathlib import Path
+
+work, out = Path(os.environ["WORK"]), Path(os.environ["OUT"])
+rows, md = [], ["| n | head | anchors | train steps | eq. accept len | draft acc. | tok/cycle | acceptance by fill 1..n | "
+                "MT-Bench | HumanEval | GSM8K |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+for n in os.environ["STAGES"].split():
+    for variant in ("spd", "ppsd"):
+        s = work / "eval" / f"{variant}_n{n}" / "summary.json"
+        if not s.exists():
+            continue
+        summ = json.loads(s.read_text())
+        res = summ["results"]["spd"]
+        b = res["overall"]
+        ts = work / "heads" / f"{variant}_n{n}" / "train_summary.json"
+        steps = json.loads(ts.read_text()).get("steps") if ts.exists() else None
+        sets = {k: v["equivalent_accept_length"] for k, v in res["by_set"].items()}
+        fills = [r["rate"] for r in b["acceptance_by_depth"]]
+        row = {"n": int(n), "head": variant, "anchors": summ["partition"]["anchors"], "train_steps": steps,
+               "equivalent_accept_length": b["equivalent_accept_length"],
+               "draft_acceptance_rate": b["draft_acceptance_rate"], "tokens_per_cycle": b["tokens_per_cycle"],
+               "acceptance_by_fill": fills, "eq_accept_len_by_set": sets,
+               "num_prompts": b.get("num_prompts"), "num_new_tokens": b.get("num_new_tokens"),
+               "device": summ.get("device")}
+        rows.append(row)
+        f = " ".join("-" if r is None else f"{r:.2f}" for r in fills)
+        md.append(f"| {n} | {variant.upper()} | {row['anchors']} | {steps} | {b['equivalent_accept_length']:.3f} | "
+                  f"{b['draft_acceptance_rate']:.3f} | {b['tokens_per_cycle']:.3f} | {f} | "
+                  + " | ".join(f"{sets.get(k, float('nan')):.3f}" for k in ("mt_bench", "humaneval", "gsm8k")) + " |")
+(out / "suite_c.json").write_text(json.dumps(rows, indent=2))
+(out / "suite_c.md").write_text("\n".join(md) + "\n")
+print("\n".join(md))
+EOF
+fi
+
+if [[ -n "${COLLECT:-}" ]]; then
+  paths=()
+  for h in $COLLECT; do [[ -d "$WORK/heads/$h" ]] && paths+=("heads/$h"); done
+  if (( ${#paths[@]} )); then
+    (cd "$WORK" && tar cf - "${paths[@]}" | gzip -1) | split -b 15000000 -d - "$OUT/heads.tgz.part-"
+    say "collected ${paths[*]}: $(ls "$OUT"/heads.tgz.part-* | wc -l) part(s)"
+  fi
+fi
+say "gpu_heads_sweep: done"
