@@ -19,7 +19,7 @@
 # Needs what scripts/gpu_train_heads.sh needs (see its header), plus prepared prompt sets in $SPD_EVAL_DIR.
 # Usage (repo root):  source .devkit/on_device.sh && OUT=$OUT WORK=/root/sweep bash scripts/gpu_heads_sweep.sh
 # Knobs (env): STAGES="2 3 5 6", PHASES, REGEN_SECONDS=100, REGEN_FILE, TRAIN_SECONDS=90, MICRO_BATCH=8,
-#   SEQ_LEN=2048, LR=1e-3, NUM_PROMPTS=10 (per prompt set), MAX_NEW=128, EVAL_DEVICE=cuda, SPD_EVAL_DIR=eval_data.
+#   SEQ_LEN=2048, LR=1e-3, SPLIT_PAIRS=1 (the PPSD head of each n on the next GPU, not beside its SPD head), NUM_PROMPTS=10 (per prompt set), MAX_NEW=128, EVAL_DEVICE=cuda, SPD_EVAL_DIR=eval_data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output directory}"
@@ -86,7 +86,8 @@ if has train; then
   i=0 port=$((29500 + RANDOM % 1000))
   for n in $STAGES; do
     gpu=$((i % NUM_GPUS))
-    train_one spd "$n" "$gpu" "$port" & train_one ppsd "$n" "$gpu" $((port + 1)) &
+    train_one spd "$n" "$gpu" "$port" &
+    train_one ppsd "$n" $(( ${SPLIT_PAIRS:-0} ? (gpu + 1) % NUM_GPUS : gpu )) $((port + 1)) &
     port=$((port + 2)) i=$((i + 1))
     if (( i % NUM_GPUS == 0 )); then wait; fi
   done

@@ -96,3 +96,31 @@ def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
 
     assert spd_rows(tmp_path / "ds") == spd_rows(tmp_path / "ref")
     assert json.loads((tmp_path / "ds" / "summary.json").read_text())["engine"] == "deepspeed"
+
+
+@pytest.mark.slow
+def test_benchmark_cli_suite_c_spd_and_ppsd(tmp_path):
+    """Suite (c): one acceptance row per head family and n, PPSD heads with anchors (0, e_1), fp32 on CPU."""
+    import torch
+
+    from spd_ds.head import SpeculationHead
+    from spd_ds.models.adapter import TargetArch
+    from spd_ds.partition import StagePartition
+
+    shape = make_random_shape(tmp_path, "qwen3")
+    arch = TargetArch(shape)
+    torch.manual_seed(0)
+    for n in (2, 3):
+        part = StagePartition.build(arch.num_layers, n)
+        SpeculationHead(arch, part).save(tmp_path / f"spd-n{n}")
+        SpeculationHead(arch, StagePartition.build(arch.num_layers, n, anchors=[0, part.stage_layers[0]])).save(
+            tmp_path / f"ppsd-n{n}")
+    p = run(["launch/benchmark.py", "--suite", "c", "--stages", "2", "3", "--spd-head", str(tmp_path / "spd-n{n}"),
+             "--ppsd-head", str(tmp_path / "ppsd-n{n}"), "--num-prompts", "2", "--max-new-tokens", "8",
+             "--out", str(tmp_path / "bench"), f"model.name={shape}", "eval.prompt_sets=[random]",
+             "eval.random_prompt_lengths=[6]", "eval.progress=false", "eval.plots=false"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench" / "benchmark.json").read_text())["acceptance"]
+    assert [(r[0], r[1]) for r in rows] == [(2, "spd"), (2, "ppsd"), (3, "spd"), (3, "ppsd")]
+    assert all(r[2] >= 1.0 for r in rows)  # eq. accept length n*N/K: a token leaves the pipeline at least every n cycles
+    assert "PPSD head" in rows[1][6] and "[0, 2]" in rows[1][6]
