@@ -39,15 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None, help="tokenizer_name recorded in the file (default: --model)")
     args = ap.parse_args(argv)
 
-    from transformers import AutoTokenizer
-
+    from spd_ds.builder import load_tokenizer
     from spd_ds.train.chat import set_chat_template
     from spd_ds.train.data import load_records, tokenize_records
     from spd_ds.train.vocab import count_assistant_tokens, draft_vocab_record, select_draft_vocab, write_draft_vocab
     from spd_ds.zoo import resolve_model
 
     model_dir = resolve_model(args.model)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     set_chat_template(tok, args.chat_template)
     records = load_records(args.data, limit=args.max_conversations)
     data = tokenize_records(records, tok, args.max_seq_length, 1, "truncate", args.num_workers)

@@ -54,15 +54,15 @@ def _clip(rec: dict, max_chars: int) -> dict:
 
 def _regenerate(args) -> int:
     import torch
-    from transformers import AutoTokenizer
 
+    from spd_ds.builder import load_tokenizer
     from spd_ds.train.chat import set_chat_template
     from spd_ds.train.data import load_records, write_jsonl_gz
     from spd_ds.train.regenerate import regenerate_records
     from spd_ds.zoo import resolve_model
 
     model_dir = resolve_model(args.model)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     set_chat_template(tok, args.chat_template)
     recs = load_records(args.data, limit=args.limit)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[args.dtype]

@@ -14,16 +14,8 @@
 #   (or OUT=/path/to/out SPD_GGUF=/path/to/smollm2.gguf bash scripts/gpu_benchmarks.sh)
 # Knobs (defaults = the docs' runs): SPD_MODEL_B (random:qwen3-4b), SPD_NUM_PROMPTS (4), SPD_MAX_NEW (128),
 # SPD_BENCH_OVERRIDES (extra section.key=value words, e.g. "deepspeed.backend=gloo" for a CPU dry run).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-: "${OUT:?set OUT to the output directory}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/gpu_common.sh"
 WORK=$(mktemp -d /tmp/spd_bench.XXXXXX)
-LOG="$OUT/log.txt"
 EVAL_DIR=${SPD_EVAL_DIR:-eval_data}
 SETS=()
 for s in mt_bench humaneval gsm8k; do

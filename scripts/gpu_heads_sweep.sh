@@ -19,15 +19,9 @@
 # Needs what scripts/gpu_train_heads.sh needs (see its header), plus prepared prompt sets in $SPD_EVAL_DIR.
 # Usage (repo root):  source .devkit/on_device.sh && OUT=$OUT WORK=/root/sweep bash scripts/gpu_heads_sweep.sh
 # Knobs (env): STAGES="2 3 5 6", PHASES, REGEN_SECONDS=100, REGEN_FILE, TRAIN_SECONDS=90, MICRO_BATCH=8,
-#   SEQ_LEN=2048, LR=1e-3, SPLIT_PAIRS=1 (the PPSD head of each n on the next GPU, not beside its SPD head), NUM_PROMPTS=10 (per prompt set), MAX_NEW=128, EVAL_DEVICE=cuda, SPD_EVAL_DIR=eval_data.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-: "${OUT:?set OUT to the output directory}"
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+#   SEQ_LEN=2048, LR=1e-3, SPLIT_PAIRS=1 (the PPSD head of each n on the next GPU, not beside its SPD head),
+#   NUM_PROMPTS=10 (per prompt set), MAX_NEW=128, EVAL_DEVICE=cuda, EVAL_THREADS=4, SPD_EVAL_DIR=eval_data.
+source "$(dirname "$0")/gpu_common.sh"
 STAGES=${STAGES:-"2 3 5 6"}
 PHASES=${PHASES:-"regen train eval"}
 REGEN_SECONDS=${REGEN_SECONDS:-100}
@@ -40,9 +34,6 @@ EVAL_DEVICE=${EVAL_DEVICE:-cuda}
 EVAL_DIR=${SPD_EVAL_DIR:-eval_data}
 WORK=${WORK:-/root/spd_sweep}
 mkdir -p "$WORK/heads" "$WORK/eval"
-LOG="$OUT/log.txt"
-touch "$LOG"
-say() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 NUM_GPUS=${NUM_GPUS:-$("$PY" -c 'import torch; print(max(1, torch.cuda.device_count()))')}
 say "gpu_heads_sweep: phases [$PHASES], stages [$STAGES], gpus $NUM_GPUS, work $WORK"

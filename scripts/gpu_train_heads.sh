@@ -19,14 +19,7 @@
 # Usage (repo root):  source .devkit/on_device.sh && OUT=$OUT bash scripts/gpu_train_heads.sh
 # Knobs (env): STAGES="2 3", REGEN_SECONDS=100 (0 = skip), REGEN_FILE (reuse answers), TRAIN_SECONDS=90,
 #   SPD_TRAIN_DATA, MICRO_BATCH=8, SEQ_LEN=2048, LR=1e-3, QUICK_EVAL=1, NUM_GPUS (default: all), PYTHON.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-: "${OUT:?set OUT to the output directory}"
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/gpu_common.sh"
 STAGES=${STAGES:-"2 3"}
 REGEN_SECONDS=${REGEN_SECONDS:-100}
 TRAIN_SECONDS=${TRAIN_SECONDS:-90}
@@ -37,9 +30,7 @@ LR=${LR:-1e-3}
 MODEL=${SPD_MODEL:-smollm2-135m-instruct}
 CONFIG_DIR=${CONFIG_DIR:-launch/configs}
 WORK=${WORK:-$(mktemp -d /tmp/spd_heads.XXXXXX)}
-LOG="$OUT/log.txt"
 : > "$LOG"
-say() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 run() { "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
 
 say "gpu_train_heads: stages [$STAGES], data $DATA, regen ${REGEN_SECONDS}s, train ${TRAIN_SECONDS}s/head, work $WORK"
@@ -106,18 +97,11 @@ import torch
 from spd_ds import builder
 from spd_ds.config import load_config
 from spd_ds.decoding.reference import SPDReferenceDecoder
+from spd_ds.eval.prompts import DEMO_PROMPTS
 
 work, out = Path(os.environ["WORK"]), Path(os.environ["OUT"])
 report = {"stages": {}, "regenerated": bool(os.environ.get("REGEN"))}
-prompts_text = [
-    "What is the capital of France? Answer in one sentence.",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?",
-    "Compose a short poem about the sea.",
-    "Explain in two sentences why the sky is blue.",
-    "Give me three tips for writing clear emails.",
-]
+prompts_text = list(DEMO_PROMPTS) + ["Give me three tips for writing clear emails."]
 for n in os.environ["STAGES"].split():
     run = work / "heads" / f"smollm2_n{n}"
     entry = {}

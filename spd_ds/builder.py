@@ -7,6 +7,7 @@ through these functions, so a run's pieces always come from the same partition a
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -108,11 +109,18 @@ def eos_token_ids(cfg: ExperimentConfig, arch: TargetArch, tokenizer=None) -> li
     return sorted(ids)
 
 
-def load_tokenizer(arch: TargetArch):
-    """The target's tokenizer (from its local directory)."""
+def load_tokenizer(arch: TargetArch | str | os.PathLike):
+    """The target's tokenizer, from its local directory (``arch`` or the directory itself).
+
+    Its ``model_max_length`` is lifted: spd-ds checks lengths itself (``decoding.max_length`` for prompts plus new
+    tokens, ``data.max_seq_length`` for training rows), so the tokenizer's limit would only print a misleading
+    warning before our error, or for long training conversations that are cut into rows anyway.
+    """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(arch.model_dir)
+    tok = AutoTokenizer.from_pretrained(str(getattr(arch, "model_dir", arch)))
+    tok.model_max_length = int(1e30)
+    return tok
 
 
 def encode_prompt(tokenizer, text: str | Sequence[dict], chat_template: bool = True) -> list[int]:

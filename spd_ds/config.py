@@ -44,7 +44,10 @@ class PartitionConfig:
 class HeadConfig:
     """Speculation head: ``checkpoint`` directory (None = untrained head), tower ``num_layers`` (L_s),
     ``draft_vocab`` JSON (None = full vocabulary), ``placement`` in the distributed engine
-    (``colocated``: inside the first stage's process, world n; ``dedicated``: its own rank, world n + 1)."""
+    (``colocated``: inside the first stage's process, world n; ``dedicated``: its own rank, world n + 1),
+    ``cuda_graph``: draft through a static KV cache replayed as one CUDA graph per cycle
+    (``spd_ds.decoding.head_graph``) when the head is on a CUDA device; None = follow ``deepspeed.cuda_graphs``
+    (off when ``deepspeed.static_cache`` is false); ignored on CPU, where the head always runs eagerly."""
 
     checkpoint: Optional[str] = None
     num_layers: int = 1
@@ -52,6 +55,7 @@ class HeadConfig:
     intermediate_size: Optional[int] = None
     placement: str = "colocated"
     dtype: Optional[str] = None  # None = model.dtype
+    cuda_graph: Optional[bool] = None
 
 
 @dataclasses.dataclass

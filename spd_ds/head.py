@@ -112,6 +112,22 @@ class SpeculationHead(nn.Module):
             out[idx] = self.aggr[k](feats[idx, : k + 1].reshape(len(idx), (k + 1) * H))
         return out
 
+    def aggregate_indexed(self, feats: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        """Rows ``g_{k_r}`` with the types in a device tensor: no host decision, so it can be captured in a CUDA graph.
+
+        Every type's projection is computed for every row and row ``r`` takes type ``types[r]``'s (``m`` times the
+        work of :meth:`aggregate`, which only matters for long inputs: use :meth:`aggregate` for prompts).
+
+        Args:
+            feats: ``[R, m, H]`` anchor states (entries beyond ``k_r`` are ignored).
+            types: int64 ``[R]`` on ``feats``' device, values in ``[0, m)`` (not checked).
+        Returns:
+            ``[R, H]`` in the head's dtype.
+        """
+        R, m, H = feats.shape
+        proj = torch.stack([self.aggr[k](feats[:, : k + 1].reshape(R, (k + 1) * H)) for k in range(m)], 1)  # [R, m, H]
+        return proj.gather(1, types.view(R, 1, 1).expand(R, 1, H)).squeeze(1)
+
     def tower(
         self,
         rows: torch.Tensor,

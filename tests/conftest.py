@@ -41,14 +41,7 @@ def smollm2_prompts(smollm2_dir) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from spd_ds.builder import encode_prompt
+    from spd_ds.eval.prompts import DEMO_PROMPTS
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    texts = [
-        "What is the capital of France? Answer in one sentence.",
-        "Write a Python function that returns the n-th Fibonacci number.",
-        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-        "How many clips did Natalia sell altogether in April and May?",
-        "Compose a short poem about the sea.",
-        "Explain in two sentences why the sky is blue.",
-    ]
-    return [encode_prompt(tok, t) for t in texts]
+    return [encode_prompt(tok, t) for t in DEMO_PROMPTS]

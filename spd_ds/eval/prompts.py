@@ -32,6 +32,7 @@ from pathlib import Path
 from spd_ds.zoo import RegistryFile, RegistryUnavailableError, fetch_registry_file
 
 __all__ = [
+    "DEMO_PROMPTS",
     "PROMPT_SETS",
     "PromptSet",
     "PromptSetUnavailableError",
@@ -42,6 +43,17 @@ __all__ = [
 ]
 
 QUESTION_FILE = "question.jsonl"
+
+# Five short chat prompts (general, code, maths, writing, science) for smoke runs, quick head checks and tests that
+# need real text but no prompt set on disk.
+DEMO_PROMPTS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Compose a short poem about the sea.",
+    "Explain in two sentences why the sky is blue.",
+)
 
 
 class PromptSetUnavailableError(RuntimeError):

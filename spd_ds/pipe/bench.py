@@ -21,14 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-PROMPTS = [
-    "What is the capital of France? Answer in one sentence.",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?",
-    "Compose a short poem about the sea.",
-    "Explain in two sentences why the sky is blue.",
-]
+from spd_ds.eval.prompts import DEMO_PROMPTS as PROMPTS
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
