@@ -144,13 +144,41 @@ def build_target(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartit
 
 
 def build_drafter(cfg: ExperimentConfig, head: SpeculationHead | None, arch: TargetArch, device, reference=None):
-    """The proposer: the head (``decoding.drafter=head``) or the oracle (``oracle``, needs ``reference`` tokens)."""
-    from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+    """The proposer: the head (``decoding.drafter=head``, see :func:`build_head_drafter`; ``None`` without a head) or
+    the oracle (``oracle``, needs ``reference`` tokens)."""
+    from spd_ds.decoding.drafters import OracleDrafter
 
-    dtype = resolve_dtype(cfg.head.dtype or cfg.model.dtype)
-    base = HeadDrafter(head, cfg.decoding.max_length, dtype, device) if head is not None else None
     if cfg.decoding.drafter == "oracle":
         if reference is None:
             raise ConfigError("decoding.drafter=oracle needs a reference AR run (the caller passes its tokens)")
         return OracleDrafter(reference, cfg.decoding.oracle_alpha, None, arch.vocab_size, seed=cfg.decoding.seed + 7)
-    return base
+    return build_head_drafter(cfg, head, cfg.decoding.max_length, device) if head is not None else None
+
+
+def head_cuda_graph(cfg: ExperimentConfig, device) -> bool:
+    """Whether the head drafts through a CUDA graph: a CUDA device and ``head.cuda_graph`` (None = follow
+    ``deepspeed.cuda_graphs``, off when ``deepspeed.static_cache`` is false)."""
+    if torch.device(device).type != "cuda":
+        return False
+    if cfg.head.cuda_graph is not None:
+        return bool(cfg.head.cuda_graph)
+    return bool(cfg.deepspeed.cuda_graphs and cfg.deepspeed.static_cache is not False)
+
+
+def build_head_drafter(cfg: ExperimentConfig, head: SpeculationHead, max_len: int, device):
+    """The head's drafter: :class:`~spd_ds.decoding.head_graph.GraphedHeadDrafter` when :func:`head_cuda_graph`,
+    else the eager :class:`~spd_ds.decoding.drafters.HeadDrafter` (CPU; also when the capture fails, with a warning)."""
+    from spd_ds.decoding.drafters import HeadDrafter
+
+    dtype = resolve_dtype(cfg.head.dtype or cfg.model.dtype)
+    if head_cuda_graph(cfg, device):
+        from spd_ds.decoding.head_graph import GraphedHeadDrafter
+
+        try:
+            return GraphedHeadDrafter(head, max_len, dtype, device, use_graph=True)
+        except RuntimeError as e:  # e.g. an attention backend that cannot be captured
+            import logging
+
+            logging.getLogger(__name__).warning("speculation head: CUDA graph capture failed (%s); drafting eagerly",
+                                                str(e).splitlines()[0])
+    return HeadDrafter(head, max_len, dtype, device)
