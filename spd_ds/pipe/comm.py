@@ -17,6 +17,7 @@ tokens flushed by a rollback (``seq`` smaller than the one it waits for) and dro
 
 from __future__ import annotations
 
+import collections
 import datetime
 import enum
 import time
@@ -57,6 +58,9 @@ class PipeAborted(RuntimeError):
     """Raised on stage ranks when the head rank stopped the run after an error of its own."""
 
 
+MAX_HOST_PENDING = 16  # host (gloo) sends in flight per link before the oldest is waited for
+
+
 class PipeProtocolError(RuntimeError):
     """A message arrived that the protocol does not allow (a bug, or ranks running different configs)."""
 
@@ -89,7 +93,11 @@ class Link:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._hdr_in = torch.zeros(HEADER_LEN, dtype=torch.long)
-        self._pending: list[tuple] = []  # (work, tensor) of sends not known to be complete
+        # Sends not known to be complete, oldest first, with their tensors (kept alive until then). Host sends
+        # (gloo) never report completion before wait(), so they are waited for once MAX_HOST_PENDING newer ones
+        # exist; device sends (NCCL) complete in stream order and are dropped from the front once complete.
+        self._pending_host: collections.deque = collections.deque()
+        self._pending_dev: collections.deque = collections.deque()
         self.wait_s = 0.0  # host time spent blocked in receives
 
     # ---- errors and waits --------------------------------------------------------------------------
@@ -126,14 +134,21 @@ class Link:
 
     # ---- sends (non-blocking) -----------------------------------------------------------------------
     def _prune(self) -> None:
-        keep = []
-        for work, t, dev in self._pending:
-            if work.is_completed():
-                if not dev:
-                    self._wait(work, "sending to")  # surfaces an error, returns at once
-            else:
-                keep.append((work, t, dev))
-        self._pending = keep
+        """Retire completed sends in O(1) amortised time (this runs for every message of every cycle).
+
+        Sends to one peer complete in order. A gloo send's ``is_completed()`` stays False until ``wait()`` even after
+        the peer has received it, and ``wait()`` blocks until the peer receives, so host sends are waited for only
+        when ``MAX_HOST_PENDING`` newer ones exist: the lockstep schedule never runs that far ahead of a peer, so
+        the wait returns at once (a peer that stalls ends it with the deadline).
+        """
+        while len(self._pending_host) > MAX_HOST_PENDING:
+            work, _ = self._pending_host.popleft()
+            self._wait(work, "sending to")
+        while self._pending_dev and self._pending_dev[0][0].is_completed():
+            self._pending_dev.popleft()
+
+    def _track(self, work, tensor: torch.Tensor, device_side: bool) -> None:
+        (self._pending_dev if device_side else self._pending_host).append((work, tensor))
 
     def send(self, kind: int, seq: int = 0, pos: int = 0, q: int = 0, flags: int = 0,
              payload: torch.Tensor | None = None) -> None:
@@ -145,9 +160,9 @@ class Link:
         self._prune()
         hdr = torch.tensor([int(kind), int(seq), int(pos), int(q), int(flags)], dtype=torch.long)
         try:
-            self._pending.append((dist.isend(hdr, self.peer, group=self.ctrl_group), hdr, False))
+            self._track(dist.isend(hdr, self.peer, group=self.ctrl_group), hdr, False)
             if payload is not None:
-                self._pending.append((dist.isend(payload, self.peer, group=self.data_group), payload, self.cuda))
+                self._track(dist.isend(payload, self.peer, group=self.data_group), payload, self.cuda)
         except RuntimeError as e:
             raise self._fail("sending to", e) from None
 
@@ -157,21 +172,19 @@ class Link:
         hdr = torch.tensor([int(kind), int(seq), 0, int(stats.numel()), 0], dtype=torch.long)
         stats = stats.to(torch.float64).contiguous()
         try:
-            self._pending.append((dist.isend(hdr, self.peer, group=self.ctrl_group), hdr, False))
-            self._pending.append((dist.isend(stats, self.peer, group=self.ctrl_group), stats, False))
+            self._track(dist.isend(hdr, self.peer, group=self.ctrl_group), hdr, False)
+            self._track(dist.isend(stats, self.peer, group=self.ctrl_group), stats, False)
         except RuntimeError as e:
             raise self._fail("sending to", e) from None
 
     def flush(self) -> None:
-        """Wait (with the deadline) until every send to this peer has completed."""
-        keep = []
-        for work, t, dev in self._pending:
-            if dev:  # device-side: the stream orders it; keep the tensor alive until it is done
-                if not work.is_completed():
-                    keep.append((work, t, dev))
-                continue
+        """Wait (with the deadline) until every host send to this peer has completed; device sends are ordered by
+        the stream and only kept alive until they report completion."""
+        while self._pending_host:
+            work, _ = self._pending_host.popleft()
             self._wait(work, "sending to")
-        self._pending = keep
+        while self._pending_dev and self._pending_dev[0][0].is_completed():
+            self._pending_dev.popleft()
 
     # ---- receives (blocking, with deadline) ----------------------------------------------------------
     def recv_header(self, timeout_s: float | None = None) -> Header:
