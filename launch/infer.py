@@ -104,14 +104,15 @@ def run_reference(cfg, arch, tok, ids):
     log.info("target %s: %d layers in %d stages %s, anchors %s, device %s", arch.model_dir.name, arch.num_layers,
              part.num_stages, list(part.stage_layers), list(part.anchors), target.device)
     results = []
+    oracle = cfg.decoding.drafter == "oracle"
+    drafter = None if oracle else builder.build_drafter(cfg, head, arch, target.device)  # one head drafter (graph)
     for i, p in enumerate(ids):
-        reference = None
-        if cfg.decoding.drafter == "oracle":
+        if oracle:
             from spd_ds.decoding.ar import ARDecoder
 
             ar = ARDecoder(target, builder.sampling_params(cfg), eos, cfg.decoding.max_length)
             reference = list(p) + ar.generate(p, cfg.decoding.max_new_tokens + part.num_stages).tokens
-        drafter = builder.build_drafter(cfg, head, arch, target.device, reference)
+            drafter = builder.build_drafter(cfg, head, arch, target.device, reference)
         dec = SPDReferenceDecoder(target, drafter, builder.sampling_params(cfg), eos, cfg.decoding.max_length)
         results.append(dec.generate(p, cfg.decoding.max_new_tokens))
     return results

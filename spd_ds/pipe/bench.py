@@ -49,7 +49,7 @@ def main(argv=None) -> int:
 
     from spd_ds.builder import build_arch, encode_prompt, load_tokenizer
     from spd_ds.config import load_config
-    from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+    from spd_ds.decoding.drafters import OracleDrafter
     from spd_ds.pipe.runner import SPDSession
 
     cfg = load_config(args.config, args.set)
@@ -67,14 +67,13 @@ def main(argv=None) -> int:
     ar_runs: dict[int, list[int]] = {}
 
     def factory(head, prompt, ar_reference):
-        from spd_ds.models.adapter import resolve_dtype
+        from spd_ds.builder import build_head_drafter
 
         if cfg.decoding.drafter == "oracle":
             ref = list(prompt) + ar_runs[len(ar_runs) - 1]
             return OracleDrafter(ref, cfg.decoding.oracle_alpha, None, arch.vocab_size, seed=cfg.decoding.seed + 7)
         if not hasattr(factory, "head_drafter"):
-            factory.head_drafter = HeadDrafter(head, session.max_len, resolve_dtype(cfg.head.dtype or cfg.model.dtype),
-                                               session.device)
+            factory.head_drafter = build_head_drafter(cfg, head, session.max_len, session.device)
         return factory.head_drafter
 
     session = SPDSession(cfg, factory, prompts, max_new)

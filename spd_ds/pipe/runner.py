@@ -243,8 +243,7 @@ class SPDSession:
         return self.engine is not None and self.engine.is_head
 
     def _drafter_for(self, prompt: list[int], max_new_tokens: int) -> Drafter:
-        from spd_ds.builder import build_drafter
-        from spd_ds.decoding.drafters import HeadDrafter
+        from spd_ds.builder import build_drafter, build_head_drafter
 
         head = self.engine.module.head_ends.head
 
@@ -256,7 +255,7 @@ class SPDSession:
         if self.cfg.decoding.drafter == "oracle":
             return build_drafter(self.cfg, None, self.arch, self.device, reference=ar_reference())
         if self._head_drafter is None:
-            self._head_drafter = HeadDrafter(head, self.max_len, self.head_dtype, self.device)
+            self._head_drafter = build_head_drafter(self.cfg, head, self.max_len, self.device)
         return self._head_drafter
 
     # ------------------------------------------------------------------ work
