@@ -60,7 +60,8 @@ class Drafter(Protocol):
 
 
 class HeadDrafter:
-    """The SPD speculation head with its own KV cache (holds exactly the committed completed prefix).
+    """The SPD speculation head with its own KV cache (holds exactly the committed completed prefix). On GPU,
+    :class:`~spd_ds.decoding.head_graph.GraphedHeadDrafter` computes the same over a static cache as one CUDA graph.
 
     Args:
         head: a :class:`~spd_ds.head.SpeculationHead`.
