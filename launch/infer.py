@@ -84,11 +84,15 @@ def _main(argv=None) -> int:
     if engine == "deepspeed":
         from spd_ds.pipe.runner import run_distributed_inference
 
-        results = run_distributed_inference(cfg, ids, cfg.decoding.max_new_tokens)
-        if results is None:  # not the verifying rank
+        compare = args.compare_ar and cfg.decoding.temperature == 0
+        out = run_distributed_inference(cfg, ids, cfg.decoding.max_new_tokens, with_ar=compare)
+        if out is None:  # not the verifying rank
             return 0
-    else:
-        results = run_reference(cfg, arch, tok, ids)
+        results, ar = out if compare else (out, None)
+        ar_tokens = [r.tokens for r in ar] if ar is not None else None
+        report(cfg, arch, tok, prompts, ids, results, args, ar_tokens, "AR through the same pipeline")
+        return 0
+    results = run_reference(cfg, arch, tok, ids)
     report(cfg, arch, tok, prompts, ids, results, args)
     return 0
 
@@ -118,10 +122,13 @@ def run_reference(cfg, arch, tok, ids):
     return results
 
 
-def report(cfg, arch, tok, prompts, ids, results, args) -> None:
-    """Print answers, per-prompt metrics, the AR comparison and the totals."""
-    ar_tokens = None
-    if args.compare_ar and cfg.decoding.temperature == 0:
+def report(cfg, arch, tok, prompts, ids, results, args, ar_tokens=None, ar_name="AR decoding") -> None:
+    """Print answers, per-prompt metrics, the AR comparison and the totals.
+
+    ``ar_tokens``: AR continuations already decoded (under DeepSpeed: through the same pipeline); if ``None`` and the
+    comparison is on (T = 0), the single-process AR decoder runs here.
+    """
+    if ar_tokens is None and args.compare_ar and cfg.decoding.temperature == 0:
         from spd_ds.decoding.ar import ARDecoder
 
         part = builder.build_partition(cfg, arch)
@@ -146,7 +153,7 @@ def report(cfg, arch, tok, prompts, ids, results, args) -> None:
     print(json.dumps(totals, indent=1))
     if ar_tokens is not None:
         n_same = sum(r["identical_to_ar"] for r in rows)
-        print(f"identical to AR decoding: {n_same}/{len(rows)} prompts")
+        print(f"identical to {ar_name}: {n_same}/{len(rows)} prompts")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output, "w") as f:

@@ -192,7 +192,6 @@ class SPDSession:
             _precheck_head(cfg, self.arch)
         self.ds_config = load_ds_config(cfg)
         self.dtype = resolve_dtype(cfg.model.dtype)
-        self.head_dtype = resolve_dtype(cfg.head.dtype or cfg.model.dtype)
         self.sampling = sampling_params(cfg)
         self.eos = eos_token_ids(cfg, self.arch)
         self._created_pg = init_distributed(cfg, self.plan)
@@ -305,7 +304,7 @@ class SPDSession:
 
 def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequence[Sequence[int]],
                               max_new_tokens: int | None = None, *,
-                              drafter_factory: DrafterFactory | None = None) -> list[GenerationResult] | None:
+                              drafter_factory: DrafterFactory | None = None, with_ar: bool = False):
     """Generate for every prompt with SPD through DeepSpeed's pipeline engine. Call it on every rank.
 
     Args:
@@ -313,8 +312,11 @@ def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequenc
         prompt_token_lists: prompts as token ids (the same on every rank; only the head rank uses them).
         max_new_tokens: limit per prompt, the prefill token included (default ``decoding.max_new_tokens``).
         drafter_factory: see :class:`SPDSession`.
+        with_ar: also decode every prompt autoregressively through the same pipeline (same stage code and kernels:
+            the exactness reference on GPU, where eager single-process decoders can part at bf16 near-ties).
     Returns:
-        On the head rank (pipe stage 0, global rank 0) one :class:`GenerationResult` per prompt; ``None`` elsewhere.
+        On the head rank (pipe stage 0, global rank 0) one :class:`GenerationResult` per prompt, or with ``with_ar``
+        a pair ``(spd results, ar results)``; ``None`` elsewhere.
     Raises:
         WorldSizeError: the world does not fit the partition and placement (before any collective).
         ConfigError / PromptError: bad settings or prompts (before any collective).
@@ -326,11 +328,12 @@ def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequenc
         if session.is_head:
             try:
                 results = [session.generate(p, max_new_tokens) for p in prompt_token_lists]
+                ar = [session.generate_ar(p, max_new_tokens) for p in prompt_token_lists] if with_ar else None
             except BaseException:
                 session.abort()
                 raise
             session.shutdown()
-            return results
+            return (results, ar) if with_ar else results
         session.serve()
         return None
     finally:
