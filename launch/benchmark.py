@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--suite", nargs="+", choices=["a", "b", "c"], default=["a", "b", "c"])
     ap.add_argument("--out", default="outputs/benchmark", help="output directory")
     ap.add_argument("--config", help="base experiment YAML under the suites' overrides")
-    ap.add_argument("--spd-head", help="SPD head checkpoint path pattern with {n}, e.g. runs/smollm2-n{n}")
+    ap.add_argument("--spd-head", help="SPD head checkpoint path pattern with {n}, e.g. runs/smollm2-n{n} "
+                    "(suite a's default: the shipped n=2 head)")
     ap.add_argument("--ppsd-head", help="PPSD head checkpoint path pattern with {n} (suite c)")
     ap.add_argument("--model-b", default="random:qwen3-4b", help="random-weight shape of suite b")
     ap.add_argument("--alphas", nargs="+", type=float, default=[1.0, 0.8, 0.6], help="oracle alphas of suite b")

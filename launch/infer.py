@@ -84,6 +84,10 @@ def _main(argv=None) -> int:
     if engine == "deepspeed":
         from spd_ds.pipe.runner import run_distributed_inference
 
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.info("engine deepspeed: %d rank(s), partition.num_stages=%d, head.placement=%s", world,
+                     cfg.partition.num_stages, cfg.head.placement)
+
         compare = args.compare_ar and cfg.decoding.temperature == 0
         out = run_distributed_inference(cfg, ids, cfg.decoding.max_new_tokens, with_ar=compare)
         if out is None:  # not the verifying rank

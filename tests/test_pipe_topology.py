@@ -106,7 +106,7 @@ def test_session_checks_before_any_collective(tiny_root, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     cfg = load_config(None, [f"model.name={path}", "partition.num_stages=2", "head.placement=dedicated",
                              "decoding.max_length=64"])
-    with pytest.raises(PromptError, match="exceeds the model's 64 positions"):
+    with pytest.raises(PromptError, match="exceeds the context of 64 positions"):
         SPDSession(cfg, prompts=[list(range(60))], max_new_tokens=10)
     assert not (dist.is_available() and dist.is_initialized())
 

@@ -133,3 +133,43 @@ def test_prepare_eval_data_cli(tmp_path, capsys):
     assert {p.parent.name for p in out.glob("*/question.jsonl")} == {"mt_bench", "humaneval", "gsm8k"}
     assert mod.main(["--out-dir", str(out), "--source-dir", str(tmp_path / "nothing"), "gsm8k"]) == 1
     assert "FAILED" in capsys.readouterr().err
+
+
+def test_gsm8k_with_unreachable_hub_fails_fast(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
+    t = time.perf_counter()
+    with pytest.raises(PromptSetUnavailableError, match="cannot be reached"):
+        materialize_prompt_set("gsm8k", tmp_path)
+    assert time.perf_counter() - t < 10
+
+
+def _write_set(eval_dir: Path, name: str, n: int = 3) -> None:
+    d = eval_dir / name
+    d.mkdir(parents=True)
+    (d / "question.jsonl").write_text("".join(json.dumps({"question_id": i, "turns": [f"{name} question {i}"]}) + "\n"
+                                              for i in range(n)))
+
+
+def test_default_prompt_sets_skip_an_unavailable_set_explicit_ones_fail(smollm2_dir, tmp_path, monkeypatch, caplog):
+    from transformers import AutoTokenizer
+
+    from spd_ds.config import load_config
+    from spd_ds.eval.runner import load_eval_prompts
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    eval_dir = tmp_path / "eval_data"
+    _write_set(eval_dir, "mt_bench")
+    _write_set(eval_dir, "humaneval")
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    cfg = load_config(None, [f"data.eval_dir={eval_dir}", "data.num_prompts=2"])
+    with caplog.at_level("WARNING"):
+        got = load_eval_prompts(cfg, tok, tok.vocab_size)
+    assert [p.prompt_set for p in got] == ["mt_bench"] * 2 + ["humaneval"] * 2
+    assert "skipping prompt set 'gsm8k'" in caplog.text
+    explicit = load_config(None, [f"data.eval_dir={eval_dir}", "data.num_prompts=2", "eval.prompt_sets=[mt_bench,gsm8k]"])
+    with pytest.raises(PromptSetUnavailableError, match="gsm8k"):
+        load_eval_prompts(explicit, tok, tok.vocab_size)

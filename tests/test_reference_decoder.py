@@ -104,7 +104,7 @@ def test_bad_prompts(arch):
     dec = SPDReferenceDecoder(target, HeadDrafter(head, 64, torch.float32, "cpu"), max_len=64)
     with pytest.raises(PromptError, match="empty"):
         dec.generate([], 5)
-    with pytest.raises(PromptError, match="exceeds the model's 64 positions"):
+    with pytest.raises(PromptError, match="exceeds the context of 64 positions"):
         dec.generate(list(range(60)), 5)
     with pytest.raises(PromptError, match="max_new_tokens"):
         dec.generate([1], 0)

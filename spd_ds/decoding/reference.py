@@ -72,7 +72,8 @@ def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_positions: int,
     if need > max_positions:
         raise PromptError(
             f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} (+{num_stages} in flight) exceeds the "
-            f"model's {max_positions} positions; shorten the prompt or lower decoding.max_new_tokens"
+            f"context of {max_positions} positions (decoding.max_length, at most the model's maximum); shorten the "
+            "prompt, lower decoding.max_new_tokens or raise decoding.max_length"
         )
 
 

@@ -28,6 +28,7 @@ from spd_ds.config import ExperimentConfig, load_config
 log = logging.getLogger(__name__)
 
 SUITES = ("a", "b", "c")
+SHIPPED_HEAD_N2 = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-instruct-n2"  # suite a default
 PROMPT_SETS = ("mt_bench", "humaneval", "gsm8k")
 
 
@@ -66,7 +67,7 @@ def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None
     Args:
         cuda: GPU run (bf16, CUDA-graph baselines); else CPU fp32.
         spd_head, ppsd_head: head checkpoint path patterns with ``{n}`` (e.g. ``runs/smollm2-n{n}``); a missing
-            directory means an untrained head (SPD) or no PPSD row.
+            directory means an untrained head (SPD) or no PPSD row. Suite a defaults to the shipped n=2 head.
         model_b: the random-weight shape of suite b (``random:smollm2-135m`` makes it CPU-sized).
         num_prompts: per prompt set; ``baseline_prompts``: per set for the baselines (``None`` = all).
         prompt_sets: the prompt sets of suites a and c (suite b uses random token prompts).
@@ -79,12 +80,12 @@ def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None
         common.append(f"eval.baseline_num_prompts={baseline_prompts}")
     out = []
     if "a" in suites:
-        head = _head_for(spd_head, 2)
+        head = _head_for(spd_head or str(SHIPPED_HEAD_N2), 2)
         ov = ["model.name=smollm2-135m-instruct", f"model.dtype={dtype}", "partition.num_stages=2",
               f"eval.prompt_sets={sets}", "decoding.drafter=head", "eval.baselines=[ar_graph,hf_generate,ar]"]
         ov += [f"head.checkpoint={head}"] if head else []
         out.append(SuiteRun("a", f"smollm2 {dtype} n=2", ov + common + list(extra),
-                            head_note=head or "untrained head (no --spd-head for n=2)"))
+                            head_note=head or "untrained head (no head checkpoint for n=2)"))
     if "b" in suites:
         ov = [f"model.name={model_b}", f"model.dtype={dtype}", "partition.num_stages=2", "eval.prompt_sets=[random]",
               "decoding.drafter=oracle", f"eval.oracle_alphas=[{','.join(f'{a:g}' for a in alphas)}]",

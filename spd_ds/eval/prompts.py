@@ -218,11 +218,28 @@ def _hub_offline() -> bool:
                for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """One TCP connection to the hub endpoint (``HF_ENDPOINT``), instead of the libraries' retries (~25 s) offline."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
 def _gsm8k(ps: PromptSet, cache_dir) -> list[dict]:
     advice = f"pass source_dir= a directory with gsm8k/{QUESTION_FILE}"
     if _hub_offline():
         raise PromptSetUnavailableError(
             f"prompt set 'gsm8k' needs the hub dataset {ps.hub_dataset} and the hub is offline (HF_HUB_OFFLINE); {advice}"
+        )
+    if not _hub_reachable():
+        raise PromptSetUnavailableError(
+            f"prompt set 'gsm8k' needs the hub dataset {ps.hub_dataset} and the hub cannot be reached; {advice}"
         )
     try:
         from datasets import load_dataset

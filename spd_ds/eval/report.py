@@ -253,8 +253,9 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 def summary_table(summary: dict, scope: str = "overall") -> str:
     """Methods x headline metrics of a summary (``scope``: ``overall`` or a prompt-set name)."""
     bases = [n for n, m in summary["methods"].items() if m["kind"] == "baseline"]
-    headers = ["method", "n", "tok/s"] + [f"x {b}" for b in bases] + ["eq. accept len", "draft acc.", "tok/cycle",
-                                                                      "cycle ms", "GB/s"]
+    cuda = str(summary.get("device", "")).startswith("cuda")  # bandwidth means something on a GPU only
+    headers = (["method", "stages", "tok/s"] + [f"x {b}" for b in bases]
+               + ["eq. accept len", "draft acc.", "tok/cycle", "cycle ms"] + (["GB/s"] if cuda else []))
     rows = []
     for name, res in summary["results"].items():
         b = res["overall"] if scope == "overall" else res["by_set"].get(scope)
@@ -264,7 +265,7 @@ def summary_table(summary: dict, scope: str = "overall") -> str:
         rows.append([name, summary["methods"][name]["num_stages"], b["decode_tok_s"]]
                     + [b["speedup_vs_ar"].get(x) for x in bases]
                     + [b["equivalent_accept_length"], b["draft_acceptance_rate"], b["tokens_per_cycle"],
-                       split.get("cycle"), b["achieved_gbps"]])
+                       split.get("cycle")] + ([b["achieved_gbps"]] if cuda else []))
     return format_table(headers, rows)
 
 

@@ -183,16 +183,20 @@ def load_eval_prompts(cfg: ExperimentConfig, tokenizer, vocab_size: int) -> list
 
     Raises:
         ConfigError: no prompt sets, or a named set on a model without tokenizer.
-        FileNotFoundError / PromptSetUnavailableError / ValueError: from :func:`spd_ds.eval.prompts.load_prompts`.
+        FileNotFoundError / PromptSetUnavailableError / ValueError: from :func:`spd_ds.eval.prompts.load_prompts`
+            (with the default ``eval.prompt_sets``, a set that cannot be had after the first is skipped with a
+            warning instead: gsm8k without the hub).
     """
     from pathlib import Path
 
+    from spd_ds.config import DEFAULT_PROMPT_SETS
     from spd_ds.eval.prompts import PromptSetUnavailableError, load_prompts
 
     if not cfg.eval.prompt_sets:
         raise ConfigError("eval.prompt_sets is empty; give set names (mt_bench, humaneval, gsm8k, random) "
                           "or jsonl paths")
     count = cfg.data.num_prompts if cfg.data.num_prompts is not None else 5
+    default_sets = tuple(cfg.eval.prompt_sets) == DEFAULT_PROMPT_SETS  # an unavailable one is skipped, not fatal
     out: list[EvalPrompt] = []
     for name in cfg.eval.prompt_sets:
         if name == RANDOM_SET:
@@ -205,6 +209,9 @@ def load_eval_prompts(cfg: ExperimentConfig, tokenizer, vocab_size: int) -> list
         try:
             recs = load_prompts(name, cfg.data.num_prompts, cfg.data.eval_dir)
         except PromptSetUnavailableError as e:
+            if default_sets and name != cfg.eval.prompt_sets[0]:
+                log.warning("skipping prompt set %r of the default eval.prompt_sets: %s", name, e)
+                continue
             raise PromptSetUnavailableError(
                 f"{e} (or: python launch/prepare_eval_data.py --source-dir DIR; data.eval_dir=DIR; or drop {name!r} "
                 "from eval.prompt_sets)") from None
