@@ -1,7 +1,7 @@
 """The benchmark suites of ``docs/benchmarks.md`` and their tables (driven by ``launch/benchmark.py``).
 
 === =====================================================================================================
-a   SmolLM2-135M-Instruct (real weights), SPD n=2 (``--spd-head``, else an untrained head) against ``ar_graph``,
+a   SmolLM2-135M-Instruct (real weights), SPD n=2 (``--spd-head``, default the shipped n=2 head) against ``ar_graph``,
     ``hf_generate`` and ``ar`` on MT-Bench / HumanEval / GSM8K: acceptance and decode tok/s
 b   a Qwen3-4B-shaped random-weight model, n=2, oracle drafts with alpha in {1, 0.8, 0.6}: speedup against the
     CUDA-graph AR, measured cycle time against the slowest stage's forward alone, achieved GB/s
