@@ -343,6 +343,16 @@ class TargetStage(nn.Module):
         self.eval().requires_grad_(False)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cache: StageKVCache | None):
+        """Eager forward of ``q`` tokens through this stage's layers (length-based cache: the CPU exactness path).
+
+        Args:
+            hidden: ``[1, q, H]`` input (embeddings for stage 0), the stage's dtype.
+            positions: int64 ``[q]`` token positions (RoPE), ``cache.length .. cache.length + q - 1``.
+            cache: the stage's :class:`StageKVCache` (advanced by ``q``), or ``None`` (no cache: causal over ``q``).
+        Returns:
+            ``(hidden [1, q, H], {j: [1, q, H]})``: the stage output and the raw outputs of the layers whose
+            hidden-state index ``j`` is an aggregation anchor.
+        """
         q = hidden.shape[1]
         past = cache.length if cache is not None else 0
         pos_emb = self.rotary(hidden, positions[None])

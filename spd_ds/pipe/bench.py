@@ -33,6 +33,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def main(argv=None) -> int:
+    """Run on every rank: SPD and AR through the same pipeline, compared token for token; writes the timings."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="experiment YAML")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")

@@ -43,6 +43,9 @@ class Kind(enum.IntEnum):
 
 
 class Header(NamedTuple):
+    """A message header (5 int64 on the gloo control group): message ``kind`` (:class:`Kind`), the token's sequence
+    number ``seq`` and position ``pos``, ``q`` rows (or values, for statistics) in the payload, ``flags`` bits."""
+
     kind: int
     seq: int
     pos: int

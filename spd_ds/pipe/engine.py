@@ -63,12 +63,15 @@ class Watchdog:
         self._thread.start()
 
     def beat(self) -> None:
+        """Progress was made now: the stall deadline restarts."""
         self._last = time.monotonic()
 
     def idle(self) -> None:
+        """Waiting for work on purpose (between generations): no deadline until the next :meth:`beat`."""
         self._last = None
 
     def stop(self) -> None:
+        """End the watchdog thread."""
         self._stop.set()
 
     def _run(self) -> None:

@@ -41,7 +41,8 @@ class HeadEnds(nn.Module):
         self.head = build_head(cfg, arch, partition).to(device) if with_head else None
         self.eval().requires_grad_(False)
 
-    def forward(self, x):  # the SPD engine calls the pieces directly; the sequential forward is the identity
+    def forward(self, x):
+        """Identity: the SPD engine calls ``ends`` and ``head`` directly; the sequential forward passes through."""
         return x
 
 

@@ -92,6 +92,7 @@ class PipePlan:
 
     @property
     def single_process(self) -> bool:
+        """Whether one process holds the head and every stage (world size 1)."""
         return self.world_size == 1
 
     @property

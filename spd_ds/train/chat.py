@@ -51,6 +51,7 @@ class Encoded:
 
     @property
     def num_assistant(self) -> int:
+        """Tokens under the assistant mask (the loss positions of this conversation)."""
         return int(sum(self.assistant_mask))
 
 

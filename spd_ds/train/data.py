@@ -232,13 +232,16 @@ class TokenizedData:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens over all examples."""
         return sum(len(x) for x in self.input_ids)
 
     @property
     def num_loss_positions(self) -> int:
+        """Positions that carry a loss (an assistant token follows), over all examples."""
         return sum(valid_positions(m) for m in self.assistant_mask)
 
     def summary(self) -> str:
+        """One line: examples, tokens, loss positions and what was dropped or truncated."""
         return (f"{len(self)} examples, {self.num_tokens} tokens, {self.num_loss_positions} loss positions; dropped "
                 f"{self.dropped_no_assistant} without assistant tokens, {self.dropped_short} short, "
                 f"{self.dropped_long} long; truncated {self.truncated}; assistant turns not located "

@@ -99,6 +99,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(st: dict) -> None:
+    """Restore the Python, NumPy, torch (and CUDA) generators from a state saved in a checkpoint."""
     import numpy as np
 
     random.setstate(st["python"])
@@ -121,6 +122,7 @@ class Meter:
     count: list[int] = dataclasses.field(default_factory=list)
 
     def reduce(self, device) -> "Meter":
+        """The sums over every rank (one fp64 all-reduce on ``device``); a collective: call it on all ranks."""
         import deepspeed.comm as dist
 
         vals = torch.tensor([self.loss, self.micro, self.weight, self.positions, self.tokens, *self.agree, *self.count],

@@ -75,6 +75,17 @@ class TeacherStage(nn.Module):
         self.eval().requires_grad_(False)
 
     def forward(self, inputs: tuple) -> tuple:
+        """One SPD stage of the frozen target over packed rows (DeepSpeed pipeline stage).
+
+        Args:
+            inputs: first stage ``(ids [B, S] int64, segments [B, S] int64, valid [B, S])``; later stages
+                ``(hidden [B, S, H], segments, valid, feats [B, S, m, H])``.
+        Returns:
+            ``(hidden, segments, valid, feats)`` for the next stage; the last stage returns
+            ``(feats [B, S, m, H], draft-vocabulary logits [P, V_d] fp32, logsumexp of the full-vocabulary
+            logits / T [P] fp32, full-vocabulary argmax [P] int64)`` at the ``P`` loss positions.
+            ``feats[..., k, :]`` is the raw hidden state at anchor ``b_k`` (pre-final-norm, as at inference).
+        """
         if self.first:
             ids, segments, valid = inputs
             h = self.embedding(ids)
