@@ -8,8 +8,7 @@
 #   - the prompt sets in $SPD_EVAL_DIR (default eval_data/, materialised beforehand, e.g.
 #     `python launch/prepare_eval_data.py --source-dir ../shared/data/eval_data`, and carried along: eval_data/*/
 #     is gitignored); the sets found there are used;
-#   - optionally a trained n=2 SmolLM2 head at $SPD_HEAD (else an untrained head: acceptance ~0, speed of the
-#     machinery with rollbacks on every draft).
+#   - optionally an n=2 SmolLM2 head at $SPD_HEAD (default: the shipped spd_ds/assets/heads/smollm2-135m-instruct-n2).
 # Usage (repo root): source .devkit/on_device.sh && OUT=$OUT bash scripts/gpu_benchmarks.sh
 #   (or OUT=/path/to/out SPD_GGUF=/path/to/smollm2.gguf bash scripts/gpu_benchmarks.sh)
 # Knobs (defaults = the docs' runs): SPD_MODEL_B (random:qwen3-4b), SPD_NUM_PROMPTS (4), SPD_MAX_NEW (128),
@@ -29,7 +28,7 @@ HEAD_ARGS=()
 if [[ -n "${SPD_HEAD:-}" ]]; then HEAD_ARGS=(--spd-head "$SPD_HEAD"); fi
 
 {
-  echo "== $(date -u +%FT%TZ) gpu_benchmarks: sets [${SETS[*]}], head ${SPD_HEAD:-untrained}"
+  echo "== $(date -u +%FT%TZ) gpu_benchmarks: sets [${SETS[*]}], head ${SPD_HEAD:-shipped n=2}"
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true
   $PY -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__)"
   # convert the GGUF once before the ranks start (they would serialise on the cache lock anyway)

@@ -174,11 +174,14 @@ def build_head_drafter(cfg: ExperimentConfig, head: SpeculationHead, max_len: in
     if head_cuda_graph(cfg, device):
         from spd_ds.decoding.head_graph import GraphedHeadDrafter
 
-        try:
-            return GraphedHeadDrafter(head, max_len, dtype, device, use_graph=True)
-        except RuntimeError as e:  # e.g. an attention backend that cannot be captured
-            import logging
+        import logging
 
-            logging.getLogger(__name__).warning("speculation head: CUDA graph capture failed (%s); drafting eagerly",
-                                                str(e).splitlines()[0])
+        log = logging.getLogger(__name__)
+        try:
+            drafter = GraphedHeadDrafter(head, max_len, dtype, device, use_graph=True)
+        except RuntimeError as e:  # e.g. an attention backend that cannot be captured
+            log.warning("speculation head: CUDA graph capture failed (%s); drafting eagerly", str(e).splitlines()[0])
+        else:
+            log.info("speculation head: one CUDA graph per cycle (%d rows)", drafter.rows)
+            return drafter
     return HeadDrafter(head, max_len, dtype, device)
