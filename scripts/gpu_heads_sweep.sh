@@ -10,9 +10,9 @@
 #          of the first stage only), same data, same hyper-parameters, same time budget ($TRAIN_SECONDS). The two
 #          heads of one n train at the same time on the same GPU (equal share); n values go round-robin over the
 #          GPUs, one wave of NUM_GPUS pairs at a time. -> $WORK/heads/{spd,ppsd}_n<n>/head
-#   eval   each head through launch/eval.py (reference decoder, fp32, T = 0, no baselines) on $EVAL_DEVICE, all heads
-#          at once (round-robin over the GPUs); then the suite-(c) table -> $OUT/suite_c.md, $OUT/suite_c.json.
-#          Acceptance does not depend on the device: the decoder is the same code on CPU and GPU (fp32).
+#   eval   each head through launch/eval.py (reference decoder, fp32, T = 0, no baselines) on $EVAL_DEVICE (default
+#          cpu, as suite (c) asks: $EVAL_THREADS threads per head, all heads at once on the node's cores; cuda =
+#          round-robin over the GPUs); then the suite-(c) table -> $OUT/suite_c.md, $OUT/suite_c.json.
 # Also under $OUT: log.txt, train_<variant>_n<n>.log, eval_<variant>_n<n>.log, and with COLLECT="spd_n3 ppsd_n3"
 # those heads as heads.tgz.part-NN (<= 15 MB each; `cat heads.tgz.part-* | tar xz`).
 #
@@ -20,7 +20,7 @@
 # Usage (repo root):  source .devkit/on_device.sh && OUT=$OUT WORK=/root/sweep bash scripts/gpu_heads_sweep.sh
 # Knobs (env): STAGES="2 3 5 6", PHASES, REGEN_SECONDS=100, REGEN_FILE, TRAIN_SECONDS=90, MICRO_BATCH=8,
 #   SEQ_LEN=2048, LR=1e-3, SPLIT_PAIRS=1 (the PPSD head of each n on the next GPU, not beside its SPD head),
-#   NUM_PROMPTS=10 (per prompt set), MAX_NEW=128, EVAL_DEVICE=cuda, EVAL_THREADS=4, SPD_EVAL_DIR=eval_data.
+#   NUM_PROMPTS=10 (per prompt set), MAX_NEW=128, EVAL_DEVICE=cpu, EVAL_THREADS=4, SPD_EVAL_DIR=eval_data.
 source "$(dirname "$0")/gpu_common.sh"
 STAGES=${STAGES:-"2 3 5 6"}
 PHASES=${PHASES:-"regen train eval"}
@@ -30,7 +30,7 @@ DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt6k.jsonl.gz}
 MODEL=${SPD_MODEL:-smollm2-135m-instruct}
 NUM_PROMPTS=${NUM_PROMPTS:-10}
 MAX_NEW=${MAX_NEW:-128}
-EVAL_DEVICE=${EVAL_DEVICE:-cuda}
+EVAL_DEVICE=${EVAL_DEVICE:-cpu}
 EVAL_DIR=${SPD_EVAL_DIR:-eval_data}
 WORK=${WORK:-/root/spd_sweep}
 mkdir -p "$WORK/heads" "$WORK/eval"
