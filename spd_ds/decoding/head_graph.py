@@ -55,17 +55,8 @@ def static_head_tower(head: SpeculationHead, cache: StageKVCache, rows: torch.Te
     Returns:
         ``[1, q, H]`` tower output (before the final norm).
     """
-    mask = cache.attention_mask(positions)
     cache.bind(positions)
-    pos2 = positions[None]
-    pos_emb = head.rotary(rows, pos2)
-    kw = {head.arch.cache_kwarg: cache}
-    h = rows
-    for layer in head.layers:
-        h = layer(h, attention_mask=mask, position_ids=pos2, position_embeddings=pos_emb, **kw)
-        if isinstance(h, tuple):
-            h = h[0]
-    return h
+    return head.tower(rows, positions, cache, mask=cache.attention_mask(positions))  # advance(): host count only
 
 
 class GraphedHeadDrafter:
