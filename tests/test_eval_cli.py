@@ -124,3 +124,24 @@ def test_benchmark_cli_suite_c_spd_and_ppsd(tmp_path):
     assert [(r[0], r[1]) for r in rows] == [(2, "spd"), (2, "ppsd"), (3, "spd"), (3, "ppsd")]
     assert all(r[2] >= 1.0 for r in rows)  # eq. accept length n*N/K: a token leaves the pipeline at least every n cycles
     assert "PPSD head" in rows[1][6] and "[0, 2]" in rows[1][6]
+
+
+@pytest.mark.slow
+def test_heads_sweep_script_eval_phase_on_cpu(tmp_path, smollm2_dir):
+    """scripts/gpu_heads_sweep.sh's eval phase and table (the GPU phases are the device's): one head, CPU."""
+    from spd_ds.eval.prompts import materialize_prompt_set
+
+    for name in ("mt_bench", "humaneval"):
+        materialize_prompt_set(name, tmp_path / "eval_data", source_dir=EVAL_SOURCE)
+    work = tmp_path / "work"
+    shutil.copytree(ROOT / "spd_ds" / "assets" / "heads" / "smollm2-135m-instruct-n2", work / "heads" / "spd_n2" / "head")
+    env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(work), PHASES="eval", STAGES="2", NUM_PROMPTS="1",
+               MAX_NEW="6", EVAL_DEVICE="cpu", EVAL_THREADS="1", SPD_EVAL_DIR=str(tmp_path / "eval_data"))
+    p = subprocess.run(["bash", "scripts/gpu_heads_sweep.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    rows = json.loads((tmp_path / "out" / "suite_c.json").read_text())
+    assert [(r["n"], r["head"], r["anchors"]) for r in rows] == [(2, "spd", [0, 15, 30])]  # no PPSD head: no row
+    assert rows[0]["equivalent_accept_length"] >= 1.0 and set(rows[0]["eq_accept_len_by_set"]) == {"mt_bench",
+                                                                                                 "humaneval"}
+    assert "| 2 | SPD |" in (tmp_path / "out" / "suite_c.md").read_text()
