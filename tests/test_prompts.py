@@ -140,6 +140,8 @@ def test_gsm8k_with_unreachable_hub_fails_fast(tmp_path, monkeypatch):
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
     t = time.perf_counter()
     with pytest.raises(PromptSetUnavailableError, match="cannot be reached"):

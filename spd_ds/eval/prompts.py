@@ -219,9 +219,14 @@ def _hub_offline() -> bool:
 
 
 def _hub_reachable(timeout_s: float = 3.0) -> bool:
-    """One TCP connection to the hub endpoint (``HF_ENDPOINT``), instead of the libraries' retries (~25 s) offline."""
+    """One TCP connection to the hub endpoint (``HF_ENDPOINT``), instead of the libraries' retries (~25 s) offline.
+    Behind a proxy (``HTTPS_PROXY`` etc.) a direct connection proves nothing: the libraries decide."""
     import socket
     from urllib.parse import urlparse
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                       "all_proxy")):
+        return True
 
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
