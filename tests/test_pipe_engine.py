@@ -72,6 +72,10 @@ def world2(tmp_path_factory, tiny_root):
             overrides=["decoding.drafter=oracle", "decoding.oracle_alpha=0.0"]),
         job("colo2_one_token", 2, "colocated", prompts=(P1, P2), max_new=1),
         job("ded1_oracle", 1, "dedicated", drafter="oracle_head", alpha=0.6, ar=True),
+        job("colo2_static_head", 2, "colocated", prompts=(P1, P2), head_drafter="static", ar=True,
+            overrides=["deepspeed.static_cache=true"]),
+        job("colo2_static_head_oracle", 2, "colocated", drafter="oracle_head", alpha=0.6, head_drafter="static",
+            ar=True),
     ]
     return run_world(tmp_path_factory.mktemp("w2"), tiny_root, 2, jobs)
 
@@ -147,6 +151,13 @@ def test_engine_is_deepspeed_pipeline_engine(world2):
 
 def test_colocated_n2_static_cache(world2):
     check(world2["colo2_static"], accepts=True)
+
+
+def test_graphed_head_static_path_in_the_engine(world2):
+    # the engine drafting with GraphedHeadDrafter's static computation (the GPU head, run eagerly) makes the same
+    # drafts, cycles and rollbacks as the reference decoder with the eager HeadDrafter, and stays exact
+    check(world2["colo2_static_head"])
+    check(world2["colo2_static_head_oracle"], accepts=True)
 
 
 def test_dedicated_n1(world2):

@@ -51,12 +51,19 @@ def single_process_ar(cfg, prompt, max_new):
     return dec.generate(prompt, max_new).tokens
 
 
-def oracle_head_factory(cfg, alpha: float):
+def oracle_head_factory(cfg, alpha: float | None, static: bool = False):
+    """Drafters for the engine: the head (``static``: GraphedHeadDrafter's static computation, eagerly; else
+    HeadDrafter), under the oracle when ``alpha`` is not None."""
     from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+    from spd_ds.decoding.head_graph import GraphedHeadDrafter
     from spd_ds.models.adapter import resolve_dtype
 
     def make(head, prompt, ar_reference):
-        base = HeadDrafter(head, cfg.decoding.max_length, resolve_dtype(cfg.model.dtype), "cpu")
+        kind = GraphedHeadDrafter if static else HeadDrafter
+        extra = {"use_graph": False} if static else {}
+        base = kind(head, cfg.decoding.max_length, resolve_dtype(cfg.model.dtype), "cpu", **extra)
+        if alpha is None:
+            return base
         return OracleDrafter(ar_reference(), alpha, base=base, seed=cfg.decoding.seed + 11)
 
     return make
@@ -144,7 +151,12 @@ def run_job(job, tiny_root: Path) -> dict | None:
         cfg.decoding.eos_token_ids = [ar[eos_index], 10 ** 6]
     if job.get("fault") and job["fault"]["rank"] == rank:
         install_fault(job["fault"])
-    factory = oracle_head_factory(cfg, job.get("alpha", 1.0)) if job.get("drafter") == "oracle_head" else None
+    static = job.get("head_drafter") == "static"
+    factory = None
+    if job.get("drafter") == "oracle_head":
+        factory = oracle_head_factory(cfg, job.get("alpha", 1.0), static)
+    elif static:
+        factory = oracle_head_factory(cfg, None, static)
     t0 = time.time()
     session = SPDSession(cfg, factory, prompts, max_new)
     t_setup = time.time() - t0
