@@ -51,7 +51,7 @@ def load_prompt_texts(cfg, args) -> list[tuple[str, str]]:
         return [(f"prompt{i}", p) for i, p in enumerate(args.prompt)]
     from spd_ds.eval.prompts import load_prompts
 
-    recs = load_prompts(cfg.data.prompts, cfg.data.num_prompts, cfg.data.eval_dir)
+    recs = load_prompts(cfg.data.prompts, cfg.data.num_prompts, builder.resolve_path(cfg.data.eval_dir))
     return [(str(r["question_id"]), r["turns"][0]) for r in recs]
 
 

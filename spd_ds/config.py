@@ -127,8 +127,8 @@ class TrainConfig:
     progress: bool = True  # tqdm progress bar on the logging rank
 
 
-# The default evaluation prompt sets. gsm8k comes from the hub only: when it cannot be had, a run on this default
-# list skips it with a warning (an explicitly chosen list fails instead).
+# The default evaluation prompt sets. gsm8k comes from the hub only: when it cannot be had, a run on this list (in
+# any spelling of the names) skips it with a warning; any other list fails instead.
 DEFAULT_PROMPT_SETS = ("mt_bench", "humaneval", "gsm8k")
 
 

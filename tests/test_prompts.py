@@ -172,6 +172,17 @@ def test_default_prompt_sets_skip_an_unavailable_set_explicit_ones_fail(smollm2_
         got = load_eval_prompts(cfg, tok, tok.vocab_size)
     assert [p.prompt_set for p in got] == ["mt_bench"] * 2 + ["humaneval"] * 2
     assert "skipping prompt set 'gsm8k'" in caplog.text
+    aliased = load_config(None, [f"data.eval_dir={eval_dir}", "data.num_prompts=1",
+                                 "eval.prompt_sets=[MT-Bench,human-eval,gsm8k]"])
+    assert [p.prompt_set for p in load_eval_prompts(aliased, tok, tok.vocab_size)] == ["MT-Bench", "human-eval"]
     explicit = load_config(None, [f"data.eval_dir={eval_dir}", "data.num_prompts=2", "eval.prompt_sets=[mt_bench,gsm8k]"])
     with pytest.raises(PromptSetUnavailableError, match="gsm8k"):
         load_eval_prompts(explicit, tok, tok.vocab_size)
+
+
+@pytest.mark.parametrize("endpoint", ["https://huggingface.co:99999", "http://[::1", "huggingface.co"])
+def test_hub_probe_leaves_malformed_endpoints_to_the_libraries(monkeypatch, endpoint):
+    for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    assert prompts._hub_reachable(0.5) is True  # no crash, no false "unreachable"

@@ -228,9 +228,15 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
                                        "all_proxy")):
         return True
 
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+        url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+        host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    except ValueError:  # a malformed HF_ENDPOINT: let the libraries say what is wrong with it
+        return True
+    if not host:
+        return True
+    try:
+        socket.create_connection((host, port), timeout_s).close()
         return True
     except OSError:
         return False

@@ -189,14 +189,17 @@ def load_eval_prompts(cfg: ExperimentConfig, tokenizer, vocab_size: int) -> list
     """
     from pathlib import Path
 
+    from spd_ds.builder import resolve_path
     from spd_ds.config import DEFAULT_PROMPT_SETS
-    from spd_ds.eval.prompts import PromptSetUnavailableError, load_prompts
+    from spd_ds.eval.prompts import PromptSetUnavailableError, canonical_name, load_prompts
 
     if not cfg.eval.prompt_sets:
         raise ConfigError("eval.prompt_sets is empty; give set names (mt_bench, humaneval, gsm8k, random) "
                           "or jsonl paths")
     count = cfg.data.num_prompts if cfg.data.num_prompts is not None else 5
-    default_sets = tuple(cfg.eval.prompt_sets) == DEFAULT_PROMPT_SETS  # an unavailable one is skipped, not fatal
+    # the default list (or the same sets spelled otherwise): an unavailable set after the first is skipped
+    default_sets = tuple(canonical_name(s) or s for s in cfg.eval.prompt_sets) == DEFAULT_PROMPT_SETS
+    eval_dir = resolve_path(cfg.data.eval_dir)
     out: list[EvalPrompt] = []
     for name in cfg.eval.prompt_sets:
         if name == RANDOM_SET:
@@ -207,7 +210,7 @@ def load_eval_prompts(cfg: ExperimentConfig, tokenizer, vocab_size: int) -> list
             raise ConfigError(f"prompt set {name!r} needs a tokenizer, and {cfg.model.name} has none (random weights); "
                               f"use eval.prompt_sets=[{RANDOM_SET}]")
         try:
-            recs = load_prompts(name, cfg.data.num_prompts, cfg.data.eval_dir)
+            recs = load_prompts(name, cfg.data.num_prompts, eval_dir)
         except PromptSetUnavailableError as e:
             if default_sets and name != cfg.eval.prompt_sets[0]:
                 log.warning("skipping prompt set %r of the default eval.prompt_sets: %s", name, e)

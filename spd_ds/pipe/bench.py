@@ -48,7 +48,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from spd_ds.builder import build_arch, encode_prompt, load_tokenizer
+    from spd_ds.builder import build_arch, encode_prompt, load_tokenizer, resolve_path
     from spd_ds.config import load_config
     from spd_ds.decoding.drafters import OracleDrafter
     from spd_ds.pipe.runner import SPDSession
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     if args.prompts:
         from spd_ds.eval.prompts import load_prompts
 
-        texts = [r["turns"][0] for r in load_prompts(args.prompts, args.num_prompts, cfg.data.eval_dir)]
+        texts = [r["turns"][0] for r in load_prompts(args.prompts, args.num_prompts, resolve_path(cfg.data.eval_dir))]
     else:
         texts = PROMPTS[: args.num_prompts]
     prompts = [encode_prompt(tok, t, cfg.decoding.chat_template) for t in texts]
