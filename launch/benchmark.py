@@ -34,16 +34,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from spd_ds.cli import chosen_engine, experiment_parser  # noqa: E402
+
 
 log = logging.getLogger("spd_ds.benchmark")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("overrides", nargs="*", help="section.key=value overrides for every suite")
+    ap = experiment_parser(__doc__, overrides_help="section.key=value overrides for every suite",
+                           config_help="base experiment YAML under the suites' overrides",
+                           engine_help="auto: DeepSpeed pipeline for suites a/b when WORLD_SIZE > 1, else the "
+                                       "reference decoder")
     ap.add_argument("--suite", nargs="+", choices=["a", "b", "c"], default=["a", "b", "c"])
     ap.add_argument("--out", default="outputs/benchmark", help="output directory")
-    ap.add_argument("--config", help="base experiment YAML under the suites' overrides")
     ap.add_argument("--spd-head", help="SPD head checkpoint path pattern with {n}, e.g. runs/smollm2-n{n} "
                     "(suite a's default: the shipped n=2 head)")
     ap.add_argument("--ppsd-head", help="PPSD head checkpoint path pattern with {n} (suite c)")
@@ -55,9 +58,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=4, help="prompts per prompt set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--baseline-prompts", type=int, default=2, help="prompts per set for the baselines (0 = all)")
-    ap.add_argument("--engine", choices=["auto", "reference", "deepspeed"], default="auto",
-                    help="auto: DeepSpeed pipeline for suites a/b when WORLD_SIZE > 1, else the reference decoder")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     from spd_ds.eval.runner import USER_ERRORS, run_baselines, run_eval
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    engine = args.engine if args.engine != "auto" else ("deepspeed" if world > 1 else "reference")
+    engine = chosen_engine(args.engine)
     out = Path(args.out)
     runs = bm.suite_runs(args.suite, cuda=bm.is_cuda_run(), spd_head=args.spd_head, ppsd_head=args.ppsd_head,
                          model_b=args.model_b, alphas=args.alphas, stages_c=args.stages, num_prompts=args.num_prompts,

@@ -30,20 +30,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from spd_ds.cli import experiment_parser  # noqa: E402
 from spd_ds.config import ConfigError, load_config  # noqa: E402
 
 log = logging.getLogger("spd_ds.eval")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="experiment YAML (default: built-in defaults)")
-    ap.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. data.num_prompts=10")
-    ap.add_argument("--engine", choices=["auto", "reference", "deepspeed"], default="auto",
-                    help="auto: DeepSpeed engine when launched with WORLD_SIZE > 1, else the reference decoder")
+    ap = experiment_parser(__doc__, overrides_help="section.key=value overrides, e.g. data.num_prompts=10",
+                           engine_help="auto: DeepSpeed engine when launched with WORLD_SIZE > 1, else the reference "
+                                       "decoder")
     ap.add_argument("--strict-exact", dest="strict_exact", action="store_true",
                     help="exit with status 1 if at T=0 any SPD output differs from the 'ar' baseline's")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spd_ds import builder  # noqa: E402
+from spd_ds.cli import chosen_engine, experiment_parser  # noqa: E402
 from spd_ds.config import ConfigError, load_config  # noqa: E402
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_tok_s  # noqa: E402
 
@@ -32,16 +33,13 @@ log = logging.getLogger("spd_ds.infer")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="experiment YAML (default: built-in defaults)")
-    ap.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. partition.num_stages=3")
+    ap = experiment_parser(__doc__, overrides_help="section.key=value overrides, e.g. partition.num_stages=3",
+                           engine_help="auto: DeepSpeed engine when launched with WORLD_SIZE > 1, else the reference "
+                                       "decoder")
     ap.add_argument("--prompt", action="append", help="a prompt text (repeatable); default: data.prompts")
-    ap.add_argument("--engine", choices=["auto", "reference", "deepspeed"], default="auto",
-                    help="auto: DeepSpeed engine when launched with WORLD_SIZE > 1, else the reference decoder")
     ap.add_argument("--compare-ar", dest="compare_ar", action=argparse.BooleanOptionalAction, default=True,
                     help="at T=0, check SPD's tokens against AR decoding on the same stage code")
     ap.add_argument("--output", help="write per-prompt results as JSONL here")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -75,7 +73,7 @@ def _main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(args.config, args.overrides)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    engine = args.engine if args.engine != "auto" else ("deepspeed" if world > 1 else "reference")
+    engine = chosen_engine(args.engine)
 
     arch = builder.build_arch(cfg)
     tok = builder.load_tokenizer(arch)
