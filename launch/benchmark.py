@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spd_ds.cli import chosen_engine, experiment_parser  # noqa: E402
+from spd_ds.pipe.topology import detect_world_size  # noqa: E402
 
 
 log = logging.getLogger("spd_ds.benchmark")
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     from spd_ds.eval.report import summarize, write_reports
     from spd_ds.eval.runner import USER_ERRORS, run_baselines, run_eval
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = detect_world_size()
     engine = chosen_engine(args.engine)
     out = Path(args.out)
     runs = bm.suite_runs(args.suite, cuda=bm.is_cuda_run(), spd_head=args.spd_head, ppsd_head=args.ppsd_head,

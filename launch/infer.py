@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spd_ds import builder  # noqa: E402
 from spd_ds.cli import chosen_engine, experiment_parser  # noqa: E402
+from spd_ds.pipe.topology import detect_world_size  # noqa: E402
 from spd_ds.config import ConfigError, load_config  # noqa: E402
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_tok_s  # noqa: E402
 
@@ -72,7 +73,7 @@ def _main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(args.config, args.overrides)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = detect_world_size()
     engine = chosen_engine(args.engine)
 
     arch = builder.build_arch(cfg)

@@ -14,7 +14,6 @@ See docs/training.md.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -25,12 +24,12 @@ except ImportError:  # run from a checkout without installing the package
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default=None, help="experiment YAML (sections model, partition, head, data, train)")
+    from spd_ds.cli import experiment_parser
+
+    ap = experiment_parser(__doc__.split("\n\n")[0], overrides_help="section.key=value overrides, e.g. train.lr=3e-4",
+                           config_help="experiment YAML (sections model, partition, head, data, train)")
     ap.add_argument("--deepspeed_config", default="ds_configs/zero2.json", help="DeepSpeed JSON of the head's engine")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in train.output_dir")
-    ap.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
-    ap.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = ap.parse_args(argv)
 
     from spd_ds.config import ConfigError, load_config

@@ -61,7 +61,7 @@ bench() {  # name, extra overrides...
 
 bench oracle_a1 decoding.drafter=oracle decoding.oracle_alpha=1.0
 bench oracle_a06 decoding.drafter=oracle decoding.oracle_alpha=0.6
-bench head_untrained decoding.drafter=head
+bench head_untrained decoding.drafter=head head.checkpoint=null head.draft_vocab=null
 bench oracle_a1_eager decoding.drafter=oracle decoding.oracle_alpha=1.0 deepspeed.static_cache=false \
   deepspeed.cuda_graphs=false
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 ENGINES = ("auto", "reference", "deepspeed")
 
@@ -27,7 +26,10 @@ def experiment_parser(description: str | None, *, overrides_help: str, config_he
 
 
 def chosen_engine(engine: str) -> str:
-    """``auto`` -> ``deepspeed`` when launched with ``WORLD_SIZE > 1``, else ``reference``; other values unchanged."""
+    """``auto`` -> ``deepspeed`` when launched with more than one process (``WORLD_SIZE`` or the MPI variables, as
+    :func:`spd_ds.pipe.topology.detect_world_size` reads them), else ``reference``; other values unchanged."""
+    from spd_ds.pipe.topology import detect_world_size
+
     if engine != "auto":
         return engine
-    return "deepspeed" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "reference"
+    return "deepspeed" if detect_world_size() > 1 else "reference"

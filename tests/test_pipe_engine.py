@@ -76,6 +76,8 @@ def world2(tmp_path_factory, tiny_root):
             overrides=["deepspeed.static_cache=true"]),
         job("colo2_static_head_oracle", 2, "colocated", drafter="oracle_head", alpha=0.6, head_drafter="static",
             ar=True),
+        job("colo2_static_head_T1", 2, "colocated", max_new=24, overrides=T1, drafter="oracle_head", alpha=0.8,
+            head_drafter="static"),
     ]
     return run_world(tmp_path_factory.mktemp("w2"), tiny_root, 2, jobs)
 
@@ -158,6 +160,7 @@ def test_graphed_head_static_path_in_the_engine(world2):
     # drafts, cycles and rollbacks as the reference decoder with the eager HeadDrafter, and stays exact
     check(world2["colo2_static_head"])
     check(world2["colo2_static_head_oracle"], accepts=True)
+    check(world2["colo2_static_head_T1"], accepts=True, greedy=False)  # T > 0: the same keyed draws
 
 
 def test_dedicated_n1(world2):

@@ -104,7 +104,7 @@ class HeadDrafter:
 def draft_from_logits(logits: torch.Tensor, draft_ids: torch.Tensor, sampling: SamplingParams, position: int) -> Draft:
     """Turn draft-vocabulary logits ``[V_d]`` into a :class:`Draft` for ``position`` (argmax, or a keyed sample)."""
     if sampling.greedy:
-        return Draft(int(draft_ids[int(torch.argmax(logits))]))
+        return Draft(int(draft_ids[torch.argmax(logits)]))  # one host read
     q = logits_to_probs(logits, sampling)
     idx = sample_from_probs(q, keyed_uniform(sampling.seed, position, STREAM_DRAFT))
     return Draft(int(draft_ids[idx]), q, draft_ids)

@@ -210,4 +210,4 @@ class GraphedHeadDrafter:
         self.last_logits = self.logits
         if sampling.greedy:
             return Draft(int(self.token))  # the one host read of the cycle
-        return draft_from_logits(self.logits.clone(), self.head.draft_ids, sampling, start_pos + R)
+        return draft_from_logits(self.logits, self.head.draft_ids, sampling, start_pos + R)  # warping copies them

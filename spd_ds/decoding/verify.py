@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from spd_ds.decoding.sampling import sample_from_probs
+from spd_ds.decoding.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs, sample_from_probs
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: int) -> tuple[bool, int]:
@@ -57,8 +57,6 @@ def verify_draft(target_logits: torch.Tensor, draft_token: int, q_full, position
     Returns:
         ``(accepted, token)``: the emitted token is the draft or the replacement.
     """
-    from spd_ds.decoding.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs
-
     if sampling.greedy:
         return verify_greedy(target_logits, draft_token)
     p = logits_to_probs(target_logits, sampling)

@@ -23,13 +23,14 @@ from typing import Sequence
 
 import torch
 
-from spd_ds.config import ExperimentConfig, load_config
+from spd_ds.config import DEFAULT_PROMPT_SETS, ExperimentConfig, load_config
+from spd_ds.eval.regression import DEFAULT_HEAD_DIR
 
 log = logging.getLogger(__name__)
 
 SUITES = ("a", "b", "c")
-SHIPPED_HEAD_N2 = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-instruct-n2"  # suite a default
-PROMPT_SETS = ("mt_bench", "humaneval", "gsm8k")
+SHIPPED_HEAD_N2 = DEFAULT_HEAD_DIR  # suite a's default head
+PROMPT_SETS = DEFAULT_PROMPT_SETS
 
 
 @dataclasses.dataclass

@@ -435,9 +435,9 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
     """
     from spd_ds.eval.baselines import BASELINES
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if engine == "auto":
-        engine = "deepspeed" if world > 1 else "reference"
+    from spd_ds.cli import chosen_engine
+
+    engine = chosen_engine(engine)
     if engine not in ("reference", "deepspeed"):
         raise ConfigError(f"engine must be reference, deepspeed or auto, got {engine!r}")
     progress = cfg.eval.progress if progress is None else progress

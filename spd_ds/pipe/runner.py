@@ -265,7 +265,14 @@ class SPDSession:
         return self.engine.generate(prompt, max_new, drafter)
 
     def generate_ar(self, prompt: Sequence[int], max_new_tokens: int | None = None) -> GenerationResult:
-        """AR generation through the same pipeline on the head rank."""
+        """AR generation through the same pipeline on the head rank (same stage code and kernels as :meth:`generate`).
+
+        Returns:
+            :class:`GenerationResult` (tokens after the prompt, the first from the prefill logits; AR metrics).
+        Raises:
+            RuntimeError: not the head rank. PromptError: empty or too long prompt. PipeCommError: a rank died or
+            stalled.
+        """
         return self.engine.generate_ar(prompt, max_new_tokens or self.max_new_tokens)
 
     def serve(self) -> None:

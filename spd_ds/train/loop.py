@@ -82,6 +82,9 @@ class WarmupLinear:
         self.time_fraction = 0.0
 
     def __call__(self, step: int) -> float:
+        """LR multiplier in ``[0, 1]`` for optimizer step ``step`` (0-based): linear warm-up over ``warmup`` steps,
+        then linear decay to 0 at ``total`` steps or at the elapsed-time fraction ``time_fraction``, whichever is
+        further."""
         if step < self.warmup:
             return (step + 1) / self.warmup
         done = (step - self.warmup) / max(1, self.total - self.warmup)

@@ -109,7 +109,14 @@ class TeacherStage(nn.Module):
 
     @torch.no_grad()
     def targets(self, hidden: torch.Tensor, valid: torch.Tensor) -> TeacherTargets:
-        """Distillation targets at the loss positions (``valid`` nonzero, row-major), LM head in chunks."""
+        """Distillation targets at the loss positions (``valid`` nonzero, row-major), LM head in chunks.
+
+        Args:
+            hidden: ``[B, S, H]`` last-stage output (pre-final-norm). valid: ``[B, S]`` loss-position flags.
+        Returns:
+            :class:`TeacherTargets` over the ``P`` loss positions: draft-vocabulary logits ``[P, V_d]`` fp32,
+            logsumexp of the full-vocabulary logits / T ``[P]`` fp32, full-vocabulary argmax ``[P]`` int64.
+        """
         rows = hidden.reshape(-1, hidden.shape[-1])[valid.reshape(-1).bool()]
         ld, lse, am = [], [], []
         for c in range(0, rows.shape[0], self.logits_chunk):
