@@ -8,7 +8,8 @@
 # Usage (repo root): source .devkit/on_device.sh && OUT=$OUT SPD_EVAL_DIR=/root/spd_data/eval_data \
 #                        bash scripts/gpu_head_graph_check.sh
 # Knobs: SPD_NUM_PROMPTS (4), SPD_MAX_NEW (128), SPD_HEAD (the shipped n=2 head), NUM_GPUS (2),
-#   SPD_BENCH_OVERRIDES (extra section.key=value words; "deepspeed.backend=gloo" for a CPU dry run), SKIP_TESTS=1.
+#   SPD_BENCH_OVERRIDES (extra section.key=value words; "deepspeed.backend=gloo" for a CPU dry run), SKIP_TESTS=1,
+#   MODES ("eager graph"; "graph" for the graphed head alone).
 source "$(dirname "$0")/gpu_common.sh"
 EVAL_DIR=${SPD_EVAL_DIR:-eval_data}
 HEAD=${SPD_HEAD:-spd_ds/assets/heads/smollm2-135m-instruct-n2}
@@ -29,7 +30,7 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
 fi
 
 rc=0
-for mode in eager graph; do
+for mode in ${MODES:-eager graph}; do
   flag=false; [[ $mode == graph ]] && flag=true
   set +e
   timeout 270 "$PY" -m deepspeed.launcher.runner --num_gpus "${NUM_GPUS:-2}" launch/benchmark.py \

@@ -156,13 +156,9 @@ def build_drafter(cfg: ExperimentConfig, head: SpeculationHead | None, arch: Tar
 
 
 def head_cuda_graph(cfg: ExperimentConfig, device) -> bool:
-    """Whether the head drafts through a CUDA graph: a CUDA device and ``head.cuda_graph`` (None = follow
-    ``deepspeed.cuda_graphs``, off when ``deepspeed.static_cache`` is false)."""
-    if torch.device(device).type != "cuda":
-        return False
-    if cfg.head.cuda_graph is not None:
-        return bool(cfg.head.cuda_graph)
-    return bool(cfg.deepspeed.cuda_graphs and cfg.deepspeed.static_cache is not False)
+    """Whether the head drafts through a CUDA graph: a CUDA device and ``head.cuda_graph`` (opt-in, see
+    :class:`~spd_ds.config.HeadConfig`; independent of the stages' ``deepspeed.cuda_graphs``)."""
+    return torch.device(device).type == "cuda" and bool(cfg.head.cuda_graph)
 
 
 def build_head_drafter(cfg: ExperimentConfig, head: SpeculationHead, max_len: int, device):

@@ -46,8 +46,9 @@ class HeadConfig:
     ``draft_vocab`` JSON (None = full vocabulary), ``placement`` in the distributed engine
     (``colocated``: inside the first stage's process, world n; ``dedicated``: its own rank, world n + 1),
     ``cuda_graph``: draft through a static KV cache replayed as one CUDA graph per cycle
-    (``spd_ds.decoding.head_graph``) when the head is on a CUDA device; None = follow ``deepspeed.cuda_graphs``
-    (off when ``deepspeed.static_cache`` is false); ignored on CPU, where the head always runs eagerly."""
+    (``spd_ds.decoding.head_graph``) when the head is on a CUDA device. Opt-in (default false): 5x faster cycles on
+    2 H200s, but in bf16 SPD then matched the CUDA-graph AR on only 4-5 of 6 prompts (near-tie flips, cause open:
+    ``docs/benchmarks.md`` (a)), against 6/6 with the eager head. Ignored on CPU, where the head runs eagerly."""
 
     checkpoint: Optional[str] = None
     num_layers: int = 1
@@ -55,7 +56,7 @@ class HeadConfig:
     intermediate_size: Optional[int] = None
     placement: str = "colocated"
     dtype: Optional[str] = None  # None = model.dtype
-    cuda_graph: Optional[bool] = None
+    cuda_graph: bool = False
 
 
 @dataclasses.dataclass

@@ -76,8 +76,9 @@ class GraphedHeadDrafter:
         ``feats [R_pad, m, H]`` (head dtype) and ``meta`` int64 ``[2 + R_pad]`` = ``(start_pos, last real row,
         type of each row)`` (inputs); ``logits [V_d]`` fp32 and ``token [1]`` int64 (argmax as a target id) (outputs).
 
-    The graph uses a private memory pool: in the engine it replays on the head's own stream while the stage graphs
-    (which share one pool) replay on the default stream.
+    The graph uses a private memory pool and is captured on a stream of its own (:attr:`capture_stream`, hence its
+    own cuBLAS workspace): in the engine it replays on the head's stream while the stage graphs (which share one pool
+    and one capture stream) replay on the default stream.
 
     Raises:
         ValueError: ``use_graph`` off CUDA, or ``max_rows < 1``.
@@ -113,6 +114,7 @@ class GraphedHeadDrafter:
         self.token: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None  # the latest call's logits (static, or a fallback's own)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.capture_stream: torch.cuda.Stream | None = None
         if use_graph:
             self._capture(warmup)
 
@@ -128,17 +130,23 @@ class GraphedHeadDrafter:
 
     @torch.no_grad()
     def _capture(self, warmup: int) -> None:
-        side = torch.cuda.Stream(self.device)
+        # Warm-up and capture on a stream of the head's own. cuBLAS(Lt) kernels captured in a graph keep the workspace
+        # of the (handle, stream) they were captured on; torch.cuda.graph's default capture stream is one stream for
+        # every capture of the process, so a head captured there would share its workspace with the stage graphs,
+        # which the engine replays at the same time (head stream vs default stream). A high-priority pool stream is
+        # never the (normal-priority) default capture stream.
+        self.capture_stream = torch.cuda.Stream(self.device, priority=-1)
+        side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(max(1, warmup)):  # writes garbage at positions 0..R_pad-1: start() rewrites what is read
                 self._step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the head is captured lazily, after NCCL traffic has begun, and the process group's watchdog
         # thread keeps querying its events meanwhile (legal for other threads in this mode, fatal in "global")
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             self.logits, self.token = self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
 
     @property
     def graphed(self) -> bool:
