@@ -89,12 +89,12 @@ def main(argv=None) -> int:
         if not piped and not head:  # e.g. suite c under the launcher: the head rank alone runs it
             return 0
         if piped:  # phase 1, every rank: all pipeline sessions, one process group
-            import deepspeed
             import torch.distributed as dist
 
             c0 = cfgs[piped[0]]
-            deepspeed.init_distributed(dist_backend=c0.deepspeed.backend, auto_mpi_discovery=True, verbose=False,
-                                       timeout=datetime.timedelta(seconds=c0.deepspeed.timeout_s))
+            from spd_ds.pipe.runner import init_process_group, init_timeout_s
+
+            init_process_group(c0.deepspeed.backend, init_timeout_s(c0))
             head = dist.get_rank() == 0
             try:
                 for k in piped:

@@ -9,11 +9,13 @@ flight; static KV caches (the GPU path, eager on CPU); SmolLM2-135M-Instruct; a 
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.test_pipe_worker import deepspeed_cmd, launch, worker_env
+from tests.test_pipe_worker import deepspeed_cmd, free_port, launch, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +81,11 @@ def world2(tmp_path_factory, tiny_root):
         job("colo2_static_head_T1", 2, "colocated", max_new=24, overrides=T1, drafter="oracle_head", alpha=0.8,
             head_drafter="static"),
     ]
-    return run_world(tmp_path_factory.mktemp("w2"), tiny_root, 2, jobs)
+    port = free_port()
+    res = run_world(tmp_path_factory.mktemp("w2"), tiny_root, 2, jobs,
+                    cmd=["deepspeed", "--num_gpus", "2", "--master_port", str(port)])
+    res["_master_port"] = port
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +155,13 @@ def test_engine_is_deepspeed_pipeline_engine(world2):
     assert info["module_class"] == "SPDPipelineModule" and "PipelineModule" in info["module_bases"]
     assert info["parts"] == [0, 2, 3] and info["local_layers"] == {"0": [0, 1, 2]}  # head + stage 0 on pipe stage 0
     assert {"StageForward", "Verify", "Rollback", "ForwardPass"} <= set(info["instructions"])
+
+
+def test_no_shared_memory_workspace_left_behind(world2):
+    # DeepSpeed's CPU all-reduce maps /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> (69 MB) per
+    # rank and never unlinks it; spd_ds.pipe.runner.init_process_group does, or every run would leak world x 69 MB
+    left = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{world2['_master_port']}_*"))
+    assert not left, left
 
 
 def test_colocated_n2_static_cache(world2):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import gc
 import logging
 import os
@@ -597,15 +596,14 @@ def _oracle_factory(variants: list[_Variant], prompts: list[list[int]], arch):
 
 def _run_distributed(cfg, arch, part, prompts, variants, methods) -> bool:
     """SPD variants through the pipeline engine (every rank). Returns whether this is the head rank."""
-    import deepspeed
     import torch.distributed as dist
 
     run_distributed_inference = _import_engine()
     created = False
     if not dist.is_initialized():  # one process group for every session of this run
-        deepspeed.init_distributed(dist_backend=cfg.deepspeed.backend, auto_mpi_discovery=True, verbose=False,
-                                   timeout=datetime.timedelta(seconds=cfg.deepspeed.timeout_s))
-        created = True
+        from spd_ds.pipe.runner import init_process_group, init_timeout_s
+
+        created = init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
     head_rank = dist.get_rank() == 0
     warm = _warm(prompts, cfg.eval.warmup_prompts)
     ids = [p.ids for p in warm + prompts]

@@ -91,28 +91,54 @@ def init_timeout_s(cfg: ExperimentConfig) -> float:
     return max(float(cfg.deepspeed.timeout_s), 600.0)
 
 
-def init_distributed(cfg: ExperimentConfig, plan: PipePlan) -> bool:
-    """Initialise ``torch.distributed`` through DeepSpeed (gloo on CPU, NCCL on GPU unless ``deepspeed.backend``).
+def init_process_group(backend: str | None, timeout_s: float) -> bool:
+    """Initialise ``torch.distributed`` through ``deepspeed.init_distributed`` unless it already is (every spd-ds
+    launcher goes through here: infer, eval, benchmark, train).
 
-    A plain single-process run gets a local rendezvous. Returns whether this call initialised it.
+    A plain single-process run (no launcher variables) gets a local rendezvous on a free port. On the CPU
+    accelerator DeepSpeed maps a shared-memory all-reduce workspace per rank (``/dev/shm/deepspeed_allreduce_buffer_*``,
+    69 MB each) and never unlinks it, so every run on one machine used to leave ``world`` files behind until
+    ``/dev/shm`` filled up (seen here as OOM kills after a day of test runs). After a barrier (every rank has opened
+    its peers' workspaces by then) each rank unlinks its own file; the mappings stay valid.
+
+    Args:
+        backend: ``deepspeed.backend`` (None = the accelerator's default: NCCL on GPU, gloo/ccl on CPU).
+        timeout_s: timeout of the default process group in seconds.
+    Returns:
+        Whether this call initialised it.
+    """
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if dist.is_available() and dist.is_initialized():
+        return False
+    launched = any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"))
+    if not launched:  # python launch/infer.py ... --engine deepspeed
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    port = int(os.environ.get("MASTER_PORT", "29500"))  # MPI discovery would otherwise force 29500
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=True, verbose=False,
+                               distributed_port=port, timeout=datetime.timedelta(seconds=timeout_s))
+    if get_accelerator().device_name() == "cpu":  # the same on every rank, so the barrier cannot hang
+        dist.barrier()
+        shm = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                                  f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+        shm.unlink(missing_ok=True)
+    return True
+
+
+def init_distributed(cfg: ExperimentConfig, plan: PipePlan) -> bool:
+    """:func:`init_process_group` with the experiment's backend and :func:`init_timeout_s`, then check the world.
+
+    Returns whether this call initialised the process group.
 
     Raises:
         WorldSizeError: the initialised world differs from the plan's (e.g. an MPI launch without its variables).
     """
-    import deepspeed
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        created = False
-    else:
-        launched = any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"))
-        if not launched:  # python launch/infer.py ... --engine deepspeed
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-        port = int(os.environ.get("MASTER_PORT", "29500"))  # MPI discovery would otherwise force 29500
-        deepspeed.init_distributed(dist_backend=cfg.deepspeed.backend, auto_mpi_discovery=True, verbose=False,
-                                   distributed_port=port, timeout=datetime.timedelta(seconds=init_timeout_s(cfg)))
-        created = True
+    created = init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
     world = dist.get_world_size()
     if world != plan.world_size:
         PipePlan.build(plan.partition, plan.placement, world)  # raises the same one-line error on every rank

@@ -185,6 +185,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
     from spd_ds.builder import build_arch, build_head, build_partition, eos_token_ids, load_tokenizer
     from spd_ds.models.adapter import resolve_dtype
+    from spd_ds.pipe.runner import init_process_group, init_timeout_s
     from spd_ds.train.student import HeadTrainModule, WorldDataParallel
     from spd_ds.train.teacher import Teacher, build_teacher_module
 
@@ -200,7 +201,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                           "another train.output_dir")
 
     # 1. processes and devices
-    deepspeed.init_distributed(timeout=__import__("datetime").timedelta(seconds=max(600.0, cfg.deepspeed.timeout_s)))
+    init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     acc = get_accelerator()
