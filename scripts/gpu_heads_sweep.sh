@@ -20,7 +20,9 @@
 # Usage (repo root):  source .devkit/on_device.sh && OUT=$OUT WORK=/root/sweep bash scripts/gpu_heads_sweep.sh
 # Knobs (env): STAGES="2 3 5 6", PHASES, REGEN_SECONDS=100, REGEN_FILE, TRAIN_SECONDS=90, MICRO_BATCH=8,
 #   SEQ_LEN=2048, LR=1e-3, SPLIT_PAIRS=1 (the PPSD head of each n on the next GPU, not beside its SPD head),
-#   NUM_PROMPTS=10 (per prompt set), MAX_NEW=128, EVAL_DEVICE=cpu, EVAL_THREADS=4, SPD_EVAL_DIR=eval_data.
+#   NUM_PROMPTS=10 (per prompt set), MAX_NEW=128, EVAL_DEVICE=cpu, EVAL_THREADS=4, SPD_EVAL_DIR=eval_data,
+#   PAIRS_PER_WAVE=NUM_GPUS (SPD/PPSD pairs trained at once; 4 with 2 GPUs trains all eight heads in one wave,
+#   four to a GPU, which saves a wave's start-up time).
 source "$(dirname "$0")/gpu_common.sh"
 STAGES=${STAGES:-"2 3 5 6"}
 PHASES=${PHASES:-"regen train eval"}
@@ -80,7 +82,7 @@ if has train; then
     train_one spd "$n" "$gpu" "$port" &
     train_one ppsd "$n" $(( ${SPLIT_PAIRS:-0} ? (gpu + 1) % NUM_GPUS : gpu )) $((port + 1)) &
     port=$((port + 2)) i=$((i + 1))
-    if (( i % NUM_GPUS == 0 )); then wait; fi
+    if (( i % ${PAIRS_PER_WAVE:-$NUM_GPUS} == 0 )); then wait; fi
   done
   wait
 fi
