@@ -208,6 +208,23 @@ class SpeculationHead(nn.Module):
         return meta
 
     @classmethod
+    def check_base_model(cls, path: str | os.PathLike, arch: TargetArch) -> dict:
+        """Read the checkpoint's ``head_config.json`` (:meth:`read_config`) and check it was trained for ``arch``
+        (fingerprint and hidden size); cheap, so every rank can run it before any collective. Returns the metadata.
+
+        Raises:
+            FileNotFoundError: no checkpoint at ``path``.
+            HeadMismatchError: another base model, or another head format version.
+        """
+        meta = cls.read_config(path)
+        if meta["base_model_fingerprint"] != arch.fingerprint() or meta["hidden_size"] != arch.hidden_size:
+            raise HeadMismatchError(
+                f"head {path} was trained for another base model (fingerprint {meta['base_model_fingerprint']}, "
+                f"this model {arch.fingerprint()}); use a head trained for {arch.model_dir}"
+            )
+        return meta
+
+    @classmethod
     def load(cls, path: str | os.PathLike, arch: TargetArch, partition: StagePartition | None = None) -> "SpeculationHead":
         """Load a head saved by :meth:`save` for base model ``arch``.
 
@@ -218,12 +235,7 @@ class SpeculationHead(nn.Module):
         """
         from safetensors.torch import load_file
 
-        meta = cls.read_config(path)
-        if meta["base_model_fingerprint"] != arch.fingerprint() or meta["hidden_size"] != arch.hidden_size:
-            raise HeadMismatchError(
-                f"head {path} was trained for another base model (fingerprint {meta['base_model_fingerprint']}, "
-                f"this model {arch.fingerprint()}); use a head trained for {arch.model_dir}"
-            )
+        meta = cls.check_base_model(path, arch)
         saved = StagePartition.from_dict(meta["partition"])
         if partition is not None and partition != saved:
             raise HeadMismatchError(

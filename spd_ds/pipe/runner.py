@@ -153,16 +153,10 @@ def _precheck_head(cfg: ExperimentConfig, arch) -> None:
     Raises:
         FileNotFoundError / HeadMismatchError / ValueError: as ``builder.build_head`` would on the head rank.
     """
-    from spd_ds.head import HeadMismatchError, SpeculationHead, load_draft_vocab
+    from spd_ds.head import SpeculationHead, load_draft_vocab
 
     if cfg.head.checkpoint:
-        meta = SpeculationHead.read_config(cfg.head.checkpoint)
-        if meta["base_model_fingerprint"] != arch.fingerprint() or meta["hidden_size"] != arch.hidden_size:
-            raise HeadMismatchError(
-                f"head {cfg.head.checkpoint} was trained for another base model (fingerprint "
-                f"{meta['base_model_fingerprint']}, this model {arch.fingerprint()}); use a head trained for "
-                f"{arch.model_dir}"
-            )
+        SpeculationHead.check_base_model(cfg.head.checkpoint, arch)
     elif cfg.head.draft_vocab:
         load_draft_vocab(cfg.head.draft_vocab)
 
