@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Where do greedy SPD and the CUDA-graph AR part on GPU in bf16? A diagnostic for the open question of
+docs/benchmarks.md (a): with the CUDA-graph speculation head, SPD and ``ar_graph`` parted at near-ties on 1-2 of 6
+prompts, and in one run it was ``ar_graph`` that changed its token.
+
+One process group, several pipeline sessions, then the single-GPU AR on rank 0, all on the same prompts with the
+same ``decoding.max_length`` (static caches of one length everywhere):
+
+* ``spd[<mode>]`` and ``pipe_ar[<mode>]``: SPD and AR through the same pipeline (same graphed stages) for each head
+  mode (``eager``: HeadDrafter; ``graph``: GraphedHeadDrafter; ``graph2``: the same again, for run-to-run noise);
+* ``ar_graph#0`` / ``#1``: :class:`~spd_ds.decoding.ar_graph.ARGraphDecoder` on rank 0's GPU, twice;
+  ``ar_graph sync1``: the same reading the token after every replay (a race in its device-side feedback would show);
+* ``ar_graph+head``: the same with a captured GraphedHeadDrafter alive on that GPU (idle).
+
+Writes ``tokens.json`` (every method's tokens per prompt) and ``divergence.md`` (first divergence of every method
+from ``ar_graph#0`` and from ``pipe_ar[eager]``) to ``--out`` and prints the table.
+
+Usage (GPU machine, repo root)::
+
+    deepspeed --num_gpus 2 scripts/gpu_exactness_probe.py --out $OUT/probe [--eval-dir eval_data] [overrides]
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 deepspeed --num_gpus 2 scripts/gpu_exactness_probe.py --out $OUT/det
+    deepspeed --num_gpus 2 scripts/gpu_exactness_probe.py --out $OUT/fp32 model.dtype=float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from spd_ds import builder  # noqa: E402
+from spd_ds.config import load_config  # noqa: E402
+from spd_ds.eval.prompts import load_prompts  # noqa: E402
+
+MODES = {"eager": ["head.cuda_graph=false"], "graph": ["head.cuda_graph=true"], "graph2": ["head.cuda_graph=true"]}
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="launch/configs/smollm2_spd.yaml")
+    ap.add_argument("--eval-dir", default="eval_data")
+    ap.add_argument("--sets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"])
+    ap.add_argument("--num-prompts", type=int, default=2, help="per set")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-length", type=int, default=384)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the deepspeed launcher adds it
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    import torch.distributed as dist
+
+    from spd_ds.decoding.ar_graph import ARGraphDecoder
+    from spd_ds.decoding.head_graph import GraphedHeadDrafter
+    from spd_ds.pipe.runner import init_process_group, init_timeout_s, run_distributed_inference
+
+    base = ["model.dtype=bfloat16", "partition.num_stages=2", "decoding.temperature=0",
+            f"decoding.max_new_tokens={args.max_new_tokens}", f"decoding.max_length={args.max_length}",
+            *args.overrides]
+    cfg = load_config(args.config, base)
+    arch = builder.build_arch(cfg)
+    tok = builder.load_tokenizer(arch)
+    names, prompts = [], []
+    for s in args.sets:
+        for rec in load_prompts(s, args.num_prompts, args.eval_dir):
+            names.append(f"{s}/{rec['question_id']}")
+            prompts.append(builder.encode_prompt(tok, rec["turns"][0]))
+    init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
+    rank0 = dist.get_rank() == 0
+    runs: dict[str, list[list[int]]] = {}
+    for mode, ov in MODES.items():
+        out = run_distributed_inference(load_config(args.config, base + ov), prompts, with_ar=True)
+        if rank0:
+            spd, ar = out
+            runs[f"spd[{mode}]"] = [r.tokens for r in spd]
+            runs[f"pipe_ar[{mode}]"] = [r.tokens for r in ar]
+        dist.barrier()
+    if rank0:
+        part = builder.build_partition(cfg, arch)
+        cuda = torch.cuda.is_available()
+        target = builder.build_target(cfg, arch, part,
+                                      torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
+        eos = builder.eos_token_ids(cfg, arch, tok)
+        sampling = builder.sampling_params(cfg)
+        for i in range(2):
+            dec = ARGraphDecoder(target, sampling, eos, cfg.decoding.max_length)
+            runs[f"ar_graph#{i}"] = [dec.generate(p, args.max_new_tokens).tokens for p in prompts]
+            del dec
+        dec = ARGraphDecoder(target, sampling, eos, cfg.decoding.max_length, sync_every=1)
+        runs["ar_graph sync1"] = [dec.generate(p, args.max_new_tokens).tokens for p in prompts]
+        del dec
+        head = builder.build_head(cfg, arch, part)
+        alive = GraphedHeadDrafter(head, cfg.decoding.max_length, builder.resolve_dtype(cfg.model.dtype),
+                                   target.device, use_graph=cuda)
+        dec = ARGraphDecoder(target, sampling, eos, cfg.decoding.max_length)
+        runs["ar_graph+head"] = [dec.generate(p, args.max_new_tokens).tokens for p in prompts]
+        assert alive.graphed == cuda
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "tokens.json").write_text(json.dumps({"prompts": names, "runs": runs}, indent=1))
+        lines = [f"# exactness probe ({cfg.model.dtype}, max_length {cfg.decoding.max_length}, "
+                 f"{args.max_new_tokens} new tokens)", "",
+                 "| method | vs ar_graph#0: identical | first divergences | vs pipe_ar[eager]: identical | first "
+                 "divergences |", "|---|---|---|---|---|"]
+        for name, toks in runs.items():
+            cells = []
+            for ref in ("ar_graph#0", "pipe_ar[eager]"):
+                d = [first_divergence(t, r) for t, r in zip(toks, runs[ref])]
+                cells += [f"{sum(x is None for x in d)}/{len(d)}",
+                          ", ".join(f"{n}@{x}" for n, x in zip(names, d) if x is not None) or "-"]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        (out_dir / "divergence.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
