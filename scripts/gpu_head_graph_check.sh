@@ -26,6 +26,8 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
   set +e
   timeout 240 "$PY" -m pytest -q tests/test_head_graph.py tests/test_pipe_graphs.py -rs > "$OUT/pytest.log" 2>&1
   say "CUDA tests: exit $? ($(tail -1 "$OUT/pytest.log"))"
+  timeout 240 "$PY" -m pytest -q tests/test_pipe_engine.py -k cuda -rs >> "$OUT/pytest.log" 2>&1
+  say "CUDA engine test (2 GPUs): exit $? ($(tail -1 "$OUT/pytest.log"))"
   set -e
 fi
 

@@ -11,7 +11,8 @@ Job fields: ``name``, ``model`` (tiny-model spec ``{"type", "layers"}`` or ``"sm
 (``section.key=value``), ``prompts``, ``max_new_tokens``, ``drafter`` (``config`` | ``oracle_head``: the oracle with
 the head as base drafter, as in the reference tests), ``alpha``, ``eos_at`` (use the single-process AR token at this
 index as EOS), ``ar`` (also run AR through the pipeline), ``reference`` (compute the reference decoder),
-``fault`` (``{"rank", "after", "kind": "kill"|"stall"}``).
+``fault`` (``{"rank", "after", "kind": "kill"|"stall"}``), ``device`` (``cpu``, default, fp32 | ``cuda``: bf16 on each
+rank's GPU; set ``reference`` false then, the single-process decoders run on CPU).
 """
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ def run_job(job, tiny_root: Path) -> dict | None:
     from spd_ds.pipe.runner import SPDSession
 
     rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
-    overrides = [f"model.name={model_dir(job['model'], tiny_root)}", "model.dtype=float32", "model.device=cpu",
+    device = job.get("device", "cpu")  # "cuda": every rank on its local GPU, NCCL, bf16 (no CPU reference then)
+    overrides = [f"model.name={model_dir(job['model'], tiny_root)}",
+                 "model.dtype=float32" if device == "cpu" else "model.dtype=bfloat16", f"model.device={device}",
                  "decoding.max_length=256"] + list(job.get("overrides", []))
     cfg = load_config(None, overrides)
     prompts, max_new = job["prompts"], job["max_new_tokens"]
