@@ -56,7 +56,7 @@ class HeadConfig:
     intermediate_size: Optional[int] = None
     placement: str = "colocated"
     dtype: Optional[str] = None  # None = model.dtype
-    cuda_graph: bool = False
+    cuda_graph: Optional[bool] = False  # null (configs saved before it was opt-in) = false
 
 
 @dataclasses.dataclass

@@ -46,3 +46,16 @@ def test_bad_values():
         load_config(None, ["data.num_prompts=0"])
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent.yaml")
+
+
+def test_head_cuda_graph_is_opt_in_and_old_saved_configs_load(tmp_path):
+    from spd_ds.builder import head_cuda_graph
+
+    assert load_config(None).head.cuda_graph is False
+    # configs saved by train.py before the graphed head became opt-in hold `cuda_graph: null`
+    (tmp_path / "old.yaml").write_text("head:\n  cuda_graph: null\n")
+    old = load_config(tmp_path / "old.yaml")
+    assert old.head.cuda_graph is None and not head_cuda_graph(old, "cuda")
+    assert head_cuda_graph(load_config(None, ["head.cuda_graph=true"]), "cuda")
+    with pytest.raises(ConfigError):
+        load_config(None, ["head.cuda_graph=maybe"])

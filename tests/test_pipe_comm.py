@@ -1,11 +1,14 @@
 """``spd_ds.pipe.comm.Link`` between two gloo processes: in-order delivery, and send bookkeeping that stays bounded
-(a gloo send never reports completion before ``wait()``, so a scan of every pending send would grow each cycle)."""
+(a gloo send never reports completion before ``wait()``, so a scan of every pending send would grow each cycle);
+``spd_ds.pipe.runner.init_process_group`` with a process group the caller started, and its backend check."""
 
 from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -61,3 +64,50 @@ def test_link_delivers_in_order_and_keeps_pending_sends_bounded():
     most, bound, left = results["sender"]
     assert most <= bound + 2 and left == 0  # header + payload per message, retired once 16 newer exist
 
+
+
+def _init_worker(rank: int, port: int, out) -> None:
+    """The caller started torch.distributed itself: init_process_group lets DeepSpeed wrap it (deepspeed.comm
+    usable, as train() needs) and reports that it did not create it."""
+    import deepspeed.comm as ds_comm
+
+    from spd_ds.pipe.runner import init_process_group
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        created = init_process_group(None, 60.0)
+        again = init_process_group(None, 60.0)
+        out.put((rank, created, again, ds_comm.is_initialized(), ds_comm.get_rank(), ds_comm.get_world_size()))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_process_group_wraps_a_group_the_caller_started():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_init_worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=180) for _ in range(2))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got == [(0, False, False, True, 0, 2), (1, False, False, True, 1, 2)]
+    left = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    assert not left, left
+
+
+def test_nccl_without_cuda_is_a_one_line_error_before_any_collective(monkeypatch):
+    import torch.distributed as tdist
+
+    from spd_ds.config import ConfigError
+    from spd_ds.pipe.runner import init_process_group
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="deepspeed.backend=gloo"):
+        init_process_group("nccl", 10.0)
+    assert not tdist.is_initialized()

@@ -92,8 +92,8 @@ def init_timeout_s(cfg: ExperimentConfig) -> float:
 
 
 def init_process_group(backend: str | None, timeout_s: float) -> bool:
-    """Initialise ``torch.distributed`` through ``deepspeed.init_distributed`` unless it already is (every spd-ds
-    launcher goes through here: infer, eval, benchmark, train).
+    """Initialise ``torch.distributed`` through ``deepspeed.init_distributed`` (every spd-ds launcher goes through
+    here: infer, eval, benchmark, train). A process group the caller started is wrapped by DeepSpeed, not replaced.
 
     A plain single-process run (no launcher variables) gets a local rendezvous on a free port. On the CPU
     accelerator DeepSpeed maps a shared-memory all-reduce workspace per rank (``/dev/shm/deepspeed_allreduce_buffer_*``,
@@ -106,26 +106,38 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
         timeout_s: timeout of the default process group in seconds.
     Returns:
         Whether this call initialised it.
+    Raises:
+        ConfigError: ``nccl`` without a visible CUDA device (raised on every rank before any collective).
     """
     import deepspeed
+    import deepspeed.comm as ds_comm
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
+    if backend == "nccl" and not torch.cuda.is_available():  # every rank, before any collective
+        raise ConfigError("deepspeed.backend=nccl needs CUDA GPUs and none is visible; use deepspeed.backend=gloo "
+                          "on CPU (or leave it unset)")
+    timeout = datetime.timedelta(seconds=timeout_s)
     if dist.is_available() and dist.is_initialized():
-        return False
-    launched = any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"))
-    if not launched:  # python launch/infer.py ... --engine deepspeed
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    port = int(os.environ.get("MASTER_PORT", "29500"))  # MPI discovery would otherwise force 29500
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=True, verbose=False,
-                               distributed_port=port, timeout=datetime.timedelta(seconds=timeout_s))
+        if ds_comm.is_initialized():
+            return False
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)  # wraps the caller's group
+        created = False
+    else:
+        launched = any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"))
+        if not launched:  # python launch/infer.py ... --engine deepspeed
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        port = int(os.environ.get("MASTER_PORT", "29500"))  # MPI discovery would otherwise force 29500
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=True, verbose=False,
+                                   distributed_port=port, timeout=timeout)
+        created = True
     if get_accelerator().device_name() == "cpu":  # the same on every rank, so the barrier cannot hang
-        dist.barrier()
+        dist.barrier()  # not in a finally: unlinking before a slow peer opened the file would leave it spinning
         shm = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
                                   f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
         shm.unlink(missing_ok=True)
-    return True
+    return created
 
 
 def init_distributed(cfg: ExperimentConfig, plan: PipePlan) -> bool:
