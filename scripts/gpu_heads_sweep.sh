@@ -9,7 +9,7 @@
 #   train  for each n: an SPD head (default anchors: every stage boundary) and a PPSD head (anchors [0, e_1]: features
 #          of the first stage only), same data, same hyper-parameters, same time budget ($TRAIN_SECONDS). The two
 #          heads of one n train at the same time on the same GPU (equal share); n values go round-robin over the
-#          GPUs, one wave of NUM_GPUS pairs at a time. -> $WORK/heads/{spd,ppsd}_n<n>/head
+#          GPUs, one wave of PAIRS_PER_WAVE pairs at a time. -> $WORK/heads/{spd,ppsd}_n<n>/head
 #   eval   each head through launch/eval.py (reference decoder, fp32, T = 0, no baselines) on $EVAL_DEVICE (default
 #          cpu, as suite (c) asks: $EVAL_THREADS threads per head, all heads at once on the node's cores; cuda =
 #          round-robin over the GPUs); then the suite-(c) table -> $OUT/suite_c.md, $OUT/suite_c.json.
@@ -22,7 +22,9 @@
 #   SEQ_LEN=2048, LR=1e-3, SPLIT_PAIRS=1 (the PPSD head of each n on the next GPU, not beside its SPD head),
 #   NUM_PROMPTS=10 (per prompt set), MAX_NEW=128, EVAL_DEVICE=cpu, EVAL_THREADS=4, SPD_EVAL_DIR=eval_data,
 #   PAIRS_PER_WAVE=NUM_GPUS (SPD/PPSD pairs trained at once; 4 with 2 GPUs trains all eight heads in one wave,
-#   four to a GPU, which saves a wave's start-up time).
+#   four to a GPU, which saves a wave's start-up time), SESSION_SECONDS (train.session_time_s: each command trains
+#   at most this long, keeps the paused heads' checkpoints, and the next command with the same settings resumes them;
+#   TRAIN_SECONDS=900 SESSION_SECONDS=450 trains every head for 900 s, one LR schedule, in two device commands).
 source "$(dirname "$0")/gpu_common.sh"
 STAGES=${STAGES:-"2 3 5 6"}
 PHASES=${PHASES:-"regen train eval"}
@@ -61,17 +63,24 @@ if [[ -f "$REGEN" ]]; then TRAIN_FILES="$REGEN,$DATA"; fi
 train_one() {  # variant n gpu port
   local variant=$1 n=$2 gpu=$3 port=$4 anchors=()
   [[ $variant == ppsd ]] && anchors=("partition.anchors=[0,$(e1 "$n")]")
-  local dir="$WORK/heads/${variant}_n$n"
-  [[ -f "$dir/head/head_config.json" ]] && { say "train $variant n=$n: already there"; return 0; }
-  rm -rf "$dir"
+  local dir="$WORK/heads/${variant}_n$n" resume=() limit=$TRAIN_SECONDS
+  if [[ -f "$dir/checkpoints/latest" ]] && grep -q '"finished": false' "$dir/train_summary.json" 2>/dev/null; then
+    resume=(--resume)  # paused by SESSION_SECONDS in an earlier command: continue the same run
+  elif [[ -f "$dir/head/head_config.json" ]]; then
+    say "train $variant n=$n: already there"; return 0
+  else
+    rm -rf "$dir"
+  fi
+  if [[ -n "${SESSION_SECONDS:-}" ]] && (( SESSION_SECONDS < limit )); then limit=$SESSION_SECONDS; fi
   local t0=$SECONDS rc=0
-  timeout $((TRAIN_SECONDS + 300)) "$PY" -m deepspeed.launcher.runner --include "localhost:$gpu" --master_port "$port" \
-    launch/train.py --config launch/configs/train_smollm2_n3.yaml --deepspeed_config ds_configs/zero2.json \
+  timeout $((limit + 300)) "$PY" -m deepspeed.launcher.runner --include "localhost:$gpu" --master_port "$port" \
+    launch/train.py "${resume[@]}" --config launch/configs/train_smollm2_n3.yaml --deepspeed_config ds_configs/zero2.json \
     "model.name=$MODEL" "partition.num_stages=$n" "${anchors[@]}" "data.train_files=[$TRAIN_FILES]" \
     data.max_conversations=null "data.micro_batch_size=${MICRO_BATCH:-8}" "data.max_seq_length=${SEQ_LEN:-2048}" \
     "train.lr=${LR:-1e-3}" "train.max_time_s=$TRAIN_SECONDS" train.epochs=4 "train.output_dir=$dir" \
-    train.save_every=1000000 train.progress=false train.log_every=10 > "$OUT/train_${variant}_n$n.log" 2>&1 || rc=$?
-  rm -rf "$dir/checkpoints"
+    train.save_every=1000000 train.progress=false train.log_every=10 \
+    ${SESSION_SECONDS:+train.session_time_s=$SESSION_SECONDS} > "$OUT/train_${variant}_n$n.log" 2>&1 || rc=$?
+  grep -q '"finished": false' "$dir/train_summary.json" 2>/dev/null || rm -rf "$dir/checkpoints"
   say "train $variant n=$n on gpu $gpu: exit $rc in $((SECONDS - t0)) s"
 }
 

@@ -123,7 +123,10 @@ class TrainConfig:
     autocast: str = "auto"  # auto (bf16 on CUDA, off on CPU) | bf16 | off: head compute dtype; weights stay fp32
     outside_vocab: str = "weight"  # positions whose teacher argmax is outside the draft vocab: weight | drop | keep
     keep_checkpoints: int = 2  # newest DeepSpeed checkpoints kept under output_dir/checkpoints
-    max_time_s: Optional[float] = None  # stop (and save) after this many seconds of training
+    max_time_s: Optional[float] = None  # stop (and save) after this many seconds of training, counted over the whole
+    # run: a resumed run continues the clock (and the time-based LR decay) where its checkpoint left it
+    session_time_s: Optional[float] = None  # end this invocation (checkpoint saved) after this many seconds without
+    # ending the run: `--resume` continues it (a cluster job's time limit; the LR schedule is unaffected)
     save_dtype: str = "float32"  # dtype of the final head's weights (bfloat16 halves the file)
     progress: bool = True  # tqdm progress bar on the logging rank
 

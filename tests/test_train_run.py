@@ -115,6 +115,33 @@ def test_resume_continues_exactly(run_a, setup):
     sa = torch.load(run_a_dir / "checkpoints" / "step12" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     sb = torch.load(ck / "step12" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    # the run's clock continues across the resume (train.max_time_s and the time-based decay count the whole run)
+    t6 = torch.load(ck / "step6" / "mp_rank_00_model_states.pt", weights_only=False)["elapsed_s"]
+    t12 = torch.load(ck / "step12" / "mp_rank_00_model_states.pt", weights_only=False)["elapsed_s"]
+    summary = json.loads((tmp / "b" / "run" / "train_summary.json").read_text())
+    assert 0 < t6 < t12 <= summary["elapsed_s"] and summary["steps"] == 12 and summary["resumed_at_step"] == 6
+
+
+@pytest.mark.slow
+def test_session_time_limit_pauses_and_resume_finishes_exactly(run_a, setup):
+    """train.session_time_s ends the invocation after its first step with a checkpoint (a cluster time limit), without
+    ending the run; --resume then finishes it with run_a's losses step for step."""
+    tmp, model, data = setup
+    run_a_dir, _ = run_a
+    (tmp / "s").mkdir()
+    cfg = _experiment(tmp / "s", model, data, session_time_s=1e-6)
+    proc = _launch(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp / "s" / "run"
+    first = json.loads((run / "train_summary.json").read_text())
+    assert first["steps"] == 1 and first["finished"] is False and first["total_steps"] == 12
+    assert "continue with --resume" in proc.stdout + proc.stderr
+    proc = _launch(cfg, "--resume", "train.session_time_s=null")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = json.loads((run / "train_summary.json").read_text())
+    assert done["steps"] == 12 and done["finished"] is True and done["resumed_at_step"] == 1
+    a, s = _losses(run_a_dir), _losses(run)
+    assert sorted(s) == list(range(1, 13)) and [s[k] for k in range(1, 13)] == [a[k] for k in range(1, 13)]
 
 
 @pytest.mark.slow

@@ -275,10 +275,12 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
     # 6. resume: head, optimizer, scheduler (DeepSpeed) + data position and RNG (client state)
     step, epoch, index, micro = 0, 0, 0, 0
+    elapsed_before = 0.0  # training seconds of the earlier invocations of this run (resume)
     if resume:
         if (ckpt_dir / "latest").exists():
             _, cs = engine.load_checkpoint(str(ckpt_dir))
             step, epoch, index, micro = cs["step"], cs["epoch"], cs["index"], cs["micro"]
+            elapsed_before = float(cs.get("elapsed_s", 0.0))
             set_rng_state(cs["rng"][rank] if rank < len(cs["rng"]) else cs["rng"][0])
             _say(f"resumed from {ckpt_dir} at step {step} (epoch {epoch}, micro-batch {index})", rank)
         else:
@@ -296,8 +298,11 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if is_logger and step == 0:
         log_path.unlink(missing_ok=True)  # a fresh run starts a fresh log
     meter = Meter(agree=[0] * (n + 1), count=[0] * (n + 1))
-    t_start, t_log = time.perf_counter(), time.perf_counter()
-    tokens_total, stop = 0, False
+    # t_start: start of the whole run, earlier invocations included, so that train.max_time_s and the learning-rate
+    # decay by time fraction count the run's total time across resumes (not each invocation's); t_run: this one
+    t_run = t_log = time.perf_counter()
+    t_start = t_run - elapsed_before
+    tokens_total, stop, paused, first_step = 0, False, False, step
 
     # 8. the loop
     head.train()
@@ -332,10 +337,14 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         step += 1
         if bar is not None:
             bar.update(1)
-        if tc.max_time_s is not None:
-            over = torch.tensor([float(time.perf_counter() - t_start > tc.max_time_s)], device=device)
-            dist.all_reduce(over, op=dist.ReduceOp.MAX)
-            stop = bool(over.item())
+        if tc.max_time_s is not None or tc.session_time_s is not None:
+            now = time.perf_counter()
+            flags = torch.tensor([float(tc.max_time_s is not None and now - t_start > tc.max_time_s),
+                                  float(tc.session_time_s is not None and now - t_run > tc.session_time_s)],
+                                 device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+            stop = bool(flags.sum().item())
+            paused = stop and not bool(flags[0].item()) and step < total_steps
         if step % tc.log_every == 0 or step == total_steps or stop:
             m = meter.reduce(device)
             now = time.perf_counter()
@@ -359,10 +368,12 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
             meter = Meter(agree=[0] * (n + 1), count=[0] * (n + 1))
             t_log = now
         if step % tc.save_every == 0 or step == total_steps or stop:
-            _save(engine, ckpt_dir, step, epoch, index + 1, micro, rank, world, tc.keep_checkpoints, device)
+            _save(engine, ckpt_dir, step, epoch, index + 1, micro, rank, world, tc.keep_checkpoints, device,
+                  elapsed_s=time.perf_counter() - t_start)
 
     # 9. the final head
-    elapsed = time.perf_counter() - t_start
+    now = time.perf_counter()
+    elapsed, run_s = now - t_start, now - t_run
     if bar is not None:
         bar.close()
     if tb is not None:
@@ -371,24 +382,32 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if is_logger:
         final = out_dir / "head"
         head.to(dtype=resolve_dtype(tc.save_dtype)).save(final)
-        summary = {"steps": step, "elapsed_s": elapsed, "tokens": tokens_total,
-                   "tokens_per_s": tokens_total / max(elapsed, 1e-9), "world_size": world,
+        summary = {"steps": step, "total_steps": total_steps, "finished": not paused, "elapsed_s": elapsed,
+                   "tokens": tokens_total,
+                   "tokens_per_s": tokens_total / max(run_s, 1e-9), "world_size": world,
+                   "resumed_at_step": first_step if first_step else None,
                    "teacher_pipe_degree": degree, "partition": part.to_dict(), "head": str(final)}
         (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
         _say(f"done: {step} steps in {elapsed:.1f} s, {summary['tokens_per_s']:.0f} tokens/s; head -> {final}", rank)
+        # (elapsed_s and steps count the whole run, earlier invocations included; tokens and tokens/s this one)
+        if paused:
+            _say(f"train.session_time_s={tc.session_time_s:g} reached at step {step}: checkpoint saved; continue "
+                 "with --resume (the head above is the run's state so far)", rank)
     dist.barrier()
     return final
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
 def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro: int, rank: int, world: int,
-          keep: int, device) -> None:
-    """DeepSpeed checkpoint ``step<N>`` with the data position and every rank's RNG state; keep the newest ``keep``."""
+          keep: int, device, elapsed_s: float = 0.0) -> None:
+    """DeepSpeed checkpoint ``step<N>`` with the data position, every rank's RNG state and the run's training time so
+    far (``elapsed_s``, seconds); keep the newest ``keep``."""
     import deepspeed.comm as dist
 
     states = [None] * world
     dist.all_gather_object(states, rng_state())
-    client = {"step": step, "epoch": epoch, "index": next_index, "micro": micro, "rng": states}
+    client = {"step": step, "epoch": epoch, "index": next_index, "micro": micro, "rng": states,
+              "elapsed_s": float(elapsed_s)}
     engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client)
     if rank == 0 and keep > 0:
         tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
