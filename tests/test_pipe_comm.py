@@ -47,18 +47,24 @@ def _worker(rank: int, port: int, n: int, out) -> None:
         dist.destroy_process_group()
 
 
-def test_link_delivers_in_order_and_keeps_pending_sends_bounded():
+def _run_two(target, *args, timeout: float = 180.0) -> list:
+    """Run ``target(rank, port, *args, out)`` in two spawned processes; the two items they put on ``out``."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    n = 200
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, n, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict((r[0], r[1:]) for r in (out.get(timeout=120) for _ in range(2)))
+    got = [out.get(timeout=timeout) for _ in range(2)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    return got
+
+
+def test_link_delivers_in_order_and_keeps_pending_sends_bounded():
+    n = 200
+    results = dict((r[0], r[1:]) for r in _run_two(_worker, n))
     (got,) = results["receiver"]
     assert got == [(i, i, float(i)) for i in range(n)]
     most, bound, left = results["sender"]
@@ -79,24 +85,16 @@ def _init_worker(rank: int, port: int, out) -> None:
     try:
         created = init_process_group(None, 60.0)
         again = init_process_group(None, 60.0)
-        out.put((rank, created, again, ds_comm.is_initialized(), ds_comm.get_rank(), ds_comm.get_world_size()))
+        out.put((rank, created, again, ds_comm.is_initialized(), ds_comm.get_rank(), ds_comm.get_world_size(), port))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def test_init_process_group_wraps_a_group_the_caller_started():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_init_worker, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(out.get(timeout=180) for _ in range(2))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    assert got == [(0, False, False, True, 0, 2), (1, False, False, True, 1, 2)]
+    got = sorted(_run_two(_init_worker))
+    assert [g[:-1] for g in got] == [(0, False, False, True, 0, 2), (1, False, False, True, 1, 2)]
+    port = got[0][-1]
     left = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
     assert not left, left
 
