@@ -7,7 +7,8 @@ One process group, several pipeline sessions, then the single-GPU AR on rank 0, 
 same ``decoding.max_length`` (static caches of one length everywhere):
 
 * ``spd[<mode>]`` and ``pipe_ar[<mode>]``: SPD and AR through the same pipeline (same graphed stages) for each head
-  mode (``eager``: HeadDrafter; ``graph``: GraphedHeadDrafter; ``graph2``: the same again, for run-to-run noise);
+  mode (``eager``: HeadDrafter; ``graph``: GraphedHeadDrafter; ``graph2``: the same again, for run-to-run noise;
+  ``graph_serial``: GraphedHeadDrafter on the default stream, ``head.overlap=false``: no concurrency with stage 0);
 * ``ar_graph#0`` / ``#1``: :class:`~spd_ds.decoding.ar_graph.ARGraphDecoder` on rank 0's GPU, twice;
   ``ar_graph sync1``: the same reading the token after every replay (a race in its device-side feedback would show);
 * ``ar_graph+head``: the same with a captured GraphedHeadDrafter alive on that GPU (idle).
@@ -37,7 +38,8 @@ from spd_ds import builder  # noqa: E402
 from spd_ds.config import load_config  # noqa: E402
 from spd_ds.eval.prompts import load_prompts  # noqa: E402
 
-MODES = {"eager": ["head.cuda_graph=false"], "graph": ["head.cuda_graph=true"], "graph2": ["head.cuda_graph=true"]}
+MODES = {"eager": ["head.cuda_graph=false"], "graph": ["head.cuda_graph=true"], "graph2": ["head.cuda_graph=true"],
+         "graph_serial": ["head.cuda_graph=true", "head.overlap=false"]}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -48,7 +48,9 @@ class HeadConfig:
     ``cuda_graph``: draft through a static KV cache replayed as one CUDA graph per cycle
     (``spd_ds.decoding.head_graph``) when the head is on a CUDA device. Opt-in (default false): 5x faster cycles on
     2 H200s, but in bf16 SPD then matched the CUDA-graph AR on only 4-5 of 6 prompts (near-tie flips, cause open:
-    ``docs/benchmarks.md`` (a)), against 6/6 with the eager head. Ignored on CPU, where the head runs eagerly."""
+    ``docs/benchmarks.md`` (a)), against 6/6 with the eager head. Ignored on CPU, where the head runs eagerly.
+    ``overlap`` (GPU engine): draft on the head's own CUDA stream while stage 0 runs (false: after it, on the default
+    stream; slower, no concurrency: a check for the question above)."""
 
     checkpoint: Optional[str] = None
     num_layers: int = 1
@@ -57,6 +59,7 @@ class HeadConfig:
     placement: str = "colocated"
     dtype: Optional[str] = None  # None = model.dtype
     cuda_graph: Optional[bool] = False  # null (configs saved before it was opt-in) = false
+    overlap: bool = True  # GPU engine: draft on a CUDA stream of its own, concurrently with stage 0's forward
 
 
 @dataclasses.dataclass

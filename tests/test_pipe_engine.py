@@ -70,7 +70,7 @@ def world2(tmp_path_factory, tiny_root):
         job("colo2_eos", 2, "colocated", prompts=(P2,), max_new=25, eos_at=8,
             overrides=["decoding.drafter=oracle", "decoding.oracle_alpha=1.0"]),
         job("colo2_static", 2, "colocated", drafter="oracle_head", alpha=0.6, ar=True,
-            overrides=["deepspeed.static_cache=true"]),
+            overrides=["deepspeed.static_cache=true", "head.overlap=false"]),
         job("colo2_eos_replacement", 2, "colocated", prompts=(P2,), max_new=25, eos_at=4,
             overrides=["decoding.drafter=oracle", "decoding.oracle_alpha=0.0"]),
         job("colo2_one_token", 2, "colocated", prompts=(P1, P2), max_new=1),
@@ -180,12 +180,13 @@ def test_bf16_static_path_equals_ar_through_the_pipeline(world2, name):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on the GPU machine)")
 def test_cuda_engine_equals_ar_through_the_same_pipeline(tmp_path, tiny_root):
     """On 2 GPUs (NCCL, bf16, static caches and CUDA-graph stages by default): greedy SPD with the eager head, with
-    the CUDA-graph head, and with oracle drafts gives the tokens of AR through the same pipeline (same graphed
+    the CUDA-graph head (overlapping stage 0 or after it), and with oracle drafts gives the tokens of AR through the same pipeline (same graphed
     stages, same kernels), with rollbacks. Random tiny weights put many near-ties in the way, so a target
     computation that depends on the drafts shows here."""
     jobs = [job(f"cuda_{name}", 2, "colocated", prompts=(P1, P2), max_new=64, ar=True, device="cuda",
                 reference=False, overrides=ov)
             for name, ov in [("eager_head", ["head.cuda_graph=false"]), ("graph_head", ["head.cuda_graph=true"]),
+                             ("graph_head_serial", ["head.cuda_graph=true", "head.overlap=false"]),
                              ("oracle", ["decoding.drafter=oracle", "decoding.oracle_alpha=0.6"])]]
     res = run_world(tmp_path, tiny_root, 2, jobs)
     for r in (res[j["name"]] for j in jobs):

@@ -231,7 +231,7 @@ class SPDPipelineEngine(PipelineEngine):
 
     # ------------------------------------------------------------------ setup
     def setup_spd(self, plan: PipePlan, sampling: SamplingParams, eos_token_ids: Sequence[int], max_len: int, *,
-                  timeout_s: float, static_cache: bool, cuda_graphs: bool) -> None:
+                  timeout_s: float, static_cache: bool, cuda_graphs: bool, head_overlap: bool = True) -> None:
         """Create links, buffers and stage runners; every rank calls it (it creates process groups).
 
         Args:
@@ -241,6 +241,8 @@ class SPDPipelineEngine(PipelineEngine):
             max_len: KV capacity (prompt + new tokens + tokens in flight).
             timeout_s: deadline of every wait on another rank.
             static_cache: static KV caches (GPU speed path); ``cuda_graphs``: capture stage forwards.
+            head_overlap: on CUDA, draft on a stream of the head's own, overlapping stage 0's forward (``False``:
+                on the default stream after it, no concurrency).
         """
         if plan.world_size != self.num_stages:
             raise RuntimeError(f"plan for {plan.world_size} pipe stages but the engine has {self.num_stages}")
@@ -274,7 +276,7 @@ class SPDPipelineEngine(PipelineEngine):
         if self.is_head:
             self.ends = mod.head_ends.ends
             self.head_module = mod.head_ends.head
-            self.head_stream = torch.cuda.Stream(self.spd_device) if self.cuda else None
+            self.head_stream = torch.cuda.Stream(self.spd_device) if (self.cuda and head_overlap) else None
             self._token_ids = torch.zeros(1, 1, dtype=torch.long, device=self.spd_device)
         self._warmup()
 

@@ -264,7 +264,8 @@ class SPDSession:
             self.eos = _eos_with_tokenizer(cfg, self.arch, self.eos)
         self.engine.setup_spd(self.plan, self.sampling, self.eos, self.max_len,
                               timeout_s=cfg.deepspeed.timeout_s, static_cache=bool(static),
-                              cuda_graphs=bool(cfg.deepspeed.cuda_graphs and cuda and static))
+                              cuda_graphs=bool(cfg.deepspeed.cuda_graphs and cuda and static),
+                              head_overlap=bool(cfg.head.overlap))
         self.device = device
 
     # ------------------------------------------------------------------ roles
