@@ -42,14 +42,6 @@ MODES = {"eager": ["head.cuda_graph=false"], "graph": ["head.cuda_graph=true"], 
          "graph_serial": ["head.cuda_graph=true", "head.overlap=false"]}
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (a length difference counts), None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="launch/configs/smollm2_spd.yaml")
@@ -66,7 +58,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from spd_ds.decoding.ar_graph import ARGraphDecoder
-    from spd_ds.decoding.head_graph import GraphedHeadDrafter
+    from spd_ds.eval.runner import first_divergence
     from spd_ds.pipe.runner import init_process_group, init_timeout_s, run_distributed_inference
 
     base = ["model.dtype=bfloat16", "partition.num_stages=2", "decoding.temperature=0",
@@ -104,12 +96,12 @@ def main() -> None:
         dec = ARGraphDecoder(target, sampling, eos, cfg.decoding.max_length, sync_every=1)
         runs["ar_graph sync1"] = [dec.generate(p, args.max_new_tokens).tokens for p in prompts]
         del dec
-        head = builder.build_head(cfg, arch, part)
-        alive = GraphedHeadDrafter(head, cfg.decoding.max_length, builder.resolve_dtype(cfg.model.dtype),
-                                   target.device, use_graph=cuda)
+        head_cfg = load_config(args.config, base + ["head.cuda_graph=true"])  # the graphed head as the engine builds it
+        alive = builder.build_head_drafter(head_cfg, builder.build_head(cfg, arch, part), cfg.decoding.max_length,
+                                           target.device)
         dec = ARGraphDecoder(target, sampling, eos, cfg.decoding.max_length)
         runs["ar_graph+head"] = [dec.generate(p, args.max_new_tokens).tokens for p in prompts]
-        assert alive.graphed == cuda
+        assert getattr(alive, "graphed", False) == cuda
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "tokens.json").write_text(json.dumps({"prompts": names, "runs": runs}, indent=1))

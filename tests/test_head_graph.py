@@ -197,6 +197,23 @@ def test_builder_picks_the_graphed_head_on_cuda_only(arch8):
     assert build_drafter(c, None, arch8, "cpu") is None
 
 
+def test_failed_head_capture_falls_back_to_the_eager_head(arch8, monkeypatch, caplog):
+    import spd_ds.builder as builder
+    import spd_ds.decoding.head_graph as head_graph
+
+    def no_capture(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(builder, "head_cuda_graph", lambda cfg, device: True)  # as on a GPU
+    monkeypatch.setattr(head_graph, "GraphedHeadDrafter", no_capture)
+    _, head = make_head(arch8, (4, 4), None, 1)
+    cfg = load_config(None, ["model.dtype=float32", "head.cuda_graph=true"])
+    with caplog.at_level("WARNING", logger="spd_ds.builder"):
+        drafter = builder.build_head_drafter(cfg, head, 64, "cpu")
+    assert type(drafter) is HeadDrafter
+    assert "CUDA graph capture failed (operation not permitted when stream is capturing); drafting eagerly" in caplog.text
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
 @torch.no_grad()
 @pytest.mark.parametrize("stage_layers,anchors,num_layers", PARTITIONS[:2])
@@ -219,6 +236,8 @@ def test_cuda_graph_replay_equals_eager_static_path(arch8, stage_layers, anchors
         a = g.propose(comp, inf, types, start, sampling)
         b = e.propose(comp, inf, types, start, sampling)
         assert torch.equal(g.last_logits, e.last_logits) and a.token == b.token, i
+        if a.q_draft is not None:  # sampled calls: the same draft distribution
+            assert torch.equal(a.q_draft, b.q_draft), i
         start += rc
     assert g.fallbacks == e.fallbacks == 1
     # in real cycles on the GPU: SPD with the graphed head equals AR on the same stage code

@@ -155,10 +155,12 @@ class Link:
 
     def send(self, kind: int, seq: int = 0, pos: int = 0, q: int = 0, flags: int = 0,
              payload: torch.Tensor | None = None) -> None:
-        """Send a header and, if given, a contiguous payload; returns at once (the tensors are kept alive).
+        """Send a header (5 int64) and, if given, a contiguous payload (any shape/dtype, on the link's device); the
+        tensors are kept alive until the send completes. Returns at once, unless more than ``MAX_HOST_PENDING`` host
+        sends to this peer are still pending: then it first waits for the oldest (at most ``timeout_s`` seconds).
 
         Raises:
-            PipeCommError: an earlier send to this peer failed.
+            PipeCommError: an earlier send to this peer failed, or the peer did not take a pending send in time.
         """
         self._prune()
         hdr = torch.tensor([int(kind), int(seq), int(pos), int(q), int(flags)], dtype=torch.long)
@@ -170,7 +172,8 @@ class Link:
             raise self._fail("sending to", e) from None
 
     def send_stats(self, kind: int, stats: torch.Tensor, seq: int = 0) -> None:
-        """Send a header and a float64 CPU vector on the control group (non-blocking)."""
+        """Send a header and ``stats`` (any float CPU vector, sent as float64) on the control group; non-blocking as
+        :meth:`send` (same bound on pending host sends, same errors)."""
         self._prune()
         hdr = torch.tensor([int(kind), int(seq), 0, int(stats.numel()), 0], dtype=torch.long)
         stats = stats.to(torch.float64).contiguous()

@@ -218,7 +218,6 @@ class _Generation:
     replacement: tuple[int, int] | None = None
     t_decode: float | None = None
     wait0: float = 0.0
-    snapshot_ready: object = None
 
 
 class SPDPipelineEngine(PipelineEngine):
@@ -261,6 +260,7 @@ class SPDPipelineEngine(PipelineEngine):
         p0 = next(any_param)
         self.spd_device, self.spd_dtype = p0.device, p0.dtype
         self.cuda = self.spd_device.type == "cuda"
+        self._arrived = torch.cuda.Event() if self.cuda else None  # marks received rows for host waits
         self.H = (next(iter(stages.values())).arch.hidden_size if stages
                   else int(mod.head_ends.ends.embedding.weight.shape[1]))
         pool = torch.cuda.graph_pool_handle() if (self.cuda and static_cache and cuda_graphs) else None
@@ -277,6 +277,8 @@ class SPDPipelineEngine(PipelineEngine):
             self.ends = mod.head_ends.ends
             self.head_module = mod.head_ends.head
             self.head_stream = torch.cuda.Stream(self.spd_device) if (self.cuda and head_overlap) else None
+            # reused every cycle (a wait captures the event's latest record, so re-recording later is safe)
+            self._snapshot_ready = torch.cuda.Event() if self.head_stream is not None else None
             self._token_ids = torch.zeros(1, 1, dtype=torch.long, device=self.spd_device)
         self._warmup()
 
@@ -446,9 +448,8 @@ class SPDPipelineEngine(PipelineEngine):
             if hdr.seq > seq:
                 raise PipeProtocolError(f"{link.me_name}: expected token {seq} from {link.peer_name}, got {hdr.seq}")
         if host_sync and self.cuda:
-            ev = torch.cuda.Event()
-            ev.record()
-            link.host_wait(ev, f"token {seq}")
+            self._arrived.record()  # one event for every host wait (each wait ends before the next record)
+            link.host_wait(self._arrived, f"token {seq}")
         return view, rows
 
     def _store_rows(self, e: _Entry, stage: int, view: torch.Tensor, rows: tuple[int, ...], pos_slice=0) -> None:
@@ -527,9 +528,8 @@ class SPDPipelineEngine(PipelineEngine):
         inflight = torch.stack([e.feats for e in st.pipeline])
         comp = torch.stack(st.completed) if st.completed else inflight.new_zeros(0, self.m, inflight.shape[-1])
         st.snapshot = (comp, inflight, [self.f[e.depth] for e in st.pipeline], st.head_start)
-        if self.cuda:  # the head's stream waits for the snapshot only, not for the stage forward launched next
-            st.snapshot_ready = torch.cuda.Event()
-            st.snapshot_ready.record()
+        if self._snapshot_ready is not None:  # the head's stream waits for the snapshot only, not for the stage
+            self._snapshot_ready.record()        # forward launched next
         st.head_start += len(st.completed)
         st.completed = []
         st.at_stage = {}
@@ -558,7 +558,7 @@ class SPDPipelineEngine(PipelineEngine):
         comp, inflight, types, start = st.snapshot
         t = time.perf_counter()
         if self.head_stream is not None:
-            self.head_stream.wait_event(st.snapshot_ready)
+            self.head_stream.wait_event(self._snapshot_ready)
             with torch.cuda.stream(self.head_stream):
                 draft = st.drafter.propose(comp, inflight, types, start, self.sampling)
             torch.cuda.current_stream(self.spd_device).wait_stream(self.head_stream)
