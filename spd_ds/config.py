@@ -46,9 +46,9 @@ class HeadConfig:
     ``draft_vocab`` JSON (None = full vocabulary), ``placement`` in the distributed engine
     (``colocated``: inside the first stage's process, world n; ``dedicated``: its own rank, world n + 1),
     ``cuda_graph``: draft through a static KV cache replayed as one CUDA graph per cycle
-    (``spd_ds.decoding.head_graph``) when the head is on a CUDA device. Opt-in (default false): 5x faster cycles on
-    2 H200s, but in bf16 SPD then matched the CUDA-graph AR on only 4-5 of 6 prompts (near-tie flips, cause open:
-    ``docs/benchmarks.md`` (a)), against 6/6 with the eager head. Ignored on CPU, where the head runs eagerly.
+    (``spd_ds.decoding.head_graph``) when the head is on a CUDA device. Opt-in (default false) until its bf16
+    exactness against the CUDA-graph AR on GPU is settled (``docs/benchmarks.md`` (a)); null = false. Ignored on CPU,
+    where the head runs eagerly.
     ``overlap`` (GPU engine): draft on the head's own CUDA stream while stage 0 runs (false: after it, on the default
     stream; slower, no concurrency: a check for the question above)."""
 

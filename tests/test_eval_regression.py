@@ -15,7 +15,7 @@ from tests.test_eval_random_weights import make_random_shape, one_thread  # noqa
 
 
 def test_committed_head_keeps_its_acceptance(tmp_path, smollm2_dir):
-    """Deliberately fails (does not skip) until the head is committed: the lead commits it with its record."""
+    """The committed SmolLM2 n=2 head keeps its recorded acceptance (fails, never skips, if head or record is gone)."""
     if not (DEFAULT_HEAD_DIR / "head_config.json").is_file():
         pytest.fail(f"no committed head at {DEFAULT_HEAD_DIR}: train the SmolLM2 n=2 head, save it there and record "
                     f"its acceptance: python -m spd_ds.eval.regression {DEFAULT_HEAD_DIR} --record --eval-dir DIR")
