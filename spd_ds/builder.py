@@ -163,7 +163,16 @@ def head_cuda_graph(cfg: ExperimentConfig, device) -> bool:
 
 def build_head_drafter(cfg: ExperimentConfig, head: SpeculationHead, max_len: int, device):
     """The head's drafter: :class:`~spd_ds.decoding.head_graph.GraphedHeadDrafter` when :func:`head_cuda_graph`,
-    else the eager :class:`~spd_ds.decoding.drafters.HeadDrafter` (CPU; also when the capture fails, with a warning)."""
+    else the eager :class:`~spd_ds.decoding.drafters.HeadDrafter` (CPU; also when the capture fails: the
+    ``RuntimeError`` is logged as a warning, not raised).
+
+    Args:
+        head: the speculation head (moved to ``device`` in ``head.dtype``, default ``model.dtype``).
+        max_len: the head's KV capacity in positions (``decoding.max_length``).
+        device: where the head runs.
+    Returns:
+        A :class:`~spd_ds.decoding.drafters.Drafter`.
+    """
     from spd_ds.decoding.drafters import HeadDrafter
 
     dtype = resolve_dtype(cfg.head.dtype or cfg.model.dtype)

@@ -56,6 +56,10 @@ class Drafter(Protocol):
             inflight: ``[Ri, m, H]`` anchors of in-flight tokens, oldest first (entries past their type are zero).
             inflight_types: their aggregation types ``f(depth)``.
             start_pos: position of the first row.
+            sampling: the decoding distribution (greedy draft at T = 0, else a keyed sample).
+
+        Anchors are in the target's dtype on the head's device. Returns a :class:`Draft`: the token id (a target
+        vocabulary id) and, at T > 0, its draft distribution ``q_draft`` (fp32 ``[V_d]``).
         """
 
 

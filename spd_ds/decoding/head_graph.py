@@ -54,6 +54,8 @@ def static_head_tower(head: SpeculationHead, cache: StageKVCache, rows: torch.Te
         positions: int64 ``[q]`` token positions on the head's device (RoPE positions and KV write positions).
     Returns:
         ``[1, q, H]`` tower output (before the final norm).
+    Raises:
+        RuntimeError: ``cache`` is not a static cache.
     """
     cache.bind(positions)
     return head.tower(rows, positions, cache, mask=cache.attention_mask(positions))  # advance(): host count only

@@ -242,6 +242,8 @@ class SPDPipelineEngine(PipelineEngine):
             static_cache: static KV caches (GPU speed path); ``cuda_graphs``: capture stage forwards.
             head_overlap: on CUDA, draft on a stream of the head's own, overlapping stage 0's forward (``False``:
                 on the default stream after it, no concurrency).
+        Raises:
+            RuntimeError: the plan's world size is not the engine's pipe degree.
         """
         if plan.world_size != self.num_stages:
             raise RuntimeError(f"plan for {plan.world_size} pipe stages but the engine has {self.num_stages}")

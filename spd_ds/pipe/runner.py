@@ -344,7 +344,8 @@ class SPDSession:
 
 def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequence[Sequence[int]],
                               max_new_tokens: int | None = None, *,
-                              drafter_factory: DrafterFactory | None = None, with_ar: bool = False):
+                              drafter_factory: DrafterFactory | None = None, with_ar: bool = False
+                              ) -> list[GenerationResult] | tuple[list[GenerationResult], list[GenerationResult]] | None:
     """Generate for every prompt with SPD through DeepSpeed's pipeline engine. Call it on every rank.
 
     Args:
