@@ -132,6 +132,11 @@ class TrainConfig:
     # ending the run: `--resume` continues it (a cluster job's time limit; the LR schedule is unaffected)
     save_dtype: str = "float32"  # dtype of the final head's weights (bfloat16 halves the file)
     progress: bool = True  # tqdm progress bar on the logging rank
+    attention: str = "auto"  # head attention in training: auto (flex on CUDA, dense elsewhere) | flex | dense
+    loss_chunk: int = 4096  # loss positions per chunk of the KL over the draft vocabulary (bounds fp32 temporaries)
+    prefetch: int = 4  # micro-batches collated ahead in a DataLoader worker process (0 = in the training process)
+    profile_steps: Optional[int] = None  # profile this many steps (after 5 warm-up steps) with torch.profiler;
+    # the table of the costliest operators goes to output_dir/profile.txt
 
 
 # The default evaluation prompt sets. gsm8k comes from the hub only: when it cannot be had, a run on this list (in

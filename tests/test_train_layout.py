@@ -24,7 +24,7 @@ from tests.tiny_models import make_tiny_model
 
 def teacher_forward(stages, ids, segments, valid):
     """The degree-1 PipelineModule's forward: the stages in turn."""
-    x = (ids, segments, valid.long())
+    x = (ids, segments, valid.long(), valid.reshape(-1).nonzero().flatten())
     for st in stages:
         x = st(x)
     return x
@@ -137,3 +137,30 @@ def test_every_trainable_parameter_gets_a_gradient_at_every_fill(arch8):
         loss.backward()
         missing = [n for n, p in student.named_parameters() if p.requires_grad and p.grad is None]
         assert not missing, (F, missing)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 5, 8])
+def test_flex_attention_equals_dense_mask(tmp_path_factory, model_type, num_stages):
+    """The block-sparse FlexAttention layout computes what the dense structural mask computes (fp32, packed rows,
+    padding, grouped-query heads, two tower layers), at every fill; the loss positions selected by index equal the
+    boolean selection. (FlexAttention has no CPU backward: CUDA runs the gradient check, tests/test_train_gpu.py.)"""
+    torch.manual_seed(num_stages)
+    arch = TargetArch(make_tiny_model(tmp_path_factory.mktemp(f"flex{model_type}"), model_type, num_layers=8))
+    part = StagePartition.build(8, num_stages=num_stages)
+    head = SpeculationHead(arch, part, 2, sorted(set(range(0, arch.vocab_size, 2))))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    dense, flex = HeadTrainModule(head, "dense"), HeadTrainModule(head, "flex")
+    B, S, m, H = 2, 19, part.num_types, arch.hidden_size
+    feats = torch.randn(B, S, m, H)
+    segments = torch.tensor([[1] * 7 + [2] * 9 + [0] * 3, [1] * 4 + [2] * 4 + [3] * 11])
+    valid = (segments > 0) & (torch.rand(B, S) < 0.7)
+    index = valid.reshape(-1).nonzero().flatten()
+    with torch.no_grad():
+        for fill in range(1, num_stages + 1):
+            ref = dense(feats, segments, valid, fill)
+            got = flex(feats, segments, valid, fill, loss_index=index)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert head.config._attn_implementation != "spd_structural_flex"  # restored after the forward

@@ -35,7 +35,7 @@ import torch
 from spd_ds.config import ConfigError, ExperimentConfig, to_yaml
 from spd_ds.train.chat import EmptyMaskError, set_chat_template
 from spd_ds.train.data import BatchPlanner, iterate, load_records, tokenize_records
-from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss, position_weights, top1_agreement
+from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.mask import sample_fill
 
 CHECKPOINTS = "checkpoints"
@@ -114,27 +114,69 @@ def set_rng_state(st: dict) -> None:
 
 @dataclasses.dataclass
 class Meter:
-    """Sums over a logging interval (all-reduced across ranks before printing)."""
+    """Sums over a logging interval, reduced across ranks before printing.
 
-    loss: float = 0.0
+    Quantities that live on the device (loss, weights, agreements, all-zero-weight batches) are accumulated there, so
+    the step needs no device-to-host read; counts the host knows (micro-batches, positions, tokens, empty
+    micro-batches) stay Python numbers. :meth:`reduce` packs both into one fp64 all-reduce: one sync per log step.
+    """
+
+    loss: float | torch.Tensor = 0.0
     micro: int = 0
-    weight: float = 0.0
+    weight: float | torch.Tensor = 0.0
     positions: int = 0
     tokens: int = 0
-    agree: list[int] = dataclasses.field(default_factory=list)  # per fill F = 1..n (index F)
+    agree: list[int] | torch.Tensor = dataclasses.field(default_factory=list)  # per fill F = 1..n (index F)
     count: list[int] = dataclasses.field(default_factory=list)
+    empty: int = 0  # micro-batches without a loss position on this rank (raise on every rank at the log step)
+    zero_weight: float | torch.Tensor = 0.0  # micro-batches whose loss weights sum to 0
+
+    @classmethod
+    def zeros(cls, num_stages: int, device) -> "Meter":
+        """An empty interval for fills ``1..num_stages`` with device accumulators on ``device``."""
+        z = torch.zeros((), dtype=torch.float64, device=device)
+        return cls(loss=z.clone(), weight=z.clone(), zero_weight=z.clone(),
+                   agree=torch.zeros(num_stages + 1, dtype=torch.float64, device=device), count=[0] * (num_stages + 1))
 
     def reduce(self, device) -> "Meter":
         """The sums over every rank (one fp64 all-reduce on ``device``); a collective: call it on all ranks."""
         import deepspeed.comm as dist
 
-        vals = torch.tensor([self.loss, self.micro, self.weight, self.positions, self.tokens, *self.agree, *self.count],
-                            dtype=torch.float64, device=device)
+        k = len(self.count)
+        host = torch.tensor([self.micro, self.positions, self.tokens, self.empty, *self.count], dtype=torch.float64)
+        vals = torch.cat([torch.as_tensor(self.loss, dtype=torch.float64, device=device).reshape(1),
+                          torch.as_tensor(self.weight, dtype=torch.float64, device=device).reshape(1),
+                          torch.as_tensor(self.zero_weight, dtype=torch.float64, device=device).reshape(1),
+                          torch.as_tensor(self.agree, dtype=torch.float64, device=device).reshape(k),
+                          host.to(device)])
         dist.all_reduce(vals)
         v = vals.tolist()
-        k = len(self.agree)
-        return Meter(v[0], int(v[1]), v[2], int(v[3]), int(v[4]), [int(x) for x in v[5:5 + k]],
-                     [int(x) for x in v[5 + k:]])
+        h = v[3 + k:]
+        return Meter(loss=v[0], micro=int(h[0]), weight=v[1], positions=int(h[1]), tokens=int(h[2]),
+                     agree=[int(round(x)) for x in v[3:3 + k]], count=[int(x) for x in h[4:4 + k]],
+                     empty=int(h[3]), zero_weight=v[2])
+
+
+def batches_on_device(planner, epoch: int, index: int, prefetch: int):
+    """``(epoch, index, batch)`` from :func:`~spd_ds.train.data.iterate`, each batch with its ``loss_index``
+    (:func:`~spd_ds.train.teacher.with_loss_index`), collated ``prefetch`` micro-batches ahead in a DataLoader worker
+    process into pinned memory (``prefetch = 0``: in this process). The order is the plan's, so resume is exact."""
+    from spd_ds.train.teacher import with_loss_index
+
+    def gen():
+        for e, i, b in iterate(planner, epoch, index):
+            yield e, i, with_loss_index(b)
+
+    if prefetch <= 0:
+        return gen()
+
+    class _Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return gen()
+
+    loader = torch.utils.data.DataLoader(_Stream(), batch_size=None, num_workers=1, prefetch_factor=prefetch,
+                                         pin_memory=torch.cuda.is_available(), persistent_workers=False)
+    return iter(loader)
 
 
 def _autocast(mode: str, device: torch.device):
@@ -142,14 +184,6 @@ def _autocast(mode: str, device: torch.device):
     if mode not in ("auto", "bf16", "off"):
         raise ConfigError(f"train.autocast must be auto, bf16 or off, got {mode!r}")
     return torch.autocast(device.type, dtype=torch.bfloat16) if use else contextlib.nullcontext()
-
-
-def _all_min(x: int, device) -> int:
-    import deepspeed.comm as dist
-
-    t = torch.tensor([x], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
 
 
 def auto_pipe_degree(model_dir: Path, num_stages: int, world: int, device: torch.device,
@@ -186,7 +220,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     from spd_ds.builder import build_arch, build_head, build_partition, eos_token_ids, load_tokenizer
     from spd_ds.models.adapter import resolve_dtype
     from spd_ds.pipe.runner import init_process_group, init_timeout_s
-    from spd_ds.train.student import HeadTrainModule, WorldDataParallel
+    from spd_ds.train.student import HeadTrainModule, WorldDataParallel, resolve_attention
     from spd_ds.train.teacher import Teacher, build_teacher_module
 
     tc, dc = cfg.train, cfg.data
@@ -261,7 +295,11 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if total_steps < 1:
         raise ConfigError(f"no optimizer step to take: {len(planner.plan(0))} micro-batches per rank per epoch, "
                           f"gradient_accumulation_steps={gas}; use more data or smaller batches")
-    student = HeadTrainModule(head)
+    try:
+        attention = resolve_attention(tc.attention, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    student = HeadTrainModule(head, attention, fallback=tc.attention == "auto")
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     schedule = WarmupLinear(tc.warmup_steps, total_steps)
@@ -271,7 +309,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     head.rotary.inv_freq = head.rotary.inv_freq.float()  # RoPE frequencies stay fp32 (as at inference)
     autocast = _autocast(tc.autocast, device)
     _say(f"{sum(p.numel() for p in params) / 1e6:.2f} M trainable head parameters; {steps_per_epoch} steps/epoch, "
-         f"{total_steps} steps, {gas} micro-batches/step", rank)
+         f"{total_steps} steps, {gas} micro-batches/step, {attention} attention", rank)
 
     # 6. resume: head, optimizer, scheduler (DeepSpeed) + data position and RNG (client state)
     step, epoch, index, micro = 0, 0, 0, 0
@@ -297,41 +335,49 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     log_path = out_dir / LOG_FILE
     if is_logger and step == 0:
         log_path.unlink(missing_ok=True)  # a fresh run starts a fresh log
-    meter = Meter(agree=[0] * (n + 1), count=[0] * (n + 1))
+    meter = Meter.zeros(n, device)
     # t_start: start of the whole run, earlier invocations included, so that train.max_time_s and the learning-rate
     # decay by time fraction count the run's total time across resumes (not each invocation's); t_run: this one
     t_run = t_log = time.perf_counter()
     t_start = t_run - elapsed_before
     tokens_total, stop, paused, first_step = 0, False, False, step
+    profiler = _profiler(tc.profile_steps, device) if (tc.profile_steps and is_logger) else None
 
-    # 8. the loop
+    host_group = torch.distributed.new_group(backend="gloo") if device.type == "cuda" else None  # collective
+    # 8. the loop (no device-to-host read per step: counts come from the host batch, sums stay on the device)
     head.train()
-    batches = iterate(planner, epoch, index)
+    batches = batches_on_device(planner, epoch, index, tc.prefetch)
     while step < total_steps and not stop:
         epoch, index, batch = next(batches)
-        if _all_min(int(batch["valid"].sum()), device) == 0:  # every rank raises together: no hang
-            raise EmptyMaskError(f"micro-batch {index} of epoch {epoch} has no loss position on some rank")
         mine, feats, targets = teacher(batch)
         fill = sample_fill(n, tc.full_pipeline_prob, tc.seed, micro, rank)
         if tc.max_time_s:
             schedule.time_fraction = (time.perf_counter() - t_start) / tc.max_time_s
+        npos = int(mine["loss_index"].shape[0])
         with autocast:
-            logits = engine(feats, mine["segments"], mine["valid"], fill)
+            logits = engine(feats, mine["segments"], mine["valid"], fill, mine["loss_index"])
         weights = position_weights(targets, head.draft_ids, tc.kd_temperature, tc.outside_vocab)
-        loss = kd_loss(logits, targets, weights, tc.kd_temperature)
+        if npos:
+            loss = kd_loss_chunked(logits, targets, weights, tc.kd_temperature, tc.loss_chunk)
+        else:  # no loss position on this rank: a zero step (all ranks raise together at the log step below)
+            loss = logits.sum() * 0.0
+            meter.empty += 1
         engine.backward(loss)
         engine.step()
         micro += 1
-        # metrics
+        # metrics, accumulated on the device
         agree = top1_agreement(logits.detach(), targets, head.draft_ids)
-        meter.loss += float(loss.detach())
+        wsum = weights.sum()
+        meter.loss += loss.detach()
         meter.micro += 1
-        meter.weight += float(weights.sum())
-        meter.positions += int(agree.numel())
-        ntok = int((mine["segments"] > 0).sum())
-        meter.tokens += ntok
-        meter.agree[fill] += int(agree.sum())
-        meter.count[fill] += int(agree.numel())
+        meter.weight += wsum
+        meter.zero_weight += (wsum <= 0).double() if npos else 0.0
+        meter.positions += npos
+        meter.tokens += int(batch["segments"][teacher.stage::teacher.degree].count_nonzero())  # host tensor: no sync
+        meter.agree[fill] += agree.sum()
+        meter.count[fill] += npos
+        if profiler is not None:
+            profiler.step()
         if micro % gas:
             continue
         step += 1
@@ -340,13 +386,17 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         if tc.max_time_s is not None or tc.session_time_s is not None:
             now = time.perf_counter()
             flags = torch.tensor([float(tc.max_time_s is not None and now - t_start > tc.max_time_s),
-                                  float(tc.session_time_s is not None and now - t_run > tc.session_time_s)],
-                                 device=device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+                                  float(tc.session_time_s is not None and now - t_run > tc.session_time_s)])
+            # every rank stops at the same step; a host tensor over a gloo group: the GPU stream is not synchronised
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=host_group)
             stop = bool(flags.sum().item())
             paused = stop and not bool(flags[0].item()) and step < total_steps
         if step % tc.log_every == 0 or step == total_steps or stop:
             m = meter.reduce(device)
+            if m.empty or m.zero_weight:  # every rank sees the same reduced counts: all raise together, no hang
+                raise EmptyMaskError(f"{m.empty} micro-batch(es) without a loss position and {int(m.zero_weight)} "
+                                     f"with all loss weights zero before step {step} (epoch {epoch}); check the "
+                                     "assistant masks, data.max_seq_length and train.outside_vocab")
             now = time.perf_counter()
             tokens_total += m.tokens
             rec = {"step": step, "epoch": epoch, "loss": m.loss / max(m.micro, 1), "lr": sched.get_last_lr()[0],
@@ -365,7 +415,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                         tb.add_scalar(f"train/{k}", rec[k], step)
                     for f, a in rec["agreement_by_fill"].items():
                         tb.add_scalar(f"train/agreement_fill{f}", a, step)
-            meter = Meter(agree=[0] * (n + 1), count=[0] * (n + 1))
+            meter = Meter.zeros(n, device)
             t_log = now
         if step % tc.save_every == 0 or step == total_steps or stop:
             _save(engine, ckpt_dir, step, epoch, index + 1, micro, rank, world, tc.keep_checkpoints, device,
@@ -378,6 +428,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         bar.close()
     if tb is not None:
         tb.close()
+    if profiler is not None:
+        _write_profile(profiler, out_dir)
     final = None
     if is_logger:
         final = out_dir / "head"
@@ -444,6 +496,33 @@ def _regenerate_shared(cfg: ExperimentConfig, records, tokenizer, arch, out_dir:
     if not out:
         raise EmptyMaskError("data.regenerate produced no answer (no conversation with a user turn?)")
     return out
+
+
+def _profiler(steps: int, device):
+    """A started ``torch.profiler.profile`` that records ``steps`` steps after 5 warm-up steps (CPU + CUDA)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=acts, schedule=schedule(wait=0, warmup=5, active=int(steps), repeat=1))
+    prof.start()
+    return prof
+
+
+def _write_profile(prof, out_dir: Path) -> None:
+    """Stop the profiler and write the 40 costliest operators (by device time on CUDA, else CPU) to profile.txt."""
+    prof.stop()
+    try:
+        avg = prof.key_averages()
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        try:
+            table = avg.table(sort_by=key, row_limit=40)
+        except Exception:  # noqa: BLE001 - older torch names the device column differently
+            table = avg.table(sort_by="self_device_time_total", row_limit=40)
+        (out_dir / "profile.txt").write_text(table)
+        _say(f"profile of {len(prof.profiler.function_events) if prof.profiler else 0} events -> "
+             f"{out_dir / 'profile.txt'}", 0)
+    except Exception as e:  # noqa: BLE001 - profiling must never fail a training run
+        _say(f"profile not written: {type(e).__name__}: {e}", 0)
 
 
 def _tensorboard(out_dir: Path):

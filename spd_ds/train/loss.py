@@ -100,6 +100,70 @@ def kd_loss(student_logits: torch.Tensor, teacher: TeacherTargets, weights: torc
     return temperature ** 2 * (weights * kl).sum() / total
 
 
+class _ChunkedKL(torch.autograd.Function):
+    """``T² · Σ_t w_t KL_t / W`` (see module doc) computed ``chunk`` rows at a time, gradient recomputed per chunk.
+
+    The backward needs only the inputs: ``∂loss/∂s_t = T · (w_t / W) · (q_t − p_t)``. No ``[N, V_d]`` fp32
+    temporary outlives a chunk, so peak memory is the logits themselves plus one chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, student_logits, teacher_logits, weights, temperature: float, chunk: int):
+        total = weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
+        acc = student_logits.new_zeros((), dtype=torch.float32)
+        for c in range(0, student_logits.shape[0], chunk):
+            log_q = F.log_softmax(student_logits[c:c + chunk].float() / temperature, dim=-1)
+            log_p = F.log_softmax(teacher_logits[c:c + chunk].float() / temperature, dim=-1)
+            acc = acc + (weights[c:c + chunk] * (log_p.exp() * (log_p - log_q)).sum(-1)).sum()
+        ctx.save_for_backward(student_logits, teacher_logits, weights, total)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return temperature ** 2 * acc / total
+
+    @staticmethod
+    def backward(ctx, grad):
+        s, t, w, total = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        out = torch.empty_like(s)
+        scale = grad * T / total
+        for c in range(0, s.shape[0], chunk):
+            q = F.softmax(s[c:c + chunk].float() / T, dim=-1)
+            p = F.softmax(t[c:c + chunk].float() / T, dim=-1)
+            out[c:c + chunk] = ((q - p) * (scale * w[c:c + chunk])[:, None]).to(s.dtype)
+        return out, None, None, None, None
+
+
+def kd_loss_chunked(student_logits: torch.Tensor, teacher: TeacherTargets, weights: torch.Tensor,
+                    temperature: float = 1.0, chunk: int = 4096) -> torch.Tensor:
+    """:func:`kd_loss` computed in row chunks with its gradient written directly (no host sync, bounded memory).
+
+    Same value and gradient as :func:`kd_loss` (fp32). Unlike it, it does not check that the weights sum to a
+    positive number (that check reads the device): an all-zero-weight batch gives loss 0 and zero gradient, and the
+    training loop counts such batches and raises :class:`EmptyMaskError` at its next log step.
+
+    Args:
+        student_logits: ``[N, V_d]`` head logits (any float dtype; computed in fp32).
+        teacher: :class:`TeacherTargets` at the same ``N`` positions.
+        weights: ``[N]`` fp32 per-position weights (:func:`position_weights`; treated as constants).
+        temperature: ``T > 0``.
+        chunk: rows per chunk (bounds the fp32 ``[chunk, V_d]`` temporaries).
+
+    Returns:
+        Scalar fp32 loss.
+
+    Raises:
+        EmptyMaskError: ``N == 0`` (known from the shape, no sync).
+        ValueError: shape mismatch or ``T <= 0``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"train.kd_temperature must be > 0, got {temperature}")
+    if student_logits.shape != teacher.logits_draft.shape:
+        raise ValueError(f"head logits {tuple(student_logits.shape)} != teacher {tuple(teacher.logits_draft.shape)}")
+    if student_logits.shape[0] == 0:
+        raise EmptyMaskError("this batch has no loss position (empty assistant mask)")
+    return _ChunkedKL.apply(student_logits, teacher.logits_draft, weights.detach().float(), float(temperature),
+                            int(chunk))
+
+
 @torch.no_grad()
 def top1_agreement(student_logits: torch.Tensor, teacher: TeacherTargets, draft_ids: torch.Tensor) -> torch.Tensor:
     """``[N]`` bool: the head's greedy draft (a target id) equals the teacher's full-vocabulary argmax."""

@@ -146,6 +146,63 @@ def structural_mask(segments: torch.Tensor, fill: int) -> torch.Tensor:
     return mask[:, None]
 
 
+def structural_mask_mod(segments: torch.Tensor, fill: int):
+    """The structural mask as a FlexAttention ``mask_mod`` (same rule as :func:`structural_mask`, never materialised).
+
+    Args:
+        segments: ``[B, S]`` int64 document ids (``0`` = padding), on the device attention runs on.
+        fill: pipeline fill ``F`` (``1..n``).
+
+    Returns:
+        ``mask_mod(b, h, q_idx, kv_idx) -> bool`` over the ``(F+1)·S`` rows of the training layout: True where
+        :func:`structural_mask` ``[b, 0, q_idx, kv_idx]`` is True.
+    """
+    S = segments.shape[1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qb, kb = q_idx // S, kv_idx // S
+        tq, tk = q_idx - qb * S, kv_idx - kb * S
+        sq, sk = segments[b, tq], segments[b, tk]
+        delta = tq - tk
+        reach = qb + delta  # depth the query's own snapshot holds at distance delta; >= F means COMPLETE
+        want = torch.where((qb == fill) | (reach >= fill), fill, reach)
+        keep = (sq == sk) & (sq > 0) & (delta >= 0) & (kb == want)
+        return keep | ((sq == 0) & (q_idx == kv_idx))  # padding rows see only themselves (as the dense mask)
+
+    return mask_mod
+
+
+def structural_block_mask(segments: torch.Tensor, fill: int, block_size: int = 128):
+    """Block-sparse :class:`~torch.nn.attention.flex_attention.BlockMask` of the training layout.
+
+    The dense mask has ``((F+1)·S)²`` entries of which about ``(F+1)·S²/2`` are True (every query block reads the
+    COMPLETE block causally plus ``F - d`` diagonal keys); the block mask keeps only the tiles that hold a True entry,
+    so FlexAttention's work and memory follow the True entries, not the square.
+
+    Args:
+        segments: ``[B, S]`` int64 document ids (``0`` = padding).
+        fill: pipeline fill ``F`` (``1..n``).
+        block_size: tile edge in rows (FlexAttention's default 128).
+
+    Returns:
+        A ``BlockMask`` for ``B`` batch rows, all heads, ``(F+1)·S`` queries and keys; built with a compiled kernel on
+        CUDA (no ``[B, R, R]`` tensor), eagerly elsewhere.
+
+    Raises:
+        ValueError: ``fill < 1`` or ``segments`` not 2-D.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if segments.dim() != 2:
+        raise ValueError(f"segments must be [B, S], got shape {tuple(segments.shape)}")
+    if fill < 1:
+        raise ValueError(f"pipeline fill must be >= 1, got {fill}")
+    B, S = segments.shape
+    R = (fill + 1) * S
+    return create_block_mask(structural_mask_mod(segments, fill), B, None, R, R, device=segments.device,
+                             BLOCK_SIZE=block_size, _compile=segments.device.type == "cuda")
+
+
 def structural_mask_bytes(batch: int, seq_len: int, fill: int) -> int:
     """Bytes of :func:`structural_mask`'s output (bool), for sizing micro-batches."""
     return batch * ((fill + 1) * seq_len) ** 2
@@ -189,7 +246,8 @@ def expected_blocks(num_stages: int, full_prob: float) -> float:
 
 
 __all__ = [
-    "COMPLETE", "sample_fill", "row_kinds", "block_types", "key_kind", "structural_mask", "structural_mask_bytes",
+    "COMPLETE", "sample_fill", "row_kinds", "block_types", "key_kind", "structural_mask", "structural_mask_mod",
+    "structural_block_mask", "structural_mask_bytes",
     "segment_positions", "packed_causal_mask", "num_blocks_max", "expected_blocks",
 ]
 

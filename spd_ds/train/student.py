@@ -4,26 +4,110 @@ From the teacher's anchor features ``feats [B, S, m, H]`` and a pipeline fill ``
 :mod:`spd_ds.train.mask` — block ``d`` (depth ``d < F``) holds ``g_{f(d)}``, the last block holds the complete rows
 ``g_{m-1}`` — runs the tower under the structural mask and returns the head's draft-vocabulary logits of the
 depth-0 rows at the loss positions.
+
+Attention over the ``(F+1)·S`` rows runs one of two ways (``train.attention``), which compute the same function:
+
+* ``dense``: the boolean :func:`~spd_ds.train.mask.structural_mask` ``[B, 1, (F+1)S, (F+1)S]`` through the target
+  layer's own attention (SDPA): memory and work grow with the square of ``(F+1)·S``;
+* ``flex``: PyTorch FlexAttention with :func:`~spd_ds.train.mask.structural_block_mask` (registered with
+  transformers as the attention implementation :data:`FLEX_ATTENTION` for the head's layers while training): only
+  tiles holding an allowed key are computed, about ``(F+1)·S²/2`` scores instead of ``((F+1)·S)²``. FlexAttention
+  has no CPU backward, so ``auto`` means ``flex`` on CUDA and ``dense`` elsewhere.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
 
 from spd_ds.head import SpeculationHead
-from spd_ds.train.mask import block_types, segment_positions, structural_mask
+from spd_ds.train.mask import block_types, segment_positions, structural_block_mask, structural_mask
+
+#: Name of the FlexAttention implementation registered with transformers' ``AttentionInterface``.
+FLEX_ATTENTION = "spd_structural_flex"
+ATTENTION_MODES = ("auto", "flex", "dense")
+_compiled_flex = None
+
+
+def structural_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: FlexAttention under a :class:`BlockMask` (``attention_mask``).
+
+    Args:
+        module: the attention module (unused).
+        query: ``[B, h, R, d]``; key, value: ``[B, h_kv, R, d]`` (grouped-query heads allowed).
+        attention_mask: the ``BlockMask`` of :func:`~spd_ds.train.mask.structural_block_mask`.
+        scaling: softmax scale (default ``d ** -0.5``).
+
+    Returns:
+        ``(out [B, R, h, d], None)`` as transformers' attention functions return.
+
+    Raises:
+        ValueError: ``dropout > 0`` (the head trains without attention dropout).
+    """
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if dropout:
+        raise ValueError("attention dropout is not supported by the structural FlexAttention path")
+    fn = flex_attention
+    if query.device.type == "cuda":
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    out = fn(query, key.to(query.dtype), value.to(query.dtype), block_mask=attention_mask, scale=scaling,
+             enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FLEX_ATTENTION, structural_flex_attention)
+
+
+@contextlib.contextmanager
+def _attention_implementation(config, name: str):
+    old = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = old
+
+
+def resolve_attention(mode: str, device: torch.device) -> str:
+    """``train.attention`` -> ``flex`` or ``dense`` (``auto``: flex on CUDA, dense elsewhere).
+
+    Raises:
+        ValueError: unknown mode, or ``flex`` off CUDA (FlexAttention has no CPU backward).
+    """
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"train.attention must be one of {ATTENTION_MODES}, got {mode!r}")
+    if mode == "auto":
+        return "flex" if device.type == "cuda" else "dense"
+    if mode == "flex" and device.type != "cuda":
+        raise ValueError("train.attention=flex needs CUDA (FlexAttention has no CPU backward); use auto or dense")
+    return mode
 
 
 class HeadTrainModule(nn.Module):
     """Wraps a :class:`SpeculationHead` for training (``forward`` = the training layout; see module doc)."""
 
-    def __init__(self, head: SpeculationHead) -> None:
+    def __init__(self, head: SpeculationHead, attention: str = "dense", fallback: bool = False) -> None:
         super().__init__()
+        if attention not in ("flex", "dense"):
+            raise ValueError(f"attention must be flex or dense (resolve 'auto' with resolve_attention), got {attention!r}")
         self.head = head
         self.depth_to_type = head.partition.depth_to_type
+        self.attention = attention
+        self._fallback = fallback  # flex failed on first use (e.g. no Triton): warn once and train with dense
+        if attention == "flex":
+            _register()
 
-    def forward(self, feats: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor, fill: int) -> torch.Tensor:
+    def forward(self, feats: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor, fill: int,
+                loss_index: torch.Tensor | None = None) -> torch.Tensor:
         """Head logits at the loss positions.
 
         Args:
@@ -31,6 +115,8 @@ class HeadTrainModule(nn.Module):
             segments: ``[B, S]`` int64 document ids (0 = padding).
             valid: ``[B, S]`` bool loss positions.
             fill: pipeline fill ``F`` in ``1..n``.
+            loss_index: optional ``[N]`` int64 flat indices ``b·S + t`` of the loss positions (``valid``'s nonzeros,
+                ascending), computed where ``valid`` was made: selecting with it needs no device-to-host sync.
 
         Returns:
             ``[N, V_d]`` fp32 logits, ``N = valid.sum()``, in row-major order of the positions.
@@ -42,9 +128,24 @@ class HeadTrainModule(nn.Module):
         rows_of = {k: head.aggr[k](feats[:, :, : k + 1].reshape(B, S, (k + 1) * H).to(wdtype)) for k in set(types)}
         rows = torch.cat([rows_of[k] for k in types], dim=1)  # [B, (F+1)·S, H]
         positions = segment_positions(segments).repeat(1, len(types))
-        mask = structural_mask(segments, fill)
-        h = head.tower(rows, positions, mask=mask)
-        h0 = h[:, :S].reshape(B * S, -1)[valid.reshape(-1).bool()]
+        if self.attention == "flex":
+            try:
+                with _attention_implementation(head.config, FLEX_ATTENTION):
+                    h = head.tower(rows, positions, mask=structural_block_mask(segments, fill))
+            except Exception as e:  # noqa: BLE001 - only with train.attention=auto, on the first forward
+                if not self._fallback:
+                    raise
+                import warnings
+
+                warnings.warn(f"train.attention=auto: FlexAttention failed ({type(e).__name__}: {str(e)[:200]}); "
+                              "training with the dense structural mask instead")
+                self.attention = "dense"
+                h = head.tower(rows, positions, mask=structural_mask(segments, fill))
+            self._fallback = False
+        else:
+            h = head.tower(rows, positions, mask=structural_mask(segments, fill))
+        h0 = h[:, :S].reshape(B * S, -1)
+        h0 = h0.index_select(0, loss_index) if loss_index is not None else h0[valid.reshape(-1).bool()]
         logits = head.logits(h0)
         # Every trainable parameter takes part in every step (types unused at this fill get a zero gradient), so
         # all data-parallel ranks reduce the same gradient buckets whatever fill each one drew.

@@ -78,21 +78,23 @@ class TeacherStage(nn.Module):
         """One SPD stage of the frozen target over packed rows (DeepSpeed pipeline stage).
 
         Args:
-            inputs: first stage ``(ids [B, S] int64, segments [B, S] int64, valid [B, S])``; later stages
-                ``(hidden [B, S, H], segments, valid, feats [B, S, m, H])``.
+            inputs: first stage ``(ids [B, S] int64, segments [B, S] int64, valid [B, S], index [P] int64)``;
+                later stages ``(hidden [B, S, H], segments, valid, feats [B, S, m, H], index)``; ``index`` holds the
+                flat positions ``b·S + t`` of ``valid``'s nonzeros, ascending (made on the host with the batch, so
+                selecting the loss positions needs no device-to-host sync).
         Returns:
-            ``(hidden, segments, valid, feats)`` for the next stage; the last stage returns
+            ``(hidden, segments, valid, feats, index)`` for the next stage; the last stage returns
             ``(feats [B, S, m, H], draft-vocabulary logits [P, V_d] fp32, logsumexp of the full-vocabulary
             logits / T [P] fp32, full-vocabulary argmax [P] int64)`` at the ``P`` loss positions.
             ``feats[..., k, :]`` is the raw hidden state at anchor ``b_k`` (pre-final-norm, as at inference).
         """
         if self.first:
-            ids, segments, valid = inputs
+            ids, segments, valid, index = inputs
             h = self.embedding(ids)
             feats = h.new_zeros(*h.shape[:2], self.num_types, h.shape[-1])
             feats[:, :, 0] = h
         else:
-            h, segments, valid, feats = inputs
+            h, segments, valid, feats, index = inputs
         pos = segment_positions(segments)
         mask = packed_causal_mask(segments)
         pos_emb = self.rotary(h, pos)
@@ -103,21 +105,23 @@ class TeacherStage(nn.Module):
             if i in self.capture:
                 feats[:, :, self.capture[i]] = h
         if not self.last:
-            return h, segments, valid, feats
-        t = self.targets(h, valid)
+            return h, segments, valid, feats, index
+        t = self.targets(h, valid, index)
         return feats, t.logits_draft, t.lse_full, t.argmax_full
 
     @torch.no_grad()
-    def targets(self, hidden: torch.Tensor, valid: torch.Tensor) -> TeacherTargets:
+    def targets(self, hidden: torch.Tensor, valid: torch.Tensor, index: torch.Tensor | None = None) -> TeacherTargets:
         """Distillation targets at the loss positions (``valid`` nonzero, row-major), LM head in chunks.
 
         Args:
             hidden: ``[B, S, H]`` last-stage output (pre-final-norm). valid: ``[B, S]`` loss-position flags.
+            index: optional ``[P]`` int64 flat indices of ``valid``'s nonzeros (then ``valid`` is not read).
         Returns:
             :class:`TeacherTargets` over the ``P`` loss positions: draft-vocabulary logits ``[P, V_d]`` fp32,
             logsumexp of the full-vocabulary logits / T ``[P]`` fp32, full-vocabulary argmax ``[P]`` int64.
         """
-        rows = hidden.reshape(-1, hidden.shape[-1])[valid.reshape(-1).bool()]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        rows = flat.index_select(0, index) if index is not None else flat[valid.reshape(-1).bool()]
         ld, lse, am = [], [], []
         for c in range(0, rows.shape[0], self.logits_chunk):
             z = self.lm_head(self.norm(rows[c:c + self.logits_chunk])).float()
@@ -146,6 +150,15 @@ def build_teacher_module(arch: TargetArch, partition: StagePartition, dtype: tor
     specs = [LayerSpec(TeacherStage, arch, partition, s, dtype, list(draft_ids), temperature) for s in range(n)]
     return PipelineModule(layers=specs, num_stages=pipe_degree, partition_method="uniform",
                           dynamic_shape=dynamic_shape or pipe_degree > 1)
+
+
+def with_loss_index(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` plus ``loss_index``: ``[P]`` int64 flat positions ``b·S + t`` of ``batch["valid"]``'s nonzeros.
+
+    Call it where the batch is collated (on the host): the teacher and the head then select the loss positions by
+    index, with no device-to-host synchronisation.
+    """
+    return {**batch, "loss_index": batch["valid"].reshape(-1).nonzero().flatten()}
 
 
 class Teacher:
@@ -179,9 +192,12 @@ class Teacher:
         """
         eng = self.engine
         dev = eng.device
-        ids, seg, valid = (batch[k].to(dev) for k in ("input_ids", "segments", "valid"))
+        if "loss_index" not in batch:
+            batch = with_loss_index(batch)
+        ids, seg, valid, index = (batch[k].to(dev, non_blocking=True)
+                                  for k in ("input_ids", "segments", "valid", "loss_index"))
         eng.total_loss = None  # eval_batch accumulates outputs into it otherwise
-        inputs = (ids, seg, valid.long())
+        inputs = (ids, seg, valid.long(), index)
         out = eng.eval_batch(iter([(inputs, torch.zeros(1))]), compute_loss=False, reduce_output=None,
                              bcast_loss=False, num_micro_batches=1)
         if eng.is_last_stage():
@@ -189,7 +205,7 @@ class Teacher:
             eng.fwd_outputs = []
         else:
             B, S = ids.shape
-            N = int(valid.sum())
+            N = int(index.shape[0])
             feats = torch.empty(B, S, self.m, self.H, dtype=self.feat_dtype, device=dev)
             ld = torch.empty(N, self.Vd, dtype=torch.float32, device=dev)
             lse = torch.empty(N, dtype=torch.float32, device=dev)
@@ -202,12 +218,13 @@ class Teacher:
             for t in (feats, ld, lse, am):
                 dist.broadcast(t, src=src, group=group)
         targets = TeacherTargets(ld, lse, am)
-        mine = {"input_ids": ids, "segments": seg, "valid": valid}
+        mine = {"input_ids": ids, "segments": seg, "valid": valid, "loss_index": index}
         if self.degree > 1:
             B = ids.shape[0]
             keep = torch.arange(B, device=dev) % self.degree == self.stage
             row_of_pos = torch.arange(B, device=dev)[:, None].expand_as(valid)[valid]
             targets = targets.select(keep[row_of_pos].nonzero().flatten())
-            mine = {k: v[keep] for k, v in mine.items()}
+            mine = {k: v[keep] for k, v in mine.items() if k != "loss_index"}
+            mine["loss_index"] = mine["valid"].reshape(-1).nonzero().flatten()
             feats = feats[keep]
         return mine, feats, targets
