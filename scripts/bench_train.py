@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""Head-training throughput, before and after, in one run: tokens/s per GPU by number of stages.
+
+Each (code version, n, attention) cell is a short real training run (``launch/train.py`` under the DeepSpeed launcher,
+one GPU, the same data, micro-batch and sequence length); its rate is the median ``tokens_per_s`` of the logged
+intervals after the first ``--skip`` (which hold start-up and compilation). ``--old-root`` points to a checkout of an
+earlier commit (e.g. ``git archive <commit> spd_ds launch ds_configs draft_vocab | tar -x -C .old``) for the
+"before" column; the current checkout is "new".
+
+    python scripts/bench_train.py --data runs/train_data/bench.jsonl.gz --stages 2 4 --old-root .old --out $OUT/bench
+
+Prints a markdown table (and writes ``bench_train.json`` under ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cell(root: Path, n: int, attention: str | None, args, out: Path) -> dict:
+    """One short training run; returns its figures (or the error)."""
+    run_dir = out / f"{'after' if root == REPO else 'before'}_n{n}_{attention or 'default'}"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
+           str(29500 + (hash((str(root), n, attention)) % 500)),
+           str(root / "launch" / "train.py"), "--config", str(root / "launch/configs/train_smollm2_n2.yaml"),
+           "--deepspeed_config", str(root / "ds_configs/zero2.json"),
+           f"model.name={args.model}", f"partition.num_stages={n}", f"data.train_files=[{args.data}]",
+           "data.max_conversations=null", f"data.micro_batch_size={args.micro_batch}",
+           f"data.max_seq_length={args.seq_len}", f"train.max_steps={args.steps}", "train.epochs=100",
+           f"train.log_every={args.log_every}", "train.save_every=1000000", "train.progress=false",
+           f"train.output_dir={run_dir}"]
+    if attention is not None:
+        cmd.append(f"train.attention={attention}")
+        if args.profile_steps and n == args.stages[0] and attention != "dense":
+            cmd.append(f"train.profile_steps={args.profile_steps}")
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=args.timeout)
+        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2500:]
+    except subprocess.TimeoutExpired as e:
+        rc, tail = 124, str(e.stdout or "")[-1500:] + str(e.stderr or "")[-1500:]
+    cell = {"code": "after" if root == REPO else "before", "n": n, "attention": attention or "dense (old)", "rc": rc,
+            "wall_s": round(time.perf_counter() - t0, 1)}
+    log = run_dir / "train_log.jsonl"
+    recs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    rates = [r["tokens_per_s"] for r in recs[args.skip:]]
+    if rates:
+        cell["tokens_per_s"] = statistics.median(rates)
+        cell["intervals"] = len(rates)
+        cell["loss_last"] = recs[-1]["loss"]
+    if rc != 0 or not rates:
+        cell["error_tail"] = tail
+    (out / f"{run_dir.name}.log").write_text(tail)
+    return cell
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="data.train_files entry (a conversations file)")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--attention", nargs="+", default=["flex", "dense"], help="attention modes of the new code")
+    ap.add_argument("--old-root", default=None, help="checkout of the earlier commit (the 'before' column)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--skip", type=int, default=1, help="logged intervals dropped from the median (warm-up)")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--profile-steps", type=int, default=0, help="profile the new flex run at the first n")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
+    ap.add_argument("--out", default="runs/bench_train")
+    args = ap.parse_args(argv)
+    args.data = str(Path(args.data).resolve()) if Path(args.data).exists() else args.data
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cells = []
+    for n in args.stages:
+        if args.old_root:
+            cells.append(run_cell(Path(args.old_root).resolve(), n, None, args, out))
+            print(json.dumps(cells[-1])[:400], flush=True)
+        for att in args.attention:
+            cells.append(run_cell(REPO, n, att, args, out))
+            print(json.dumps(cells[-1])[:400], flush=True)
+            (out / "bench_train.json").write_text(json.dumps(cells, indent=2))
+    print(f"\n| n | code | attention | tokens/s per GPU | x before |\n|---|---|---|---|---|")
+    for c in cells:
+        base = next((b.get("tokens_per_s") for b in cells if b["n"] == c["n"] and b["attention"] == "dense (old)"),
+                    None)
+        rate = c.get("tokens_per_s")
+        x = f"{rate / base:.2f}x" if (rate and base) else "-"
+        print(f"| {c['n']} | {c['code']} | {c['attention']} | {f'{rate:,.0f}' if rate else 'failed rc=' + str(c['rc'])} "
+              f"| {x} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
