@@ -164,3 +164,20 @@ def test_flex_attention_equals_dense_mask(tmp_path_factory, model_type, num_stag
             got = flex(feats, segments, valid, fill, loss_index=index)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert head.config._attn_implementation != "spd_structural_flex"  # restored after the forward
+
+
+def test_autocast_applies_inside_the_module(arch8):
+    """DeepSpeed's engine turns an outer torch.autocast off around its forward, so the head's bf16 autocast lives in
+    HeadTrainModule: under an outer autocast(enabled=False) the module still computes in bf16 (close to fp32, not
+    equal), and returns fp32 logits."""
+    torch.manual_seed(0)
+    part = StagePartition.build(8, num_stages=2)
+    head = SpeculationHead(arch8, part, 1, list(range(arch8.vocab_size)))
+    feats = torch.randn(2, 11, part.num_types, arch8.hidden_size)
+    segments = torch.ones(2, 11, dtype=torch.long)
+    valid = torch.ones(2, 11, dtype=torch.bool)
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        ref = HeadTrainModule(head)(feats, segments, valid, 2)
+        got = HeadTrainModule(head, autocast=torch.bfloat16)(feats, segments, valid, 2)
+    assert got.dtype == torch.float32 and not torch.equal(got, ref)
+    torch.testing.assert_close(got, ref, rtol=0.05, atol=0.05)

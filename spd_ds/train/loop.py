@@ -20,7 +20,6 @@ continues exactly where a run stopped. The final head is written with :meth:`Spe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -179,11 +178,12 @@ def batches_on_device(planner, epoch: int, index: int, prefetch: int):
     return iter(loader)
 
 
-def _autocast(mode: str, device: torch.device):
-    use = mode == "bf16" or (mode == "auto" and device.type == "cuda")
+def _autocast_dtype(mode: str, device: torch.device) -> torch.dtype | None:
+    """``train.autocast`` -> the head's compute dtype under autocast (``None`` = off)."""
     if mode not in ("auto", "bf16", "off"):
         raise ConfigError(f"train.autocast must be auto, bf16 or off, got {mode!r}")
-    return torch.autocast(device.type, dtype=torch.bfloat16) if use else contextlib.nullcontext()
+    use = mode == "bf16" or (mode == "auto" and device.type == "cuda")
+    return torch.bfloat16 if use else None
 
 
 def auto_pipe_degree(model_dir: Path, num_stages: int, world: int, device: torch.device,
@@ -299,7 +299,9 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         attention = resolve_attention(tc.attention, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    student = HeadTrainModule(head, attention, fallback=tc.attention == "auto")
+    # autocast goes inside the module: DeepSpeed's engine switches an outer torch.autocast off around its forward
+    student = HeadTrainModule(head, attention, fallback=tc.attention == "auto",
+                              autocast=_autocast_dtype(tc.autocast, device))
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     schedule = WarmupLinear(tc.warmup_steps, total_steps)
@@ -307,7 +309,6 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     engine, _, _, sched = deepspeed.initialize(model=student, optimizer=opt, lr_scheduler=sched, config=ds_cfg,
                                                mpu=WorldDataParallel())
     head.rotary.inv_freq = head.rotary.inv_freq.float()  # RoPE frequencies stay fp32 (as at inference)
-    autocast = _autocast(tc.autocast, device)
     _say(f"{sum(p.numel() for p in params) / 1e6:.2f} M trainable head parameters; {steps_per_epoch} steps/epoch, "
          f"{total_steps} steps, {gas} micro-batches/step, {attention} attention", rank)
 
@@ -343,7 +344,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     tokens_total, stop, paused, first_step = 0, False, False, step
     profiler = _profiler(tc.profile_steps, device) if (tc.profile_steps and is_logger) else None
 
-    host_group = torch.distributed.new_group(backend="gloo") if device.type == "cuda" else None  # collective
+    host_group = torch.distributed.new_group(backend="gloo")  # a collective: every rank, same point
     # 8. the loop (no device-to-host read per step: counts come from the host batch, sums stay on the device)
     head.train()
     batches = batches_on_device(planner, epoch, index, tc.prefetch)
@@ -354,8 +355,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         if tc.max_time_s:
             schedule.time_fraction = (time.perf_counter() - t_start) / tc.max_time_s
         npos = int(mine["loss_index"].shape[0])
-        with autocast:
-            logits = engine(feats, mine["segments"], mine["valid"], fill, mine["loss_index"])
+        logits = engine(feats, mine["segments"], mine["valid"], fill, mine["loss_index"])
         weights = position_weights(targets, head.draft_ids, tc.kd_temperature, tc.outside_vocab)
         if npos:
             loss = kd_loss_chunked(logits, targets, weights, tc.kd_temperature, tc.loss_chunk)
@@ -422,6 +422,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                   elapsed_s=time.perf_counter() - t_start)
 
     # 9. the final head
+    del batches  # stops the prefetching worker now, not at interpreter exit
+    torch.distributed.destroy_process_group(host_group)
     now = time.perf_counter()
     elapsed, run_s = now - t_start, now - t_run
     if bar is not None:

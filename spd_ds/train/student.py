@@ -95,7 +95,8 @@ def resolve_attention(mode: str, device: torch.device) -> str:
 class HeadTrainModule(nn.Module):
     """Wraps a :class:`SpeculationHead` for training (``forward`` = the training layout; see module doc)."""
 
-    def __init__(self, head: SpeculationHead, attention: str = "dense", fallback: bool = False) -> None:
+    def __init__(self, head: SpeculationHead, attention: str = "dense", fallback: bool = False,
+                 autocast: torch.dtype | None = None) -> None:
         super().__init__()
         if attention not in ("flex", "dense"):
             raise ValueError(f"attention must be flex or dense (resolve 'auto' with resolve_attention), got {attention!r}")
@@ -103,6 +104,7 @@ class HeadTrainModule(nn.Module):
         self.depth_to_type = head.partition.depth_to_type
         self.attention = attention
         self._fallback = fallback  # flex failed on first use (e.g. no Triton): warn once and train with dense
+        self.autocast = autocast
         if attention == "flex":
             _register()
 
@@ -119,8 +121,15 @@ class HeadTrainModule(nn.Module):
                 ascending), computed where ``valid`` was made: selecting with it needs no device-to-host sync.
 
         Returns:
-            ``[N, V_d]`` fp32 logits, ``N = valid.sum()``, in row-major order of the positions.
+            ``[N, V_d]`` fp32 logits, ``N = valid.sum()``, in row-major order of the positions (computed under
+            ``torch.autocast(dtype=self.autocast)`` when set: the weights stay fp32, matrix products run in bf16).
         """
+        if self.autocast is None:
+            return self._forward(feats, segments, valid, fill, loss_index)
+        with torch.autocast(feats.device.type, dtype=self.autocast):
+            return self._forward(feats, segments, valid, fill, loss_index).float()
+
+    def _forward(self, feats, segments, valid, fill, loss_index):
         head = self.head
         B, S, m, H = feats.shape
         types = block_types(fill, self.depth_to_type)
