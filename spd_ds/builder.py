@@ -83,7 +83,8 @@ def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartitio
         return SpeculationHead.load(cfg.head.checkpoint, arch, partition)
     ids = load_draft_vocab(cfg.head.draft_vocab) if cfg.head.draft_vocab else None
     torch.manual_seed(cfg.train.seed)
-    return SpeculationHead(arch, partition, cfg.head.num_layers, ids, cfg.head.intermediate_size)
+    return SpeculationHead(arch, partition, cfg.head.num_layers, ids, cfg.head.intermediate_size,
+                           lm_head_from_target=cfg.head.lm_head_from_target)
 
 
 def sampling_params(cfg: ExperimentConfig, seed: int | None = None) -> SamplingParams:

@@ -60,6 +60,8 @@ class HeadConfig:
     dtype: Optional[str] = None  # None = model.dtype
     cuda_graph: Optional[bool] = False  # null (configs saved before it was opt-in) = false
     overlap: bool = True  # GPU engine: draft on a CUDA stream of its own, concurrently with stage 0's forward
+    lm_head_from_target: bool = False  # new heads: the LM head is the target's rows at the draft ids, frozen and not
+    # stored in the checkpoint (smaller files); a loaded checkpoint says for itself
 
 
 @dataclasses.dataclass

@@ -46,6 +46,8 @@ class SpeculationHead(nn.Module):
         draft_token_ids: sorted unique target ids forming the draft vocabulary ``D`` (``None`` = full vocabulary).
         intermediate_size: MLP width of the tower (default: the target's).
         init_from_target: copy the target's final norm and LM-head rows (set False when loading a checkpoint).
+        lm_head_from_target: the LM head is the target's own rows at the draft ids, frozen and not stored in
+            checkpoints (they are read from the target on load): a smaller file and fewer trainable parameters.
 
     Raises:
         ValueError: ``num_layers < 1`` or a bad draft vocabulary.
@@ -59,6 +61,7 @@ class SpeculationHead(nn.Module):
         draft_token_ids: Sequence[int] | None = None,
         intermediate_size: int | None = None,
         init_from_target: bool = True,
+        lm_head_from_target: bool = False,
     ) -> None:
         super().__init__()
         if num_layers < 1:
@@ -82,12 +85,15 @@ class SpeculationHead(nn.Module):
         self.rotary = arch.make_rotary(self.config)
         self.norm = arch.make_norm()
         self.lm_head = nn.Linear(H, ids.numel(), bias=False)
-        if init_from_target:
-            with torch.no_grad():
+        self.lm_head_from_target = bool(lm_head_from_target)
+        with torch.no_grad():
+            if init_from_target:
                 arch.load_into(self.norm, "model.norm.")
+            if init_from_target or self.lm_head_from_target:
                 name = "model.embed_tokens.weight" if arch.tied_embeddings else "lm_head.weight"
                 self.lm_head.weight.copy_(arch.load_tensor(name)[ids])
         self.norm.requires_grad_(False)  # the target's final norm stays frozen
+        self.lm_head.requires_grad_(not self.lm_head_from_target)
 
     # ------------------------------------------------------------------ forward pieces
     @property
@@ -175,6 +181,8 @@ class SpeculationHead(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        if self.lm_head_from_target:
+            del state["lm_head.weight"]  # the target's own rows: read back from the target on load
         mask = torch.zeros(self.arch.vocab_size, dtype=torch.bool)  # sorted unique ids <=> a vocabulary mask
         mask[state.pop("draft_ids")] = True
         state["draft_mask"] = mask
@@ -188,6 +196,7 @@ class SpeculationHead(nn.Module):
             "vocab_size": self.arch.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
             "intermediate_size": self.intermediate_size,
+            "lm_head_from_target": self.lm_head_from_target,
             "base_model_type": self.arch.config.model_type,
             "base_model_fingerprint": self.arch.fingerprint(),
         }
@@ -246,8 +255,11 @@ class SpeculationHead(nn.Module):
         if "draft_mask" in state:
             state["draft_ids"] = state.pop("draft_mask").nonzero().flatten()
         state["draft_ids"] = state["draft_ids"].long()
+        from_target = bool(meta.get("lm_head_from_target", False))
         head = cls(arch, saved, meta["num_layers"], state["draft_ids"].tolist(), meta.get("intermediate_size"),
-                   init_from_target=False)
+                   init_from_target=False, lm_head_from_target=from_target)
+        if from_target:
+            state["lm_head.weight"] = head.lm_head.weight.detach().clone()
         head.load_state_dict(state)
         return head
 

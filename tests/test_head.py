@@ -41,6 +41,27 @@ def test_save_load_roundtrip(arch, tmp_path):
         assert torch.equal(a, b), k
 
 
+def test_lm_head_from_target_is_frozen_and_not_stored(arch, tmp_path):
+    """``lm_head_from_target``: the LM head is the target's rows at the draft ids, takes no gradient, is left out of
+    the checkpoint (smaller file) and comes back from the target on load; the rest round-trips exactly."""
+    part = StagePartition.build(6, 2)
+    ids = list(range(10, 60))
+    head = SpeculationHead(arch, part, draft_token_ids=ids, lm_head_from_target=True)
+    assert not head.lm_head.weight.requires_grad
+    with torch.no_grad():
+        head.aggr[0].weight.add_(1.0)
+    head.save(tmp_path / "h")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "h" / "head.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    back = SpeculationHead.load(tmp_path / "h", arch)
+    assert back.lm_head_from_target and not back.lm_head.weight.requires_grad
+    torch.testing.assert_close(back.lm_head.weight, arch.load_tensor("lm_head.weight")[ids], rtol=0, atol=0)
+    for (k, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
 def test_load_mismatch_errors(arch, tiny_root, tmp_path):
     part = StagePartition.build(6, 2)
     SpeculationHead(arch, part).save(tmp_path / "h")
