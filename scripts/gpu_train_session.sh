@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Distil SmolLM2-135M-Instruct speculation heads on one GPU over several device calls, several heads at once.
+# State lives in $WORK (kept while the machine stays warm between calls): the self-distilled data, every head's run
+# directory with its DeepSpeed checkpoints. Each call trains every variant for SESSION_SECONDS (train.session_time_s)
+# of a run of TRAIN_SECONDS (train.max_time_s: one LR schedule over the whole run), resuming where the last call
+# paused; so a run longer than one 10-minute device command is the same run as an uninterrupted one.
+#
+#   source .devkit/on_device.sh && OUT=$OUT VARIANTS="a:partition.num_stages=2 b:partition.num_stages=2,head.lm_head_from_target=true" \
+#     REGEN_SECONDS=120 TRAIN_SECONDS=900 SESSION_SECONDS=330 bash scripts/gpu_train_session.sh
+#
+# Knobs (env): VARIANTS ("name:override,override ..."; one training process per variant, all on GPU 0 at once),
+#   TRAIN_SECONDS, SESSION_SECONDS, SPD_TRAIN_DATA (conversations carried with the tree), REGEN_SECONDS (0 = none;
+#   self-distilled answers made once into $WORK/selfdistill and trained on first), REGEN_ARGS, EXTRA (overrides for
+#   every variant), FETCH=1 (heads back under $OUT as heads.tgz.part-NN, <= 15 MB each), EVAL_SETS / EVAL_PROMPTS /
+#   EVAL_TOKENS / EVAL_TEMPS (suite c of every head on the node's CPU cores after training; EVAL_PROMPTS=0 = none),
+#   SPD_EVAL_DIR (materialised prompt sets carried with the tree).
+set -uo pipefail
+PY=${PYTHON:-python3}
+WORK=${WORK:-/root/spd_work}
+MODEL=${SPD_MODEL:-smollm2-135m-instruct}
+DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt.jsonl.gz}
+VARIANTS=${VARIANTS:-"n2:partition.num_stages=2"}
+TRAIN_SECONDS=${TRAIN_SECONDS:-900}
+SESSION_SECONDS=${SESSION_SECONDS:-330}
+REGEN_SECONDS=${REGEN_SECONDS:-0}
+EVAL_PROMPTS=${EVAL_PROMPTS:-0}
+LOG="$OUT/log.txt"
+mkdir -p "$WORK/heads"
+say() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
+DATA=$(readlink -f "$DATA")
+$PY -c "from spd_ds.zoo import resolve_model; print(resolve_model('$MODEL'))" >> "$LOG" 2>&1
+
+# 1. self-distilled data (once per machine)
+FILES="$DATA"
+SD="$WORK/selfdistill"
+if [[ "$REGEN_SECONDS" -gt 0 && ! -f "$SD/manifest.json" ]]; then
+  say "self-distilling for ${REGEN_SECONDS}s"
+  timeout $((REGEN_SECONDS + 180)) $PY launch/prepare_train_data.py selfdistill --model "$MODEL" --data "$DATA" \
+    --out "$SD" --time-budget "$REGEN_SECONDS" ${REGEN_ARGS:-} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -25 >> "$LOG"
+  say "self-distill exit ${PIPESTATUS[0]}"
+fi
+[[ -f "$SD/manifest.json" ]] && FILES="$SD,$DATA" && cp "$SD/manifest.json" "$OUT/selfdistill_manifest.json"
+
+# 2. every variant at once, resuming its run
+port=29600
+pids=()
+for v in $VARIANTS; do
+  name=${v%%:*}; over=${v#*:}; run="$WORK/heads/$name"
+  resume=""; [[ -f "$run/checkpoints/latest" ]] && resume="--resume"
+  say "train $name ($over) $resume"
+  # shellcheck disable=SC2086
+  timeout $((SESSION_SECONDS + 240)) $PY -m deepspeed.launcher.runner --num_gpus 1 --master_port $port launch/train.py \
+    --config launch/configs/train_smollm2_n2.yaml --deepspeed_config ds_configs/zero2.json $resume \
+    "model.name=$MODEL" "data.train_files=[$FILES]" data.max_conversations=null ${over//,/ } ${EXTRA:-} \
+    "train.max_time_s=$TRAIN_SECONDS" "train.session_time_s=$SESSION_SECONDS" train.epochs=100 \
+    "train.output_dir=$run" train.save_every=1000000 train.progress=false train.log_every=25 \
+    > "$WORK/$name.log" 2>&1 &
+  pids+=($!); port=$((port + 1))
+done
+for p in "${pids[@]}"; do wait "$p"; done
+for v in $VARIANTS; do
+  name=${v%%:*}; run="$WORK/heads/$name"
+  grep -E "spd_ds.train|Error|error" "$WORK/$name.log" | tail -6 >> "$LOG"
+  $PY scripts/train_report.py "$run" --name "$name" 2>&1 | tee -a "$LOG"
+done
+
+# 3. heads back (head/ and best_head/ when there, logs), <= 15 MB parts
+if [[ "${FETCH:-0}" = 1 ]]; then
+  (cd "$WORK" && tar cf - $(for v in $VARIANTS; do n=${v%%:*}; ls -d heads/$n/head heads/$n/best_head heads/$n/train_log.jsonl heads/$n/train_summary.json heads/$n/config.yaml 2>/dev/null; done) | gzip -1) \
+    | split -b 15000000 -d - "$OUT/heads.tgz.part-"
+  say "heads: $(ls "$OUT"/heads.tgz.part-* | wc -l) part(s)"
+fi
+
+# 4. suite (c) of each head on the node's CPU cores (fp32 reference decoder), all heads at once
+if [[ "$EVAL_PROMPTS" -gt 0 ]]; then
+  cores=$(nproc); jobs=0; for v in $VARIANTS; do for t in ${EVAL_TEMPS:-0}; do jobs=$((jobs + 1)); done; done
+  th=$(( cores / jobs )); [[ $th -lt 1 ]] && th=1
+  for v in $VARIANTS; do
+    name=${v%%:*}; run="$WORK/heads/$name"; head="$run/best_head"; [[ -d "$head" ]] || head="$run/head"
+    n=$($PY -c "import json,sys; print(len(json.load(open('$head/head_config.json'))['partition']['stage_layers']))")
+    for t in ${EVAL_TEMPS:-0}; do
+      OMP_NUM_THREADS=$th CUDA_VISIBLE_DEVICES= timeout 900 $PY launch/benchmark.py --suite c --stages "$n" \
+        --spd-head "$head" --num-prompts "$EVAL_PROMPTS" --max-new-tokens "${EVAL_TOKENS:-128}" \
+        --prompt-sets ${EVAL_SETS:-mt_bench humaneval gsm8k} --out "$WORK/eval_${name}_T$t" \
+        model.device=cpu model.dtype=float32 "decoding.temperature=$t" ${SPD_EVAL_DIR:+data.eval_dir=$SPD_EVAL_DIR} \
+        > "$WORK/eval_${name}_T$t.log" 2>&1 &
+    done
+  done
+  wait
+  for v in $VARIANTS; do for t in ${EVAL_TEMPS:-0}; do
+    name=${v%%:*}; f="$WORK/eval_${name}_T$t/benchmark.md"
+    { echo "## $name T=$t"; cat "$f" 2>/dev/null || tail -5 "$WORK/eval_${name}_T$t.log"; } | tee -a "$LOG"
+  done; done
+fi
+true
