@@ -83,7 +83,11 @@ class DecodingConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    """Prompts for inference/eval (``prompts``: a prompt-set name or a jsonl path) and training files."""
+    """Prompts for inference/eval (``prompts``: a prompt-set name or a jsonl path) and training files.
+
+    ``held_out_fraction``: share of the training records held out for validation while training (a record is held
+    out when a hash of its content and ``train.seed`` says so: the same records on every rank, resume and world size;
+    at least one record when > 0); 0 = no split (and no validation). See ``spd_ds.train.validate``."""
 
     prompts: str = "mt_bench"
     num_prompts: Optional[int] = 5
@@ -104,11 +108,19 @@ class DataConfig:
     regenerate_temperature: float = 0.0
     regenerate_batch_size: int = 64
     regenerate_max_prompt_tokens: int = 1024
+    held_out_fraction: float = 0.02  # records held out for validation while training (0 = none; train.eval_every)
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Head distillation (knowledge distillation, forward KL over the draft vocabulary)."""
+    """Head distillation (knowledge distillation, forward KL over the draft vocabulary).
+
+    Validation (``spd_ds.train.validate``): every ``eval_every`` optimizer steps and at the end of the run, the head
+    runs at every pipeline fill on ``eval_batches`` held-out micro-batches (``data.held_out_fraction``; the same ones
+    each time, shared over the data-parallel ranks); its top-1 agreement by fill gives the predicted T = 0 draft
+    acceptance and equivalent accept length ``n/(1+(n-1)(1-α))`` (``spd_ds.train.acceptance``), logged as
+    ``val_*`` and used to keep the best head in ``<output_dir>/best_head/``. ``eval_every=0`` turns it off (nothing
+    is held out then)."""
 
     output_dir: str = "runs/head"
     epochs: int = 1
@@ -139,6 +151,8 @@ class TrainConfig:
     prefetch: int = 4  # micro-batches collated ahead in a DataLoader worker process (0 = in the training process)
     profile_steps: Optional[int] = None  # profile this many steps (after 5 warm-up steps) with torch.profiler;
     # the table of the costliest operators goes to output_dir/profile.txt
+    eval_every: int = 200  # validate every this many optimizer steps and at the end (0 = never)
+    eval_batches: Optional[int] = 16  # held-out micro-batches per evaluation, over all ranks (None = every one)
 
 
 # The default evaluation prompt sets. gsm8k comes from the hub only: when it cannot be had, a run on this list (in
@@ -257,6 +271,12 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"data.num_prompts must be >= 1 (or null for all), got {cfg.data.num_prompts}")
     if not 0.0 <= d.oracle_alpha <= 1.0:
         raise ConfigError(f"decoding.oracle_alpha must be in [0, 1], got {d.oracle_alpha}")
+    if not 0.0 <= cfg.data.held_out_fraction < 1.0:
+        raise ConfigError(f"data.held_out_fraction must be in [0, 1), got {cfg.data.held_out_fraction}")
+    if cfg.train.eval_every < 0:
+        raise ConfigError(f"train.eval_every must be >= 0 (0 = no validation), got {cfg.train.eval_every}")
+    if cfg.train.eval_batches is not None and cfg.train.eval_batches < 1:
+        raise ConfigError(f"train.eval_batches must be >= 1 (or null for all), got {cfg.train.eval_batches}")
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:

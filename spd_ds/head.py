@@ -174,13 +174,18 @@ class SpeculationHead(nn.Module):
         return self.arch.new_cache(range(self.num_layers), max_len, dtype, device)
 
     # ------------------------------------------------------------------ checkpoint
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write ``head.safetensors`` + ``head_config.json`` into directory ``path`` and return it."""
+    def save(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+        """Write ``head.safetensors`` + ``head_config.json`` into directory ``path`` and return it.
+
+        ``dtype``: store floating-point tensors in this dtype (the module itself is left as it is; ``None`` = as they
+        are), e.g. a best-so-far head saved in bf16 in the middle of training.
+        """
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
+                 .contiguous() for k, v in self.state_dict().items()}
         if self.lm_head_from_target:
             del state["lm_head.weight"]  # the target's own rows: read back from the target on load
         mask = torch.zeros(self.arch.vocab_size, dtype=torch.bool)  # sorted unique ids <=> a vocabulary mask

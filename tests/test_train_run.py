@@ -34,9 +34,10 @@ def _experiment(tmp: Path, model: Path, data: Path, **train) -> Path:
         "model": {"name": str(model), "dtype": "float32"},
         "partition": {"num_stages": 2},
         "head": {"num_layers": 1},
-        "data": {"train_files": [str(data)], "max_seq_length": 128, "micro_batch_size": 2, "min_seq_length": 4},
+        "data": {"train_files": [str(data)], "max_seq_length": 128, "micro_batch_size": 2, "min_seq_length": 4,
+                 "held_out_fraction": 0.05},
         "train": {"output_dir": str(tmp / "run"), "max_steps": 12, "lr": 3e-3, "warmup_steps": 2, "log_every": 1,
-                  "save_every": 6, "progress": False, **train},
+                  "save_every": 6, "progress": False, "eval_every": 4, **train},
     }
     path = tmp / "exp.yaml"
     import yaml
@@ -54,8 +55,20 @@ def _launch(config: Path, *extra: str, nproc: int = 2) -> subprocess.CompletedPr
     return proc
 
 
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+
+
 def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "train_log.jsonl").read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in _records(run_dir)}
+
+
+VAL_KEYS = ("val_agreement_by_fill", "val_pred_acceptance", "val_pred_accept_length", "val_positions")
+
+
+def _validation(run_dir: Path) -> dict[int, tuple]:
+    """Validation figures by step (the records that carry them)."""
+    return {r["step"]: tuple(json.dumps(r[k]) for k in VAL_KEYS) for r in _records(run_dir) if "val_positions" in r}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +106,22 @@ def test_two_ranks_zero2_lower_the_loss_and_save_a_head(run_a, setup):
     assert head.partition.num_stages == 2 and head.num_layers == 1
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["steps"] == 12 and summary["tokens_per_s"] > 0 and summary["world_size"] == 2
+    # validation: every train.eval_every=4 steps on the held-out split, at every fill; the best head by predicted L'
+    val = {r["step"]: r for r in _records(run) if "val_positions" in r}
+    assert sorted(val) == [4, 8, 12]
+    for r in val.values():
+        assert set(r["val_agreement_by_fill"]) == {"1", "2"} and r["val_positions"] > 0
+        a1, a2 = r["val_agreement_by_fill"]["1"], r["val_agreement_by_fill"]["2"]
+        alpha = a1 / (1 + a1 - a2)  # n = 2 closed form
+        assert r["val_pred_acceptance"] == pytest.approx(alpha)
+        assert r["val_pred_accept_length"] == pytest.approx(2 / (1 + (1 - alpha)))
+    best_step = max(sorted(val), key=lambda s: (val[s]["val_pred_accept_length"], -s))
+    best = json.loads((run / "best_head" / "best.json").read_text())
+    assert best["step"] == best_step == summary["best"]["step"]
+    assert best["val_pred_accept_length"] == val[best_step]["val_pred_accept_length"]
+    assert summary["last_validation"]["step"] == 12
+    assert SpeculationHead.load(run / "best_head", TargetArch(setup[1])).partition.num_stages == 2
+    assert "held-out examples" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -112,6 +141,12 @@ def test_resume_continues_exactly(run_a, setup):
     a, b = _losses(run_a_dir), _losses(tmp / "b" / "run")
     assert sorted(b) == list(range(7, 13))
     assert [b[s] for s in range(7, 13)] == [a[s] for s in range(7, 13)]
+    va, vb = _validation(run_a_dir), _validation(tmp / "b" / "run")
+    assert sorted(vb) == [8, 12] and all(vb[s] == va[s] for s in vb)  # validation figures too
+    best_a = json.loads((run_a_dir / "train_summary.json").read_text())["best"]
+    best_b = json.loads((tmp / "b" / "run" / "train_summary.json").read_text())["best"]
+    assert {k: v for k, v in best_b.items() if k not in ("dir", "val_s")} == \
+        {k: v for k, v in best_a.items() if k not in ("dir", "val_s")}
     sa = torch.load(run_a_dir / "checkpoints" / "step12" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     sb = torch.load(ck / "step12" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert all(torch.equal(sa[k], sb[k]) for k in sa)

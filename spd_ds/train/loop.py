@@ -15,7 +15,9 @@ Per micro-batch: teacher forward -> draw the pipeline fill ``F`` (full with prob
 else uniform in ``1..n-1``) -> head forward under the structural mask of ``F`` -> forward KL over the draft
 vocabulary -> backward -> step (DeepSpeed applies gradient accumulation). Every ``train.save_every`` steps a
 DeepSpeed checkpoint holds the head, optimizer, scheduler, RNG and data position, so ``train.resume=true``
-continues exactly where a run stopped. The final head is written with :meth:`SpeculationHead.save`.
+continues exactly where a run stopped. The final head is written with :meth:`SpeculationHead.save`. Every
+``train.eval_every`` steps the head is validated on held-out records (``spd_ds.train.validate``: agreement at every
+fill -> predicted acceptance and equivalent accept length) and the best one kept in ``best_head/``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from spd_ds.train.chat import EmptyMaskError, set_chat_template
 from spd_ds.train.data import BatchPlanner, iterate, load_records, tokenize_records
 from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.mask import sample_fill
+from spd_ds.train.validate import Validator, split_held_out
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "train_log.jsonl"
@@ -281,9 +284,14 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if dc.regenerate:
         records = _regenerate_shared(cfg, records, tokenizer, arch, out_dir, rank, world, device,
                                      eos_token_ids(cfg, arch, tokenizer))
+    records, held_out = split_held_out(records, dc.held_out_fraction if tc.eval_every else 0.0, tc.seed)
     data = tokenize_records(records, tokenizer, dc.max_seq_length, dc.min_seq_length, dc.overflow, dc.num_workers)
     _say(f"data: {data.summary()}", rank)
     planner = BatchPlanner(data, dc.max_seq_length, dc.micro_batch_size, dp_rank, dp_world, tc.seed, dc.pack)
+    validator = None
+    if held_out:  # validation: agreement at every fill on held-out micro-batches -> predicted acceptance
+        validator = Validator.build(held_out, tokenizer, cfg, n, dp_rank, dp_world, out_dir, rank == 0)
+        _say(validator.describe(), rank)
 
     # 5. the student: ZeRO-2 engine over all ranks, torch AdamW (DeepSpeed's own Adam JIT-builds for minutes on CPU)
     ds_cfg = load_ds_config(ds_config, dc.micro_batch_size // degree)
@@ -321,6 +329,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
             step, epoch, index, micro = cs["step"], cs["epoch"], cs["index"], cs["micro"]
             elapsed_before = float(cs.get("elapsed_s", 0.0))
             set_rng_state(cs["rng"][rank] if rank < len(cs["rng"]) else cs["rng"][0])
+            if validator is not None:
+                validator.load_state(cs.get("validation"))
             _say(f"resumed from {ckpt_dir} at step {step} (epoch {epoch}, micro-batch {index})", rank)
         else:
             _say(f"train.resume: no checkpoint under {ckpt_dir}; starting fresh", rank)
@@ -391,7 +401,11 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=host_group)
             stop = bool(flags.sum().item())
             paused = stop and not bool(flags[0].item()) and step < total_steps
-        if step % tc.log_every == 0 or step == total_steps or stop:
+        val = {}
+        if validator is not None and validator.due(step, step == total_steps or (stop and not paused)):
+            val = validator.run(engine.module, teacher, device, step, None)  # every rank; the module autocasts
+            t_log += val["val_s"]  # tokens/s counts training time only
+        if step % tc.log_every == 0 or step == total_steps or stop or val:
             m = meter.reduce(device)
             if m.empty or m.zero_weight:  # every rank sees the same reduced counts: all raise together, no hang
                 raise EmptyMaskError(f"{m.empty} micro-batch(es) without a loss position and {int(m.zero_weight)} "
@@ -403,23 +417,26 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                    "top1_agreement": sum(m.agree) / max(sum(m.count), 1),
                    "agreement_by_fill": {f: m.agree[f] / m.count[f] for f in range(1, n + 1) if m.count[f]},
                    "mean_weight": m.weight / max(m.positions, 1), "loss_positions": m.positions,
-                   "tokens_per_s": m.tokens / max(now - t_log, 1e-9), "elapsed_s": now - t_start}
+                   "tokens_per_s": m.tokens / max(now - t_log, 1e-9), "elapsed_s": now - t_start, **val}
             if is_logger:
                 with open(log_path, "a") as fh:
                     fh.write(json.dumps(rec) + "\n")
                 if bar is not None:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", agree=f"{rec['top1_agreement']:.3f}",
-                                    tok_s=f"{rec['tokens_per_s']:.0f}")
+                                    tok_s=f"{rec['tokens_per_s']:.0f}", **(validator.postfix() if validator else {}))
                 if tb is not None:
                     for k in ("loss", "lr", "top1_agreement", "mean_weight", "tokens_per_s"):
                         tb.add_scalar(f"train/{k}", rec[k], step)
                     for f, a in rec["agreement_by_fill"].items():
                         tb.add_scalar(f"train/agreement_fill{f}", a, step)
+                    for k in ("val_pred_acceptance", "val_pred_accept_length") if val else ():
+                        tb.add_scalar(f"val/{k[4:]}", rec[k], step)
             meter = Meter.zeros(n, device)
             t_log = now
         if step % tc.save_every == 0 or step == total_steps or stop:
             _save(engine, ckpt_dir, step, epoch, index + 1, micro, rank, world, tc.keep_checkpoints, device,
-                  elapsed_s=time.perf_counter() - t_start)
+                  elapsed_s=time.perf_counter() - t_start,
+                  extra={"validation": validator.state()} if validator is not None else None)
 
     # 9. the final head
     del batches  # stops the prefetching worker now, not at interpreter exit
@@ -440,7 +457,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                    "tokens": tokens_total,
                    "tokens_per_s": tokens_total / max(run_s, 1e-9), "world_size": world,
                    "resumed_at_step": first_step if first_step else None,
-                   "teacher_pipe_degree": degree, "partition": part.to_dict(), "head": str(final)}
+                   "teacher_pipe_degree": degree, "partition": part.to_dict(), "head": str(final),
+                   **(validator.summary() if validator is not None else {"best": None})}
         (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
         _say(f"done: {step} steps in {elapsed:.1f} s, {summary['tokens_per_s']:.0f} tokens/s; head -> {final}", rank)
         # (elapsed_s and steps count the whole run, earlier invocations included; tokens and tokens/s this one)
@@ -453,15 +471,15 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
 # ---------------------------------------------------------------------------------------------------- helpers
 def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro: int, rank: int, world: int,
-          keep: int, device, elapsed_s: float = 0.0) -> None:
-    """DeepSpeed checkpoint ``step<N>`` with the data position, every rank's RNG state and the run's training time so
-    far (``elapsed_s``, seconds); keep the newest ``keep``."""
+          keep: int, device, elapsed_s: float = 0.0, extra: dict | None = None) -> None:
+    """DeepSpeed checkpoint ``step<N>`` with the data position, every rank's RNG state, the run's training time so
+    far (``elapsed_s``, seconds) and ``extra`` client state (the validation's best so far); keep the newest ``keep``."""
     import deepspeed.comm as dist
 
     states = [None] * world
     dist.all_gather_object(states, rng_state())
     client = {"step": step, "epoch": epoch, "index": next_index, "micro": micro, "rng": states,
-              "elapsed_s": float(elapsed_s)}
+              "elapsed_s": float(elapsed_s), **(extra or {})}
     engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client)
     if rank == 0 and keep > 0:
         tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))

@@ -1,0 +1,292 @@
+"""Validation while training: a held-out split, the head's agreement at every fill, the predicted acceptance, the best
+head.
+
+Every ``train.eval_every`` optimizer steps (and at the end of the run) the loop calls :meth:`Validator.run`: the
+teacher runs over a fixed set of held-out micro-batches (``train.eval_batches`` of them, shared round-robin over the
+data-parallel ranks), the head runs in its training layout at **every** fill ``F = 1..n`` (no grad), and the top-1
+agreement by fill ``a_F`` (:func:`spd_ds.train.loss.top1_agreement`: what T = 0 acceptance of a draft made at fill
+``F`` measures) becomes the predicted T = 0 draft acceptance ``α`` and equivalent accept length
+``L' = n/(1+(n-1)(1-α))`` of the reference decoder (:mod:`spd_ds.train.acceptance`). The figures go to
+``train_log.jsonl`` (``val_agreement_by_fill``, ``val_pred_acceptance``, ``val_pred_accept_length``,
+``val_positions``, ``val_s``) and the progress bar; the head with the best predicted ``L'`` so far is written to
+``<output_dir>/best_head/`` (:meth:`SpeculationHead.save` + ``best.json``).
+
+The held-out split (:func:`split_held_out`) is a pure function of each record's content and ``train.seed``, so every
+rank, every resume and every world size holds out the same records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from spd_ds.train.acceptance import agreement_from_counts, predict_acceptance
+from spd_ds.train.chat import EmptyMaskError
+from spd_ds.train.loss import TeacherTargets, top1_agreement
+
+BEST_DIR = "best_head"
+BEST_FILE = "best.json"
+
+
+# ---------------------------------------------------------------------------------------------------- the split
+def held_out_key(record: dict, seed: int) -> float:
+    """A uniform number in ``[0, 1)`` from the record's content (canonical JSON) and ``seed`` (blake2b): equal
+    records get equal keys on every machine and process."""
+    h = hashlib.blake2b(json.dumps(record, sort_keys=True, ensure_ascii=False).encode("utf-8"), digest_size=8,
+                        key=int(seed).to_bytes(8, "little", signed=True))
+    return int.from_bytes(h.digest(), "little") / 2.0 ** 64
+
+
+def split_held_out(records: Sequence[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """``(train, held_out)``: record ``r`` is held out when ``held_out_key(r, seed) < fraction`` (about ``fraction``
+    of them; at least one when ``fraction > 0``); the order within each part is kept.
+
+    Args:
+        records: normalised records (``spd_ds.train.data.load_records``).
+        fraction: ``data.held_out_fraction`` in ``[0, 1)``; 0 = nothing held out.
+        seed: ``train.seed``.
+    Raises:
+        DataError: ``fraction`` outside ``[0, 1)``, or a split that leaves no training record (a ``ValueError``).
+    """
+    from spd_ds.train.data import DataError
+
+    if not 0.0 <= fraction < 1.0:
+        raise DataError(f"data.held_out_fraction must be in [0, 1), got {fraction}")
+    if fraction == 0.0 or not records:
+        return list(records), []
+    keys = [held_out_key(r, seed) for r in records]
+    out = [k < fraction for k in keys]
+    if not any(out):
+        out[min(range(len(keys)), key=keys.__getitem__)] = True
+    train = [r for r, o in zip(records, out) if not o]
+    if not train:
+        raise DataError(f"data.held_out_fraction={fraction} holds out all {len(records)} records; lower it or add "
+                         "data")
+    return train, [r for r, o in zip(records, out) if o]
+
+
+def held_out_batches(lengths: Sequence[int], seq_len: int, rows_per_batch: int, pack: bool, dp_rank: int,
+                     dp_world: int, max_batches: int | None = None) -> list[tuple[list[list[int]], bool]]:
+    """This rank's held-out micro-batches: the same fixed list at every evaluation.
+
+    Examples are packed first-fit-decreasing in their order (``pack``; else one per row, sorted by length) into
+    rows of ``seq_len`` tokens, ``rows_per_batch`` rows per micro-batch (the last one padded with empty rows); the
+    first ``max_batches`` (``None`` = all) are dealt round-robin to the data-parallel ranks. Ranks left with fewer get
+    repeats of the first micro-batch flagged ``False`` (run, not counted): the teacher's pipeline engine holds a
+    barrier per forward, so every rank must run the same number.
+
+    Returns:
+        ``[(rows, counted)]`` where ``rows`` lists example indices per row (``BatchPlanner.collate``'s input).
+    Raises:
+        ValueError: no example, or ``max_batches < 1``.
+    """
+    from spd_ds.train.data import pack_rows
+
+    if not lengths:
+        raise ValueError("the held-out split has no example to evaluate on")
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"train.eval_batches must be >= 1 (or null for all), got {max_batches}")
+    order = list(range(len(lengths)))
+    rows = pack_rows(lengths, order, seq_len) if pack else [[i] for i in sorted(order, key=lambda i: lengths[i])]
+    batches = [rows[i:i + rows_per_batch] for i in range(0, len(rows), rows_per_batch)]
+    batches[-1] = batches[-1] + [[] for _ in range(rows_per_batch - len(batches[-1]))]
+    batches = batches[:max_batches] if max_batches is not None else batches
+    mine = [(b, True) for b in batches[dp_rank::dp_world]]
+    per_rank = math.ceil(len(batches) / dp_world)
+    return mine + [(batches[0], False)] * (per_rank - len(mine))
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def agreement_table(student: torch.nn.Module, feats: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor,
+                    targets: TeacherTargets, draft_ids: torch.Tensor, num_stages: int,
+                    autocast=None) -> torch.Tensor:
+    """Top-1 agreement of the head with the teacher at every fill.
+
+    Args:
+        student: the head in its training layout (:class:`~spd_ds.train.student.HeadTrainModule`).
+        feats: ``[B, S, m, H]`` raw anchor states; segments ``[B, S]`` int64; valid ``[B, S]`` bool (from the
+            teacher).
+        targets: the teacher's targets at the ``P`` loss positions.
+        draft_ids: ``[V_d]`` int64 target ids of the draft vocabulary.
+        num_stages: ``n``.
+        autocast: context manager for the head's compute (``None`` = none).
+    Returns:
+        ``[n, P]`` bool: row ``F-1`` = the head's greedy draft at fill ``F`` equals the teacher's argmax.
+    """
+    rows = []
+    for F in range(1, num_stages + 1):
+        with autocast if autocast is not None else contextlib.nullcontext():
+            logits = student(feats, segments, valid, F)
+        rows.append(top1_agreement(logits.float(), targets, draft_ids))
+    return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.bool)
+
+
+@torch.no_grad()
+def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tuple[dict, bool]], num_stages: int,
+             draft_ids: torch.Tensor, device, autocast=None, reduce: bool = True) -> dict:
+    """Agreement by fill on held-out micro-batches and the predicted acceptance (see module doc).
+
+    Args:
+        student: :class:`~spd_ds.train.student.HeadTrainModule` (its weights on this rank are complete: ZeRO-2
+            partitions gradients and optimizer states, not parameters); put in eval mode for the call.
+        teacher: ``teacher(batch) -> (my_batch, feats, targets)`` (:class:`~spd_ds.train.teacher.Teacher`).
+        batches: ``(batch, counted)`` pairs (``input_ids``/``segments``/``valid``, as ``BatchPlanner.collate``);
+            uncounted ones are run (collectives stay aligned) and ignored.
+        num_stages: ``n``.
+        draft_ids: ``[V_d]`` int64.
+        device: where the counts are reduced.
+        autocast: context manager for the head's compute, as in training (``None`` = none).
+        reduce: sum the counts over all ranks (one fp64 ``all_reduce``: a collective, every rank must call);
+            ``False`` for a single process without ``torch.distributed``.
+    Returns:
+        ``{"val_agreement_by_fill": {F: a_F}, "val_pred_acceptance": α, "val_pred_accept_length": L',
+        "val_positions": positions counted per fill, "val_s": seconds}``; α, a_F in [0, 1], L' in tokens.
+    Raises:
+        EmptyMaskError: no held-out position was counted (on every rank at once when ``reduce``).
+    """
+    t0 = time.perf_counter()
+    n = num_stages
+    was_training = student.training
+    student.eval()
+    counts = torch.zeros(2 * n, dtype=torch.float64)
+    try:
+        for batch, counted in batches:
+            mine, feats, targets = teacher(batch)
+            table = agreement_table(student, feats, mine["segments"], mine["valid"], targets, draft_ids, n, autocast)
+            if counted:
+                counts[:n] += table.sum(1).double().cpu()
+                counts[n:] += table.shape[1]
+    finally:
+        student.train(was_training)
+    if reduce:
+        import deepspeed.comm as dist
+
+        c = counts.to(device)
+        dist.all_reduce(c)
+        counts = c.cpu()
+    agree, count = [0.0] + counts[:n].tolist(), [0.0] + counts[n:].tolist()
+    if not count[1]:
+        raise EmptyMaskError("the held-out micro-batches have no loss position: raise data.held_out_fraction or "
+                             "train.eval_batches")
+    a = agreement_from_counts(agree, count, n)
+    pred = predict_acceptance(a)
+    return {"val_agreement_by_fill": {F: a[F - 1] for F in range(1, n + 1)},
+            "val_pred_acceptance": pred.draft_acceptance_rate,
+            "val_pred_accept_length": pred.equivalent_accept_length,
+            "val_positions": int(count[1]), "val_s": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------------------------------------------- in the loop
+class Validator:
+    """Held-out evaluation every ``eval_every`` steps and the best head by predicted equivalent accept length.
+
+    Args:
+        planner: a :class:`~spd_ds.train.data.BatchPlanner` over the held-out examples (only its ``collate`` and
+            ``lengths`` are used).
+        batches: this rank's :func:`held_out_batches`.
+        num_stages: ``n``.
+        eval_every: evaluate when ``step % eval_every == 0`` (and at the end of the run).
+        out_dir: the run directory (``best_head/`` goes there, written by the logging rank).
+        is_logger: this rank writes the best head.
+        save_dtype: dtype of the saved best head (``train.save_dtype``).
+    """
+
+    def __init__(self, planner, batches: list[tuple[list[list[int]], bool]], num_stages: int, eval_every: int,
+                 out_dir: Path, is_logger: bool, save_dtype: torch.dtype = torch.float32) -> None:
+        self.planner, self.batches, self.n, self.eval_every = planner, batches, num_stages, int(eval_every)
+        self.best_dir = Path(out_dir) / BEST_DIR
+        self.is_logger, self.save_dtype = is_logger, save_dtype
+        self.best: dict | None = None
+        self.last: dict | None = None
+
+    @classmethod
+    def build(cls, records: Sequence[dict], tokenizer, cfg, num_stages: int, dp_rank: int, dp_world: int,
+              out_dir: Path, is_logger: bool) -> "Validator":
+        """Tokenise the held-out ``records`` as the training data is and plan this rank's micro-batches.
+
+        Raises:
+            EmptyMaskError: no held-out record has an assistant token (one line; on every rank: the data is the same).
+        """
+        from spd_ds.models.adapter import resolve_dtype
+        from spd_ds.train.data import BatchPlanner, tokenize_records
+
+        dc, tc = cfg.data, cfg.train
+        try:
+            data = tokenize_records(records, tokenizer, dc.max_seq_length, dc.min_seq_length, dc.overflow, 0)
+        except EmptyMaskError:
+            raise EmptyMaskError(f"the {len(records)} held-out records (data.held_out_fraction="
+                                 f"{dc.held_out_fraction}) have no assistant token to evaluate on; raise the "
+                                 "fraction or set train.eval_every=0") from None
+        planner = BatchPlanner(data, dc.max_seq_length, dc.micro_batch_size, 0, 1, tc.seed, dc.pack)
+        batches = held_out_batches(planner.lengths, dc.max_seq_length, dc.micro_batch_size, dc.pack, dp_rank,
+                                   dp_world, tc.eval_batches)
+        return cls(planner, batches, num_stages, tc.eval_every, out_dir, is_logger, resolve_dtype(tc.save_dtype))
+
+    def describe(self) -> str:
+        """One line for the run's log."""
+        d = self.planner.data
+        return (f"validation: {len(d)} held-out examples, {d.num_loss_positions} loss positions, "
+                f"{sum(c for _, c in self.batches)} micro-batches on this rank, every {self.eval_every} steps")
+
+    def due(self, step: int, final: bool) -> bool:
+        """Evaluate at this step? (every ``eval_every`` steps, and at the run's last step ``final``)."""
+        return self.eval_every > 0 and (step % self.eval_every == 0 or final)
+
+    def run(self, student, teacher, device, step: int, autocast=None) -> dict:
+        """Evaluate (a collective: every rank), keep the best head (logging rank) and return the figures.
+
+        Returns:
+            :func:`evaluate`'s dict plus ``val_best`` (True when this step's head became the best).
+        """
+        head = student.head
+        batches = ((self.planner.collate(rows), counted) for rows, counted in self.batches)
+        val = evaluate(student, teacher, batches, self.n, head.draft_ids, device, autocast)
+        val["val_best"] = self.best is None or val["val_pred_accept_length"] > self.best["val_pred_accept_length"]
+        self.last = {"step": step, **{k: v for k, v in val.items() if k != "val_best"}}
+        if val["val_best"]:
+            self.best = dict(self.last)
+            if self.is_logger:
+                self._save_best(head)
+        return val
+
+    def _save_best(self, head) -> None:
+        tmp = self.best_dir.with_name(BEST_DIR + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        head.save(tmp, dtype=self.save_dtype)
+        (tmp / BEST_FILE).write_text(json.dumps(self.best, indent=1))
+        shutil.rmtree(self.best_dir, ignore_errors=True)
+        tmp.rename(self.best_dir)
+
+    def postfix(self) -> dict:
+        """Progress-bar fields of the last evaluation (empty before the first)."""
+        if self.last is None:
+            return {}
+        return {"val_acc": f"{self.last['val_pred_acceptance']:.3f}",
+                "val_L": f"{self.last['val_pred_accept_length']:.3f}"}
+
+    def state(self) -> dict:
+        """What a checkpoint keeps (the best so far), so that a resumed run picks the same best head."""
+        return {"best": self.best, "last": self.last}
+
+    def load_state(self, state: dict | None) -> None:
+        """Restore :meth:`state` (``None``: a checkpoint written without validation)."""
+        if state:
+            self.best, self.last = state.get("best"), state.get("last")
+
+    def summary(self) -> dict:
+        """``train_summary.json`` fields: the best evaluation (``step`` and figures, ``dir``) and the last one."""
+        best = dict(self.best, dir=str(self.best_dir)) if self.best else None
+        return {"best": best, "last_validation": self.last}
+
+
+__all__ = ["BEST_DIR", "BEST_FILE", "held_out_key", "split_held_out", "held_out_batches", "agreement_table",
+           "evaluate", "Validator"]

@@ -1,0 +1,359 @@
+"""Predicted acceptance from agreement by fill (spd_ds.train.acceptance) and the held-out evaluation
+(spd_ds.train.validate): the formula by hand and by Monte Carlo, the cycle replay against the real reference decoder,
+and the prediction against the decoder's measured acceptance on the same text (a tiny trained head; the shipped
+SmolLM2 head).
+
+Tolerance of "prediction vs decoder" (the same greedy text, fp32 CPU): the decoder uses each position at exactly one
+fill and its drafts follow the fill chain, while ``a_F`` averages every position at every fill; the Markov chain
+assumes acceptances independent, and acceptance is correlated along the text. Both are finite-sample effects of the
+``D`` verified drafts, so the allowance is two binomial standard errors, ``2·sqrt(α(1-α)/D)`` on the draft
+acceptance and that times ``dL'/dα = n(n-1)/(1+(n-1)(1-α))²`` on the equivalent accept length. Boundary effects
+(the first draft of a generation is made at fill 1, the prefill token is free) are not part of the allowance: the
+finite-horizon prediction (``num_new_tokens``) counts them exactly; the stationary one is allowed their size on top.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from spd_ds.decoding.metrics import SPDMetrics
+from spd_ds.train.acceptance import (
+    fill_transition, predict_acceptance, replay_decoder, stationary_fill_distribution,
+)
+from spd_ds.train.validate import agreement_table, evaluate, held_out_batches, split_held_out
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: faster for these sizes and immune to a busy machine's spin-waits."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def closed_form_length(alpha: float, n: int) -> float:
+    return n / (1 + (n - 1) * (1 - alpha))
+
+
+# ---------------------------------------------------------------------------------------------------- the formula
+@pytest.mark.parametrize("n", range(1, 9))
+@pytest.mark.parametrize("a", [0.0, 0.31, 0.6, 0.95])
+def test_equal_agreement_gives_the_issue_formula(n, a):
+    p = predict_acceptance([a] * n)
+    assert p.draft_acceptance_rate == pytest.approx(a, abs=1e-12)
+    assert p.equivalent_accept_length == pytest.approx(closed_form_length(a, n), abs=1e-12)
+    assert p.tokens_per_cycle == pytest.approx(p.equivalent_accept_length / n)
+
+
+def test_closed_forms_n1_n2_n3():
+    # n = 1: every draft is verified in the cycle it is made: L' = 1 whatever the acceptance
+    p = predict_acceptance([0.4])
+    assert (p.draft_acceptance_rate, p.equivalent_accept_length, p.fill_share) == (pytest.approx(0.4), 1.0, (1.0,))
+    # n = 2: π = (1 - a2, a1) / (1 + a1 - a2), α = a1 / (1 + a1 - a2), L' = 2 / (2 - α)
+    a1, a2 = 0.3, 0.5
+    p = predict_acceptance({1: a1, 2: a2})
+    assert p.fill_share == pytest.approx(((1 - a2) / (1 + a1 - a2), a1 / (1 + a1 - a2)))
+    assert p.draft_acceptance_rate == pytest.approx(a1 / (1 + a1 - a2))
+    assert p.equivalent_accept_length == pytest.approx(2 / (2 - a1 / (1 + a1 - a2)))
+    # n = 3, a = 1/2 everywhere: w = (1, 1/2, (1/4)/(1/2)) -> π = (1/2, 1/4, 1/4), α = 1/2, L' = 3/2
+    p = predict_acceptance([0.5, 0.5, 0.5])
+    assert p.fill_share == pytest.approx((0.5, 0.25, 0.25)) and p.equivalent_accept_length == pytest.approx(1.5)
+    # by hand, n = 3, a = (0.2, 0.5, 0.7): w = (1, 0.2, 0.1/0.3), Σw = 23/15
+    p = predict_acceptance([0.2, 0.5, 0.7])
+    assert p.fill_share == pytest.approx((15 / 23, 3 / 23, 5 / 23))
+    assert p.draft_acceptance_rate == pytest.approx(8 / 23)
+    assert p.equivalent_accept_length == pytest.approx(closed_form_length(8 / 23, 3))
+
+
+@pytest.mark.parametrize("a", [[0.3, 0.5], [0.2, 0.5, 0.7], [0.9, 0.1, 0.5, 0.99], [0.0, 1.0], [1.0, 1.0, 0.2]])
+def test_stationary_distribution_is_stationary_and_alpha_is_one_minus_pi1(a):
+    pi = stationary_fill_distribution(a)
+    P = fill_transition(a)
+    n = len(a)
+    assert sum(pi) == pytest.approx(1.0)
+    assert [sum(pi[i] * P[i][j] for i in range(n)) for j in range(n)] == pytest.approx(pi)
+    assert predict_acceptance(a).draft_acceptance_rate == pytest.approx(1 - pi[0])
+
+
+def test_edge_cases():
+    assert predict_acceptance([1.0, 1.0, 1.0]).equivalent_accept_length == 3.0  # absorbing full pipeline
+    assert predict_acceptance([0.0, 0.0]).equivalent_accept_length == 1.0  # every draft rejected: 1 token / n cycles
+    assert predict_acceptance([0.0, 1.0]).fill_share == (1.0, 0.0)  # a full pipeline is never reached
+
+
+def test_finite_horizon_by_hand():
+    a1, a2 = 0.3, 0.6
+    # N = 2: one draft, made at fill 1, verified in cycle n: 2 tokens in n cycles, whatever it gave
+    p = predict_acceptance([a1, a2], 2)
+    assert (p.draft_acceptance_rate, p.tokens_per_cycle, p.equivalent_accept_length) == (pytest.approx(a1), 1.0, 2.0)
+    # N = 3: draft 2 is at fill 2 (cost 1) after an acceptance, else at fill 1 (cost 2)
+    p = predict_acceptance([a1, a2], 3)
+    assert p.draft_acceptance_rate == pytest.approx((a1 + a1 * a2 + (1 - a1) * a1) / 2)
+    assert p.equivalent_accept_length == pytest.approx(2 * 3 / (2 + a1 * 1 + (1 - a1) * 2))
+    # pooled over lengths = sums of expectations; long generations tend to the stationary prediction
+    p = predict_acceptance([a1, a2], [2, 3])
+    assert p.draft_acceptance_rate == pytest.approx((a1 + a1 + a1 * a2 + (1 - a1) * a1) / 3)
+    long = predict_acceptance([0.2, 0.5, 0.7], 100_000)
+    assert long.equivalent_accept_length == pytest.approx(predict_acceptance([0.2, 0.5, 0.7])
+                                                          .equivalent_accept_length, abs=1e-4)
+    assert predict_acceptance([0.5], 1).tokens_per_cycle == 0.0  # only the prefill token: no cycle
+
+
+def test_bad_inputs_fail_with_one_line():
+    for bad, args in (([], ()), ([1.2], ()), ({1: 0.2, 3: 0.4}, ()), ([0.3], (0,))):
+        with pytest.raises(ValueError) as e:
+            predict_acceptance(bad, *args)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("a", [[0.3], [0.3, 0.5], [0.2, 0.5, 0.7], [0.6] * 4, [0.9, 0.1, 0.5, 0.8, 0.4]])
+def test_monte_carlo_of_the_cycle_matches_the_prediction(a):
+    """replay_decoder transcribes the decoder's cycle (checked against the real decoder below); driven by independent
+    coins with probability a_F it must reproduce the Markov prediction, finite horizon and stationary."""
+    n, rng = len(a), random.Random(len(a))
+    for N, runs in ((40, 400), (4000, 4)):
+        m = SPDMetrics.pooled([replay_decoder(lambda j, F: rng.random() < a[F - 1], n, N) for _ in range(runs)])
+        p = predict_acceptance(a, [N] * runs)
+        se = math.sqrt(p.draft_acceptance_rate * (1 - p.draft_acceptance_rate) / m.num_drafts)
+        assert abs(m.draft_acceptance_rate - p.draft_acceptance_rate) < 4 * se + 1e-9, (N, m, p)
+        assert abs(m.equivalent_accept_length - p.equivalent_accept_length) < 4 * se * n + 1e-9, (N, m, p)
+        share = [d / m.num_drafts for d in m.drafts_by_fill[1:]]
+        assert share == pytest.approx(p.fill_share, abs=6 * math.sqrt(0.25 / m.num_drafts))
+    assert p.equivalent_accept_length == pytest.approx(predict_acceptance(a).equivalent_accept_length, abs=0.01)
+
+
+# ---------------------------------------------------------------------------------------------------- the decoder
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random llama split into n = 3 stages, its fp32 CPU target and six prompts with their greedy text."""
+    from spd_ds.decoding.ar import ARDecoder
+    from spd_ds.models.adapter import Target, TargetArch
+    from spd_ds.partition import StagePartition
+
+    torch.set_num_threads(1)
+    arch = TargetArch(make_tiny_model(tmp_path_factory.mktemp("acc"), "llama", num_layers=6))
+    part = StagePartition.build(6, 3)
+    target = Target(arch, part, torch.float32, "cpu")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 96) for _ in range(rng.randint(4, 10))] for _ in range(6)]
+    ar = ARDecoder(target, max_len=256)
+    return arch, part, target, prompts, [ar.generate(p, 48).tokens for p in prompts]
+
+
+def test_replay_reproduces_the_reference_decoder(tiny):
+    """The fill semantics of spd_ds.train.acceptance are the decoder's: with an oracle drafter whose acceptance is a
+    known coin per position, replay_decoder gives the decoder's counts exactly (cycles, drafts and accepts by fill),
+    and the prediction with a_F = alpha matches the decoder's measured acceptance."""
+    from spd_ds.decoding.drafters import OracleDrafter
+    from spd_ds.decoding.reference import SPDReferenceDecoder
+    from spd_ds.decoding.sampling import STREAM_ORACLE, keyed_uniform
+
+    arch, part, target, prompts, gens = tiny
+    alpha, seed, n = 0.6, 11, part.num_stages
+    runs, replays = [], []
+    for prompt, gen in zip(prompts, gens):
+        oracle = OracleDrafter(prompt + gen, alpha, vocab_size=arch.vocab_size, seed=seed)
+        res = SPDReferenceDecoder(target, oracle, max_len=256).generate(prompt, len(gen))
+        assert res.tokens == gen
+        s0 = len(prompt)
+        rep = replay_decoder(lambda j, F: keyed_uniform(seed, s0 + j, STREAM_ORACLE) < alpha, n, len(gen))
+        for key in ("num_new_tokens", "num_cycles", "num_drafts", "num_accepted_tokens", "num_rollbacks",
+                    "drafts_by_fill", "accepted_by_fill"):
+            assert getattr(rep, key) == getattr(res.metrics, key), key
+        runs.append(res.metrics)
+        replays.append(rep)
+    m = SPDMetrics.pooled(runs)
+    assert all(m.drafts_by_fill[1:])  # every fill occurred
+    p = predict_acceptance([alpha] * n, [len(g) for g in gens])
+    tol_a, tol_l = _tolerance(p.draft_acceptance_rate, m.num_drafts, n)
+    assert abs(m.draft_acceptance_rate - p.draft_acceptance_rate) <= tol_a
+    assert abs(m.equivalent_accept_length - p.equivalent_accept_length) <= tol_l
+
+
+def _tolerance(alpha: float, drafts: int, n: int) -> tuple[float, float]:
+    """(on α, on L'): two binomial standard errors of α over ``drafts`` verified drafts, and that times dL'/dα."""
+    tol = 2 * math.sqrt(alpha * (1 - alpha) / drafts)
+    return tol, tol * n * (n - 1) / (1 + (n - 1) * (1 - alpha)) ** 2
+
+
+def compare_with_decoder(arch, target, head, prompts, max_new_tokens, eos=None):
+    """Decode ``prompts`` with the head (reference decoder, T = 0), then measure the head's agreement by fill on the
+    returned text with the training path (teacher stages + HeadTrainModule + top1_agreement, through
+    spd_ds.train.validate.evaluate) at the positions the decoder drafted, and predict.
+
+    Returns:
+        ``(measured SPDMetrics, evaluate's dict, finite-horizon prediction, stationary prediction, replayed
+        SPDMetrics)``.
+    """
+    from spd_ds.decoding.drafters import HeadDrafter
+    from spd_ds.decoding.reference import SPDReferenceDecoder
+    from spd_ds.train.loss import TeacherTargets
+    from spd_ds.train.student import HeadTrainModule
+    from spd_ds.train.teacher import TeacherStage
+
+    part, n = head.partition, head.partition.num_stages
+    head = head.float()
+    gens, runs = [], []
+    for prompt in prompts:
+        dec = SPDReferenceDecoder(target, HeadDrafter(head, 512, torch.float32, "cpu"), eos_token_ids=eos, max_len=512)
+        res = dec.generate(prompt, max_new_tokens)
+        gens.append(res.tokens)
+        runs.append(res.metrics)
+    measured = SPDMetrics.pooled(runs, n)
+
+    # the text in the training layout: one row per prompt + its continuation; loss positions = the rows whose next
+    # token the decoder drafted (generated tokens 1.., not the prefill token)
+    seqs = [p + g for p, g in zip(prompts, gens)]
+    S = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    seg = torch.zeros_like(ids)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    for b, (p, s) in enumerate(zip(prompts, seqs)):
+        ids[b, :len(s)] = torch.tensor(s)
+        seg[b, :len(s)] = 1
+        valid[b, len(p):len(s) - 1] = True
+    batch = {"input_ids": ids, "segments": seg, "valid": valid}
+    stages = [TeacherStage(arch, part, s, torch.float32, head.draft_ids.tolist()) for s in range(n)]
+    x = (ids, seg, valid.long(), valid.reshape(-1).nonzero().flatten())
+    with torch.no_grad():
+        for st in stages:
+            x = st(x)
+    feats, targets = x[0], TeacherTargets(*x[1:])
+    assert targets.argmax_full.tolist() == [t for g in gens for t in g[1:]], "the text is not the target's greedy text"
+    student = HeadTrainModule(head)
+    val = evaluate(student, lambda b: (b, feats, targets), [(batch, True)], n, head.draft_ids, "cpu", reduce=False)
+    assert val["val_positions"] == measured.num_drafts
+
+    # the same table, position by position, replayed through the decoder's cycle
+    table = agreement_table(student, feats, seg, valid, targets, head.draft_ids, n)
+    replays, off = [], 0
+    for g in gens:
+        replays.append(replay_decoder(lambda j, F, off=off: bool(table[F - 1, off + j - 1]), n, len(g)))
+        off += len(g) - 1
+    a = [val["val_agreement_by_fill"][F] for F in range(1, n + 1)]
+    return (measured, val, predict_acceptance(a, [len(g) for g in gens]), predict_acceptance(a),
+            SPDMetrics.pooled(replays, n))
+
+
+def check_prediction(measured, val, finite, stationary, replayed):
+    n = measured.num_stages
+    # 1. the decoder's acceptance is the training layout's agreement at the fills the cycle visits
+    assert replayed.drafts_by_fill == measured.drafts_by_fill and replayed.accepted_by_fill == measured.accepted_by_fill
+    assert replayed.num_cycles == measured.num_cycles
+    # 2. the Markov prediction from the agreement by fill, within the finite-sample allowance (module doc)
+    tol_a, tol_l = _tolerance(finite.draft_acceptance_rate, measured.num_drafts, n)
+    assert val["val_pred_acceptance"] == stationary.draft_acceptance_rate
+    assert abs(measured.draft_acceptance_rate - finite.draft_acceptance_rate) <= tol_a, (measured, finite)
+    assert abs(measured.equivalent_accept_length - finite.equivalent_accept_length) <= tol_l, (measured, finite)
+    boundary = abs(finite.equivalent_accept_length - stationary.equivalent_accept_length)
+    assert abs(measured.equivalent_accept_length - stationary.equivalent_accept_length) <= tol_l + boundary
+    assert abs(measured.draft_acceptance_rate - stationary.draft_acceptance_rate) <= tol_a + abs(
+        finite.draft_acceptance_rate - stationary.draft_acceptance_rate)
+
+
+def test_prediction_matches_the_decoder_tiny_trained_head(tiny):
+    """A head distilled for a few steps on the tiny target's greedy text (acceptance around 0.4 there, every fill
+    visited): the prediction from its agreement by fill matches the reference decoder on that text."""
+    from spd_ds.head import SpeculationHead
+    from spd_ds.train.loss import TeacherTargets, kd_loss, position_weights
+    from spd_ds.train.student import HeadTrainModule
+    from spd_ds.train.teacher import TeacherStage
+
+    arch, part, target, prompts, gens = tiny
+    n = part.num_stages
+    torch.manual_seed(0)
+    head = SpeculationHead(arch, part, 1)
+    seqs = [p + g for p, g in zip(prompts, gens)]
+    S = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    seg = torch.zeros_like(ids)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    for b, (p, s) in enumerate(zip(prompts, seqs)):
+        ids[b, :len(s)], seg[b, :len(s)], valid[b, len(p):len(s) - 1] = torch.tensor(s), 1, True
+    x = (ids, seg, valid.long(), valid.reshape(-1).nonzero().flatten())
+    with torch.no_grad():
+        for st in [TeacherStage(arch, part, s, torch.float32, head.draft_ids.tolist()) for s in range(n)]:
+            x = st(x)
+    feats, t = x[0], TeacherTargets(*x[1:])
+    student = HeadTrainModule(head)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for it in range(30):
+        loss = kd_loss(student(feats, seg, valid, 1 + it % n), t, position_weights(t, head.draft_ids, 1.0, "weight"))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    measured, val, finite, stationary, replayed = compare_with_decoder(arch, target, head.eval(), prompts, 48)
+    assert 0.2 < measured.draft_acceptance_rate < 0.8 and all(measured.drafts_by_fill[1:])
+    check_prediction(measured, val, finite, stationary, replayed)
+
+
+@pytest.mark.slow
+def test_prediction_matches_the_decoder_smollm2_shipped_head(smollm2_dir, smollm2_prompts):
+    """The shipped SmolLM2 n = 2 head (loaded through spd_ds.builder), five demo prompts, 64 new tokens, fp32 CPU.
+
+    About 30 s of CPU time on one thread (the reference decoder's ~450 cycles), more wall time on a busy machine:
+    hence the slow tier. Recorded (docs/training.md): a = (0.259, 0.243), measured α 0.251 / L' 1.166 over 259
+    drafts, predicted 0.255 / 1.165 (finite horizon), stationary L' 1.146."""
+    from spd_ds.builder import build_arch, build_head, build_partition, build_target
+    from spd_ds.config import load_config
+    from spd_ds.eval.regression import DEFAULT_HEAD_DIR
+
+    cfg = load_config(None, [f"model.name={smollm2_dir}", "model.dtype=float32", "model.device=cpu",
+                             f"head.checkpoint={DEFAULT_HEAD_DIR}"])
+    arch = build_arch(cfg)
+    part = build_partition(cfg, arch)
+    head, target = build_head(cfg, arch, part), build_target(cfg, arch, part)
+    measured, val, finite, stationary, replayed = compare_with_decoder(arch, target, head, smollm2_prompts, 64,
+                                                                       eos=[2])
+    assert measured.num_drafts > 200
+    check_prediction(measured, val, finite, stationary, replayed)
+
+
+# ---------------------------------------------------------------------------------------------------- the split
+def test_held_out_split_is_deterministic_by_content():
+    recs = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(2000)]
+    train, held = split_held_out(recs, 0.02, seed=42)
+    assert len(train) + len(held) == 2000 and 20 <= len(held) <= 65
+    assert split_held_out(list(reversed(recs)), 0.02, 42)[1] == list(reversed(held))  # order-free, by content
+    assert split_held_out(recs, 0.02, 43)[1] != held  # the seed matters
+    assert split_held_out(recs, 0.0, 42) == (recs, [])
+    assert len(split_held_out(recs[:3], 0.001, 42)[1]) == 1  # at least one record when the fraction is > 0
+    with pytest.raises(ValueError):
+        split_held_out(recs[:1], 0.5, 42)
+
+
+def test_held_out_batches_give_every_rank_the_same_count():
+    lengths = [30, 50, 20, 90, 10, 60, 70]
+    all_rows = []
+    for world in (1, 2, 3, 5):
+        per = [held_out_batches(lengths, 100, 2, True, r, world) for r in range(world)]
+        assert len({len(p) for p in per}) == 1
+        counted = [rows for p in per for rows, c in p if c]
+        examples = sorted(i for rows in counted for row in rows for i in row)
+        assert examples == list(range(len(lengths)))  # every example exactly once over the counted batches
+        assert all(len(rows) == 2 for p in per for rows, _ in p)  # padded with empty rows
+        all_rows.append(sorted(map(str, counted)))
+    assert all(r == all_rows[0] for r in all_rows)  # the same batches whatever the world size
+    assert len([1 for rows, c in held_out_batches(lengths, 100, 2, True, 0, 1, max_batches=1) if c]) == 1
+
+
+def test_best_head_is_saved_in_the_save_dtype_without_touching_the_module(tiny, tmp_path):
+    from spd_ds.head import SpeculationHead
+
+    arch, part, *_ = tiny
+    head = SpeculationHead(arch, part, 1)
+    head.save(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert next(head.parameters()).dtype == torch.float32
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "bf16" / "head.safetensors"))
+    assert stored["aggr.0.weight"].dtype == torch.bfloat16 and stored["draft_mask"].dtype == torch.bool
+    assert torch.equal(stored["aggr.0.weight"], head.state_dict()["aggr.0.weight"].bfloat16())
+    assert torch.equal(SpeculationHead.load(tmp_path / "bf16", arch).draft_ids, head.draft_ids)
