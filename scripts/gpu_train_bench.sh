@@ -2,19 +2,22 @@
 # One device call: the CUDA training tests (FlexAttention gradients) and the before/after training-throughput table
 # (scripts/bench_train.py) with a profile of the new path; results under $OUT.
 #   source .devkit/on_device.sh && OUT=$OUT bash scripts/gpu_train_bench.sh
-# Needs: runs/train_data/bench1500.jsonl.gz (launch/prepare_train_data.py export --data sharegpt --limit 1500) and
+# Needs: runs/train_bench/bench1500.jsonl.gz (launch/prepare_train_data.py export --data sharegpt --limit 1500) and
 # .old/ (git archive <before-commit> spd_ds launch ds_configs draft_vocab | tar -x -C .old) carried.
-# Knobs: STAGES="2 4", ATTENTION="flex", STEPS=30, CELL_TIMEOUT=130.
+# Knobs: STAGES="2 4", ATTENTION="flex", STEPS=30, CELL_TIMEOUT=130, OLD_ROOT=.old (empty: no 'before' cells), TESTS=1.
 set -uo pipefail
 PY=${PYTHON:-python3}
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/env.txt"
-$PY -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__, deepspeed.__version__)" | tee -a "$OUT/env.txt"
+{ nvidia-smi --query-gpu=name,memory.total --format=csv
+  $PY -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__, deepspeed.__version__)"
+} | tee "$OUT/bench.txt"
 $PY -c "from spd_ds.zoo import resolve_model; print(resolve_model('smollm2-135m-instruct'))"
-timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_train_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
-timeout "${BENCH_TIMEOUT:-520}" $PY scripts/bench_train.py --data runs/train_data/bench1500.jsonl.gz \
-  --stages ${STAGES:-2 4} --attention ${ATTENTION:-flex} --old-root .old --steps "${STEPS:-30}" --log-every 10 \
-  --profile-steps 5 --timeout "${CELL_TIMEOUT:-130}" --out /tmp/bench | tee "$OUT/bench.txt"
-cp /tmp/bench/bench_train.json "$OUT/" 2>/dev/null
+if [[ "${TESTS:-1}" = 1 ]]; then
+  timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_train_gpu.py 2>&1 | tail -15 | tee -a "$OUT/bench.txt"
+fi
+OLD_ROOT=${OLD_ROOT-.old}
+timeout "${BENCH_TIMEOUT:-520}" $PY scripts/bench_train.py --data runs/train_bench/bench1500.jsonl.gz \
+  --stages ${STAGES:-2 4} --attention ${ATTENTION:-flex} ${OLD_ROOT:+--old-root $OLD_ROOT} --steps "${STEPS:-30}" \
+  --log-every 10 --profile-steps 5 --timeout "${CELL_TIMEOUT:-130}" --out /tmp/bench | tee -a "$OUT/bench.txt"
 cp /tmp/bench/after_n2_flex/profile.txt "$OUT/" 2>/dev/null
-cat /tmp/bench/*.log 2>/dev/null | grep -iE "error|Traceback|warn" | tail -40 > "$OUT/errors.txt"
+cat /tmp/bench/*.log 2>/dev/null | grep -iE "error|Traceback" | tail -20 >> "$OUT/bench.txt"
 true

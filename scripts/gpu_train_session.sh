@@ -9,7 +9,8 @@
 #     REGEN_SECONDS=120 TRAIN_SECONDS=900 SESSION_SECONDS=330 bash scripts/gpu_train_session.sh
 #
 # Knobs (env): VARIANTS ("name:override,override ..."; one training process per variant, all on GPU 0 at once),
-#   TRAIN_SECONDS, SESSION_SECONDS, SPD_TRAIN_DATA (conversations carried with the tree), REGEN_SECONDS (0 = none;
+#   TRAIN_SECONDS, SESSION_SECONDS, SPD_TRAIN_DATA (conversations carried with the tree), REGEN_DATA (the prompts to
+#   self-distil, default SPD_TRAIN_DATA), REGEN_SECONDS (0 = none;
 #   self-distilled answers made once into $WORK/selfdistill and trained on first), REGEN_ARGS, EXTRA (overrides for
 #   every variant), FETCH=1 (heads back under $OUT as heads.tgz.part-NN, <= 15 MB each), EVAL_SETS / EVAL_PROMPTS /
 #   EVAL_TOKENS / EVAL_TEMPS (suite c of every head on the node's CPU cores after training; EVAL_PROMPTS=0 = none),
@@ -35,7 +36,7 @@ FILES="$DATA"
 SD="$WORK/selfdistill"
 if [[ "$REGEN_SECONDS" -gt 0 && ! -f "$SD/manifest.json" ]]; then
   say "self-distilling for ${REGEN_SECONDS}s"
-  timeout $((REGEN_SECONDS + 180)) $PY launch/prepare_train_data.py selfdistill --model "$MODEL" --data "$DATA" \
+  timeout $((REGEN_SECONDS + 180)) $PY launch/prepare_train_data.py selfdistill --model "$MODEL" --data "${REGEN_DATA:-$DATA}" \
     --out "$SD" --time-budget "$REGEN_SECONDS" ${REGEN_ARGS:-} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -25 >> "$LOG"
   say "self-distill exit ${PIPESTATUS[0]}"
 fi
@@ -66,7 +67,9 @@ done
 
 # 3. heads back (head/ and best_head/ when there, logs), <= 15 MB parts
 if [[ "${FETCH:-0}" = 1 ]]; then
-  (cd "$WORK" && tar cf - $(for v in $VARIANTS; do n=${v%%:*}; ls -d heads/$n/head heads/$n/best_head heads/$n/train_log.jsonl heads/$n/train_summary.json heads/$n/config.yaml 2>/dev/null; done) | gzip -1) \
+  # each variant's best head (by predicted acceptance) or, without validation, its last head; logs and summaries
+  (cd "$WORK" && tar cf - $(for v in $VARIANTS; do n=${v%%:*}; h=heads/$n/best_head; [[ -d $h ]] || h=heads/$n/head
+    ls -d $h heads/$n/best.json heads/$n/train_log.jsonl heads/$n/train_summary.json heads/$n/config.yaml 2>/dev/null; done) | gzip -1) \
     | split -b 15000000 -d - "$OUT/heads.tgz.part-"
   say "heads: $(ls "$OUT"/heads.tgz.part-* | wc -l) part(s)"
 fi
