@@ -136,7 +136,7 @@ class ARGraphDecoder:
         s0 = len(prompt)
         t0 = time.perf_counter()
         tok = first_token(self.prefill(prompt), self.sampling, s0)
-        metrics.prefill_s = time.perf_counter() - t0
+        metrics.observe_prefill(time.perf_counter() - t0)
         out = [tok]
         t1 = time.perf_counter()
         if self.sampling.greedy:
@@ -146,7 +146,7 @@ class ARGraphDecoder:
                 k = min(self.sync_every, max_new_tokens - len(out))
                 for _ in range(k):
                     self._replay()
-                metrics.num_cycles += k
+                metrics.observe_cycle(k)
                 start = s0 + len(out)
                 for t in self.out[start:start + k].tolist():  # the one host sync of the chunk
                     out.append(t)
@@ -161,7 +161,6 @@ class ARGraphDecoder:
                 pos += 1
                 tok = first_token(logits, self.sampling, pos)
                 out.append(tok)
-                metrics.num_cycles += 1
-        metrics.decode_s = time.perf_counter() - t1
-        metrics.num_new_tokens = len(out)
+                metrics.observe_cycle()
+        metrics.close(len(out), time.perf_counter() - t1)
         return GenerationResult(out, "eos" if out[-1] in self.eos else "length", metrics)
