@@ -8,7 +8,8 @@ from typing import Iterable, Sequence
 import torch
 
 from spd_ds.decoding.metrics import SPDMetrics
-from spd_ds.decoding.reference import GenerationResult, check_prompt, eos_set, first_token, prefill
+from spd_ds.decoding.cycle import GenerationResult, check_prompt, eos_set, first_token
+from spd_ds.decoding.reference import prefill
 from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.models.adapter import Target
 

@@ -28,7 +28,7 @@ from typing import Callable, Protocol, Sequence, Union
 import torch
 
 from spd_ds.decoding.metrics import SPDMetrics
-from spd_ds.decoding.reference import GenerationResult, check_prompt, eos_set
+from spd_ds.decoding.cycle import GenerationResult, check_prompt, eos_set
 from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.models.adapter import Target
 
