@@ -26,7 +26,7 @@ from spd_ds.decoding.metrics import SPDMetrics
 from spd_ds.decoding.cycle import GenerationResult, check_prompt, eos_set, first_token
 from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.models.adapter import Target
-from spd_ds.models.graphs import make_static_cache, static_stage_forward
+from spd_ds.models.graphs import capture_graph, make_static_cache, static_stage_forward
 
 
 class ARGraphDecoder:
@@ -84,19 +84,13 @@ class ARGraphDecoder:
             self.tok.copy_(nxt.view(1, 1))
         return logits
 
-    @torch.no_grad()
     def _capture(self, warmup: int) -> None:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(max(1, warmup)):  # writes garbage at low positions; every prefill rewrites them
-                self.pos.zero_()
-                self._step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        def warm():  # writes garbage at low positions; every prefill rewrites them
+            self.pos.zero_()
+            self._step()
+
+        self.graph, self.logits = capture_graph(self._step, self.device, warmup=warmup, warmup_step=warm)
         self.pos.zero_()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._step()
 
     @property
     def graphed(self) -> bool:
