@@ -34,7 +34,7 @@ class PipeAR(HeadDriver):
         t0 = time.perf_counter()
         final, _ = self.rank.prefill(self.prompt, None)
         s0 = len(self.prompt)
-        tok = first_token(self.rank.ends.logits(final[-1]), self.rank.sampling, s0)
+        tok = first_token(self.rank.ends.logits(final[-1]), self.sampling, s0)
         self.metrics.observe_prefill(time.perf_counter() - t0)
         if not self.out.emit(tok):
             self.start_decoding()
@@ -74,7 +74,7 @@ class PipeAR(HeadDriver):
         enters next."""
         e = self.entry
         t = time.perf_counter()
-        tok = first_token(self.rank.ends.logits(e.hidden[0, 0]), self.rank.sampling, e.pos + 1)
+        tok = first_token(self.rank.ends.logits(e.hidden[0, 0]), self.sampling, e.pos + 1)
         self.metrics.observe_time("verify", time.perf_counter() - t)
         self.metrics.observe_cycle()
         if not self.out.emit(tok):

@@ -79,7 +79,7 @@ class SPDPipelineEngine(PipelineEngine):
         """
         if plan.world_size != self.num_stages:
             raise RuntimeError(f"plan for {plan.world_size} pipe stages but the engine has {self.num_stages}")
-        self.plan = plan
+        self.plan, self.sampling = plan, sampling  # the sampling of the next generations (their uniforms' key)
         self.timeout_s = float(timeout_s)
         mod = self.module
         stages = mod.target_stages
@@ -98,16 +98,20 @@ class SPDPipelineEngine(PipelineEngine):
                           self.timeout_s, device)
         self.links = links
         self.head_rank: HeadRank | None = None
+        self.spd_head: SPDHead | None = None
+        self.pipe_ar: PipeAR | None = None
         if self.is_head:
-            self.head_rank = HeadRank(links, runners, mod.head_ends.ends, sampling, eos_set(list(eos_token_ids)),
-                                      max_len, H, dtype, device)
+            self.head_rank = HeadRank(links, runners, mod.head_ends.ends, eos_set(list(eos_token_ids)), max_len, H,
+                                      dtype, device)
             self.spd_head, self.pipe_ar = SPDHead(self.head_rank, head_overlap), PipeAR(self.head_rank)
             self.role = self.head_rank
+            warmup = [sch.Warmup()]  # send, and collect every stage's answer
         else:
             (s,) = plan.stages_on(self.stage_id)
             self.role = StageRank(links, s, runners[s], int(max_len), H, dtype, device, self.watchdog, self.timeout_s)
-        if plan.world_size > 1:  # exercise every link once (head: send and collect; stage: serve one message)
-            self._exec_schedule(sch.OneStep(self, [sch.Warmup()] if self.is_head else [sch.RecvHidden(), sch.Warmup()]))
+            warmup = [sch.RecvHidden(), sch.Warmup()]  # serve one message
+        if plan.world_size > 1:  # exercise every link once
+            self._exec_schedule(sch.OneStep(self, warmup))
 
     def _rank_of(self, pipe: int) -> int:
         return self.grid.stage_to_global(stage_id=pipe)
@@ -148,18 +152,18 @@ class SPDPipelineEngine(PipelineEngine):
             PromptError: empty or too long prompt (before any message is sent).
             PipeCommError: a stage rank died or stalled.
         """
-        return self._run_head(getattr(self, "spd_head", None), prompt, max_new_tokens, drafter)
+        return self._run_head(self.spd_head, prompt, max_new_tokens, drafter)
 
     @torch.no_grad()
     def generate_ar(self, prompt: Sequence[int], max_new_tokens: int) -> GenerationResult:
         """Autoregressive generation through the same pipeline and stage code (head rank only): the exactness
         reference on the same kernels and the oracle drafter's source. Same contract as :meth:`generate`."""
-        return self._run_head(getattr(self, "pipe_ar", None), prompt, max_new_tokens, None)
+        return self._run_head(self.pipe_ar, prompt, max_new_tokens, None)
 
     def _run_head(self, driver: HeadDriver | None, prompt, max_new_tokens, drafter) -> GenerationResult:
         if driver is None:
             raise RuntimeError("generate() runs on the head rank (pipe stage 0) only")
-        driver.request(prompt, max_new_tokens, drafter)
+        driver.request(prompt, max_new_tokens, drafter, self.sampling)
         self.role = driver
         try:
             self._exec_schedule(driver.schedule(self))

@@ -33,18 +33,17 @@ class HeadRank:
         links: this rank's :class:`~spd_ds.pipe.links.PipeLinks`.
         runners: target stage -> :class:`~spd_ds.pipe.stage_runner.StageRunner` held on this rank.
         ends: the target's embedding, final norm and LM head (:class:`~spd_ds.models.adapter.TargetEnds`).
-        sampling: decoding distribution and seed.
         eos: ids that end a generation.
         max_len: KV capacity in positions.
         hidden_size, dtype, device: of the hidden states on this rank.
     """
 
-    def __init__(self, links: PipeLinks, runners: dict[int, StageRunner], ends, sampling: SamplingParams,
-                 eos: frozenset[int], max_len: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, links: PipeLinks, runners: dict[int, StageRunner], ends, eos: frozenset[int], max_len: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.links, self.plan = links, links.plan
         self.n, self.L = links.n, links.L
         self.runners, self.ends = runners, ends
-        self.sampling, self.eos, self.max_len = sampling, eos, int(max_len)
+        self.eos, self.max_len = eos, int(max_len)
         self.H, self.dtype, self.device = hidden_size, dtype, device
         self.cuda = device.type == "cuda"
         self.next_seq = itertools.count(1).__next__  # numbers every message the head sends
@@ -210,15 +209,18 @@ class HeadDriver:
         self.prompt: list[int] = []
         self.max_new = 0
         self.drafter: Drafter | None = None
+        self.sampling = SamplingParams()
         self.metrics = SPDMetrics(num_stages=rank.n)
         self.out = TokenOutput(rank.eos, 1)
         self.result: GenerationResult | None = None
         self._t_decode: float | None = None
         self._wait0 = 0.0
 
-    def request(self, prompt: Sequence[int], max_new_tokens: int, drafter: Drafter | None) -> None:
-        """The next generation's prompt, limit (the prefill token included) and drafter (``None`` for AR)."""
-        self.prompt, self.max_new, self.drafter = list(prompt), int(max_new_tokens), drafter
+    def request(self, prompt: Sequence[int], max_new_tokens: int, drafter: Drafter | None,
+                sampling: SamplingParams) -> None:
+        """The next generation's prompt, limit (the prefill token included), drafter (``None`` for AR) and sampling
+        parameters (its distribution and the key of its uniforms)."""
+        self.prompt, self.max_new, self.drafter, self.sampling = list(prompt), int(max_new_tokens), drafter, sampling
 
     def load_prompt(self) -> None:
         """Instruction LoadPrompt: check the prompt (:class:`~spd_ds.decoding.cycle.PromptError` before any message)

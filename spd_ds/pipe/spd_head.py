@@ -55,7 +55,7 @@ class SPDHead(HeadDriver):
         """LoadPrompt: check the prompt and start the cycle's state."""
         super().load_prompt()
         r = self.rank
-        self.gen = SPDGeneration(r.plan.partition, self.drafter, r.sampling, r.eos, self.max_new, r.embed,
+        self.gen = SPDGeneration(r.plan.partition, self.drafter, self.sampling, r.eos, self.max_new, r.embed,
                                  r.ends.logits, self._rewind, new_seq=r.next_seq, metrics=self.metrics)
         self.out = self.gen.out
         self.view, self.at_stage = None, {}
