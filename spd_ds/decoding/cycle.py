@@ -215,7 +215,8 @@ class RollbackPlan:
 
 
 class SPDGeneration:
-    """One SPD generation's state and cycle (see the module docstring for a token's way through it).
+    """One SPD generation's state and cycle (paper §3: drafting from the pipeline's input states §3.4, multi-depth
+    aggregation types §3.2, verification §3.3; see the module docstring for a token's way through it).
 
     Args:
         partition: the :class:`~spd_ds.partition.StagePartition` (``n``, ``f``, anchors).
