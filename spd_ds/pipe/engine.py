@@ -22,7 +22,8 @@ synchronises for the draft token and for verification.
 
 from __future__ import annotations
 
-from typing import Sequence
+import re
+from typing import Callable, Sequence
 
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -42,8 +43,10 @@ from spd_ds.pipe.topology import PipePlan
 from spd_ds.pipe.watchdog import Watchdog
 
 
-def _to_role(name: str):
-    """An ``_INSTRUCTION_MAP`` entry: the instruction runs as the role's method ``name``."""
+def _to_role(instruction: type) -> Callable:
+    """An ``_INSTRUCTION_MAP`` entry: ``instruction`` runs as the role's method of the same name in snake case
+    (``StageForward(stage=1)`` -> ``role.stage_forward(stage=1)``)."""
+    name = re.sub(r"(?<!^)(?=[A-Z])", "_", instruction.__name__).lower()
 
     def run(self, *args, **kwargs):
         return getattr(self.role, name)(*args, **kwargs)
@@ -196,39 +199,5 @@ class SPDPipelineEngine(PipelineEngine):
                 pass
 
     # ------------------------------------------------------------------ instructions: run by the role
-    _exec_load_prompt = _to_role("load_prompt")
-    _exec_prefill = _to_role("prefill")
-    _exec_prepare_draft = _to_role("prepare_draft")
-    _exec_stage_forward = _to_role("stage_forward")
-    _exec_send_hidden = _to_role("send_hidden")
-    _exec_recv_hidden = _to_role("recv_hidden")
-    _exec_send_anchors = _to_role("send_anchors")
-    _exec_recv_anchors = _to_role("recv_anchors")
-    _exec_draft = _to_role("draft")
-    _exec_verify = _to_role("verify")
-    _exec_rollback = _to_role("rollback")
-    _exec_load_token = _to_role("load_token")
-    _exec_sample_target = _to_role("sample_target")
-    _exec_end_generation = _to_role("end_generation")
-    _exec_shutdown = _to_role("shutdown")
-    _exec_warmup = _to_role("warmup")
-
-    _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
-        sch.LoadPrompt: _exec_load_prompt,
-        sch.Prefill: _exec_prefill,
-        sch.PrepareDraft: _exec_prepare_draft,
-        sch.StageForward: _exec_stage_forward,
-        sch.SendHidden: _exec_send_hidden,
-        sch.RecvHidden: _exec_recv_hidden,
-        sch.SendAnchors: _exec_send_anchors,
-        sch.RecvAnchors: _exec_recv_anchors,
-        sch.Draft: _exec_draft,
-        sch.Verify: _exec_verify,
-        sch.Rollback: _exec_rollback,
-        sch.LoadToken: _exec_load_token,
-        sch.SampleTarget: _exec_sample_target,
-        sch.EndGeneration: _exec_end_generation,
-        sch.Shutdown: _exec_shutdown,
-        sch.Warmup: _exec_warmup,
-    }
+    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, **{cls: _to_role(cls) for cls in sch.SPD_INSTRUCTIONS}}
+    _exec_stage_forward = _INSTRUCTION_MAP[sch.StageForward]  # by name too (a test wraps it to inject faults)

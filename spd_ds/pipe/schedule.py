@@ -100,6 +100,10 @@ class Warmup(SPDInstruction):
     """Start-up check: a WARMUP message through every link (creates the NCCL communicators before timing starts)."""
 
 
+SPD_INSTRUCTIONS = (LoadPrompt, Prefill, PrepareDraft, StageForward, SendHidden, RecvHidden, SendAnchors, RecvAnchors,
+                    Draft, Verify, Rollback, LoadToken, SampleTarget, EndGeneration, Shutdown, Warmup)
+
+
 class _EngineSchedule(PipeSchedule):
     """A schedule bound to an engine; ``role`` (the rank's instructions, see :mod:`spd_ds.pipe.engine`) holds the state
     that decides the next step."""
