@@ -37,6 +37,39 @@ def test_hand_made_trace():
     assert empty.acceptance_by_depth()[0]["rate"] is None and empty.cycle_time_split_ms()["cycle"] == 0.0
 
 
+def test_observations_fill_the_counters():
+    """The hand-made trace, made by the observe_* calls every decoder uses (no decoder writes a counter itself)."""
+    m = SPDMetrics(num_stages=3)
+    m.observe_prefill(0.5)
+    m.observe_cycle(11)
+    m.observe_cycle()
+    for fill, ok in [(1, True), (1, False), (1, False), (2, True), (2, True), (3, True), (3, True), (3, True),
+                     (3, False)]:
+        m.observe_verify(fill, ok)
+    for _ in range(3):
+        m.observe_rollback()
+    for s, t in enumerate([0.3, 0.3, 0.6]):
+        m.observe_time("stage_forward", t, stage=s)
+    m.observe_time("head", 0.24)
+    m.observe_time("verify", 0.12)
+    m.observe_time("comm", 0.06)
+    m.close(10, 1.8, split_stages=range(3))
+    want = trace()
+    for k in ("num_new_tokens", "num_cycles", "num_drafts", "num_accepted_tokens", "num_rollbacks", "drafts_by_fill",
+              "accepted_by_fill", "prefill_s", "decode_s", "stage_forward_s", "head_s", "verify_s", "comm_s"):
+        assert getattr(m, k) == pytest.approx(getattr(want, k)), k
+    assert m.control_s == pytest.approx(1.8 - 0.24 - 0.12 - 0.06 - 1.2)
+    m.close(10, 1.8, split_stages=[0])  # a process that timed stage 0 only: the others' time is not its own
+    assert m.control_s == pytest.approx(1.8 - 0.24 - 0.12 - 0.06 - 0.3)
+    ar = SPDMetrics()
+    ar.close(5, 1.0)  # AR baselines: no split, control_s stays
+    assert (ar.num_new_tokens, ar.decode_s, ar.control_s) == (5, 1.0, 0.0)
+    with pytest.raises(ValueError, match="unknown time split"):
+        m.observe_time("verify", 0.1, stage=0)
+    with pytest.raises(ValueError, match="unknown time split"):
+        m.observe_time("prefill", 0.1)
+
+
 def test_pooling_sums_before_dividing():
     a = trace()
     b = SPDMetrics(num_stages=3, num_new_tokens=31, num_cycles=33, num_drafts=30, num_accepted_tokens=30,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from spd_ds.models.adapter import Target, TargetArch
-from spd_ds.models.graphs import GraphedStage, make_static_cache, static_stage_forward
+from spd_ds.models.graphs import GraphedStage, capture_graph, make_static_cache, static_stage_forward
 from spd_ds.models.kv_cache import StageKVCache
 from spd_ds.partition import StagePartition
 from tests.tiny_models import make_tiny_model
@@ -107,3 +107,27 @@ def test_cuda_graph_replay_equals_eager_static_forward(tiny_root):
         assert torch.equal(ya, yb) and all(torch.equal(ca[j], cb[j]) for j in ca)
         tok = int(tgt.ends.logits(ya[0, 0]).argmax())
     assert static_stage_forward is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+@torch.no_grad()
+def test_capture_graph_warms_up_then_captures_once():
+    """The one capture helper: ``warmup`` eager runs, one capture; the replay recomputes from the static input, on
+    torch's capture stream or on a stream of the caller's own (the graphed head's way)."""
+    dev = torch.device("cuda")
+    x = torch.zeros(4, device=dev)
+    own = torch.cuda.Stream(dev, priority=-1)
+    for stream, mode in [(None, "global"), (own, "thread_local")]:
+        calls = []
+
+        def step():
+            calls.append(torch.cuda.current_stream(dev))
+            return x * 2 + 1
+
+        graph, y = capture_graph(step, dev, warmup=2, stream=stream, capture_error_mode=mode)
+        assert len(calls) == 3 and (stream is None or all(c == own for c in calls))
+        x.fill_(3.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, torch.full((4,), 7.0, device=dev))
+        x.zero_()

@@ -8,7 +8,8 @@ from typing import Iterable, Sequence
 import torch
 
 from spd_ds.decoding.metrics import SPDMetrics
-from spd_ds.decoding.reference import GenerationResult, check_prompt, eos_set, first_token, prefill
+from spd_ds.decoding.cycle import GenerationResult, check_prompt, eos_set, first_token
+from spd_ds.decoding.reference import prefill
 from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.models.adapter import Target
 
@@ -43,7 +44,7 @@ class ARDecoder:
         logits, _ = prefill(target, self.caches, prompt)
         pos = len(prompt)
         tok = first_token(logits, self.sampling, pos)
-        metrics.prefill_s = time.perf_counter() - t0
+        metrics.observe_prefill(time.perf_counter() - t0)
         out = [tok]
         t1 = time.perf_counter()
         while tok not in self.eos and len(out) < max_new_tokens:
@@ -54,7 +55,6 @@ class ARDecoder:
             pos += 1
             tok = first_token(target.ends.logits(h[0, 0]), self.sampling, pos)
             out.append(tok)
-            metrics.num_cycles += 1
-        metrics.decode_s = time.perf_counter() - t1
-        metrics.num_new_tokens = len(out)
+            metrics.observe_cycle()
+        metrics.close(len(out), time.perf_counter() - t1)
         return GenerationResult(out, "eos" if tok in self.eos else "length", metrics)

@@ -23,10 +23,10 @@ from typing import Iterable, Sequence
 import torch
 
 from spd_ds.decoding.metrics import SPDMetrics
-from spd_ds.decoding.reference import GenerationResult, check_prompt, eos_set, first_token
+from spd_ds.decoding.cycle import GenerationResult, check_prompt, eos_set, first_token
 from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.models.adapter import Target
-from spd_ds.models.graphs import make_static_cache, static_stage_forward
+from spd_ds.models.graphs import capture_graph, make_static_cache, static_stage_forward
 
 
 class ARGraphDecoder:
@@ -84,19 +84,13 @@ class ARGraphDecoder:
             self.tok.copy_(nxt.view(1, 1))
         return logits
 
-    @torch.no_grad()
     def _capture(self, warmup: int) -> None:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(max(1, warmup)):  # writes garbage at low positions; every prefill rewrites them
-                self.pos.zero_()
-                self._step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        def warm():  # writes garbage at low positions; every prefill rewrites them
+            self.pos.zero_()
+            self._step()
+
+        self.graph, self.logits = capture_graph(self._step, self.device, warmup=warmup, warmup_step=warm)
         self.pos.zero_()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._step()
 
     @property
     def graphed(self) -> bool:
@@ -136,7 +130,7 @@ class ARGraphDecoder:
         s0 = len(prompt)
         t0 = time.perf_counter()
         tok = first_token(self.prefill(prompt), self.sampling, s0)
-        metrics.prefill_s = time.perf_counter() - t0
+        metrics.observe_prefill(time.perf_counter() - t0)
         out = [tok]
         t1 = time.perf_counter()
         if self.sampling.greedy:
@@ -146,7 +140,7 @@ class ARGraphDecoder:
                 k = min(self.sync_every, max_new_tokens - len(out))
                 for _ in range(k):
                     self._replay()
-                metrics.num_cycles += k
+                metrics.observe_cycle(k)
                 start = s0 + len(out)
                 for t in self.out[start:start + k].tolist():  # the one host sync of the chunk
                     out.append(t)
@@ -161,7 +155,6 @@ class ARGraphDecoder:
                 pos += 1
                 tok = first_token(logits, self.sampling, pos)
                 out.append(tok)
-                metrics.num_cycles += 1
-        metrics.decode_s = time.perf_counter() - t1
-        metrics.num_new_tokens = len(out)
+                metrics.observe_cycle()
+        metrics.close(len(out), time.perf_counter() - t1)
         return GenerationResult(out, "eos" if out[-1] in self.eos else "length", metrics)

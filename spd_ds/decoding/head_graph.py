@@ -40,6 +40,7 @@ import torch
 from spd_ds.decoding.drafters import Draft, draft_from_logits
 from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.head import SpeculationHead
+from spd_ds.models.graphs import capture_graph
 from spd_ds.models.kv_cache import CacheOverflowError, StageKVCache
 
 
@@ -130,25 +131,19 @@ class GraphedHeadDrafter:
         logits = head.logits(h[0].index_select(0, self.meta[1:2]))[0]
         return logits, head.draft_ids.index_select(0, torch.argmax(logits).view(1))
 
-    @torch.no_grad()
     def _capture(self, warmup: int) -> None:
         # Warm-up and capture on a stream of the head's own. cuBLAS(Lt) kernels captured in a graph keep the workspace
         # of the (handle, stream) they were captured on; torch.cuda.graph's default capture stream is one stream for
         # every capture of the process, so a head captured there would share its workspace with the stage graphs,
         # which the engine replays at the same time (head stream vs default stream). A high-priority pool stream is
-        # never the (normal-priority) default capture stream.
+        # never the (normal-priority) default capture stream. The warm-up writes garbage at positions 0..R_pad-1:
+        # start() rewrites what is read.
         self.capture_stream = torch.cuda.Stream(self.device, priority=-1)
-        side = self.capture_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(max(1, warmup)):  # writes garbage at positions 0..R_pad-1: start() rewrites what is read
-                self._step()
-        self.graph = torch.cuda.CUDAGraph()
         # thread_local: the head is captured lazily, after NCCL traffic has begun, and the process group's watchdog
         # thread keeps querying its events meanwhile (legal for other threads in this mode, fatal in "global")
-        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
-            self.logits, self.token = self._step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.graph, (self.logits, self.token) = capture_graph(self._step, self.device, warmup=warmup,
+                                                               stream=self.capture_stream,
+                                                               capture_error_mode="thread_local")
 
     @property
     def graphed(self) -> bool:

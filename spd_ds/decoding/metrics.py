@@ -1,4 +1,10 @@
-"""SPD metrics (names of ``DESIGN.md``), one dataclass filled by every decoder."""
+"""SPD metrics (names of ``DESIGN.md``), one dataclass filled by every decoder through its ``observe_*`` methods.
+
+Decoders never bump a counter themselves (vLLM's ``SpecDecodingStats.observe_draft`` idea): a verification is
+:meth:`SPDMetrics.observe_verify`, a rollback :meth:`SPDMetrics.observe_rollback`, a decode cycle
+:meth:`SPDMetrics.observe_cycle`, a timed part :meth:`SPDMetrics.observe_time`, and the end of a generation
+:meth:`SPDMetrics.close`, so the definitions below hold for every decoder by construction.
+"""
 
 from __future__ import annotations
 
@@ -44,6 +50,62 @@ class SPDMetrics:
         self.drafts_by_fill = self.drafts_by_fill or [0] * (n + 1)
         self.accepted_by_fill = self.accepted_by_fill or [0] * (n + 1)
         self.stage_forward_s = self.stage_forward_s or [0.0] * n
+
+    # ------------------------------------------------------------------ observations (the only writers)
+    def observe_prefill(self, seconds: float) -> None:
+        """The prompt's forward (and the first token) took ``seconds``."""
+        self.prefill_s = seconds
+
+    def observe_cycle(self, cycles: int = 1) -> None:
+        """``cycles`` more decode cycles (SPD: one forward per busy stage each; AR: decode steps)."""
+        self.num_cycles += cycles
+
+    def observe_verify(self, fill: int, accepted: bool) -> None:
+        """One draft verified (paper §3.3): it was drafted with ``fill`` tokens in flight (1..n) and ``accepted`` or not.
+
+        Raises:
+            IndexError: ``fill`` beyond ``num_stages``.
+        """
+        self.num_drafts += 1
+        self.drafts_by_fill[fill] += 1
+        if accepted:
+            self.num_accepted_tokens += 1
+            self.accepted_by_fill[fill] += 1
+
+    def observe_rollback(self) -> None:
+        """One rollback after a rejected draft (the in-flight tokens flushed)."""
+        self.num_rollbacks += 1
+
+    def observe_time(self, part: str, seconds: float, stage: int | None = None) -> None:
+        """Add ``seconds`` to one part of the cycle time split: ``part`` is ``"head"``, ``"verify"``, ``"comm"``, or
+        ``"stage_forward"`` with the ``stage`` index.
+
+        Raises:
+            ValueError: an unknown ``part``, or ``stage`` given with another part (or missing with ``stage_forward``).
+        """
+        if part == "stage_forward" and stage is not None:
+            self.stage_forward_s[stage] += seconds
+        elif part in ("head", "verify", "comm") and stage is None:
+            setattr(self, f"{part}_s", getattr(self, f"{part}_s") + seconds)
+        else:
+            raise ValueError(f"unknown time split part {part!r} (stage {stage})")
+
+    def close(self, num_new_tokens: int, decode_s: float | None = None, *,
+              split_stages: Iterable[int] | None = None) -> None:
+        """End of a generation: ``num_new_tokens`` N returned (the prefill token included) after ``decode_s`` seconds
+        of decode loop (``None``: no decode loop ran, it stays 0).
+
+        Args:
+            split_stages: the stages whose forward time this process measured itself; given, ``control_s`` becomes
+                the decode time that head, verify, communication and those stage forwards leave unaccounted for
+                (never negative). ``None`` leaves ``control_s`` as it is (AR baselines).
+        """
+        self.num_new_tokens = num_new_tokens
+        if decode_s is not None:
+            self.decode_s = decode_s
+        if split_stages is not None:
+            local = sum(self.stage_forward_s[s] for s in split_stages)
+            self.control_s = max(0.0, self.decode_s - self.head_s - self.verify_s - self.comm_s - local)
 
     @property
     def draft_acceptance_rate(self) -> float:

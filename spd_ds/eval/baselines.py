@@ -28,7 +28,7 @@ from typing import Callable, Protocol, Sequence, Union
 import torch
 
 from spd_ds.decoding.metrics import SPDMetrics
-from spd_ds.decoding.reference import GenerationResult, check_prompt, eos_set
+from spd_ds.decoding.cycle import GenerationResult, check_prompt, eos_set
 from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.models.adapter import Target
 
@@ -175,7 +175,8 @@ class HFGenerateBaseline:
         t0 = time.perf_counter()
         self.model(input_ids=ids, attention_mask=mask, use_cache=True)
         _sync(self.device)
-        metrics.prefill_s = time.perf_counter() - t0
+        prefill_s = time.perf_counter() - t0
+        metrics.observe_prefill(prefill_s)
         gc = self._gc(max_new_tokens=max_new_tokens, min_new_tokens=0, **self.gen_kwargs)
         if not self.sampling.greedy:
             torch.manual_seed(self.sampling.seed)
@@ -189,9 +190,8 @@ class HFGenerateBaseline:
             if t in self.eos:
                 tokens = tokens[: i + 1]
                 break
-        metrics.decode_s = max(total - metrics.prefill_s, 1e-9)
-        metrics.num_new_tokens = len(tokens)
-        metrics.num_cycles = max(len(tokens) - 1, 0)
+        metrics.observe_cycle(max(len(tokens) - 1, 0))
+        metrics.close(len(tokens), max(total - prefill_s, 1e-9))
         finish = "eos" if tokens and tokens[-1] in self.eos else "length"
         return GenerationResult(tokens, finish, metrics)
 

@@ -28,7 +28,7 @@ import torch
 
 from spd_ds import builder
 from spd_ds.config import ConfigError, ExperimentConfig
-from spd_ds.decoding.reference import GenerationResult
+from spd_ds.decoding.cycle import GenerationResult
 from spd_ds.models.adapter import RANDOM_PREFIX, random_model_dir
 from spd_ds.partition import PartitionError, StagePartition
 
@@ -42,7 +42,7 @@ class EngineUnavailableError(RuntimeError):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from spd_ds.decoding.reference import PromptError
+    from spd_ds.decoding.cycle import PromptError
     from spd_ds.eval.prompts import PromptSetUnavailableError
     from spd_ds.head import HeadMismatchError
     from spd_ds.zoo import ModelUnavailableError
@@ -94,7 +94,7 @@ class MethodRun:
         num_stages: pipeline stages (1 for AR).
         description: one line (head checkpoint, oracle alpha, engine, ...).
         devices: devices the method runs on (for the bandwidth column).
-        results: prompt index -> :class:`~spd_ds.decoding.reference.GenerationResult`.
+        results: prompt index -> :class:`~spd_ds.decoding.cycle.GenerationResult`.
         wall_s: prompt index -> wall seconds of the whole ``generate`` call (synchronised), where measured.
     """
 

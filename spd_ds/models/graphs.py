@@ -11,11 +11,15 @@ whole target this way), behind two calls: ``prefill`` (eager, any length) and ``
 the same static-cache code, so an SPD run and an AR run built from :class:`GraphedStage` compute every token with the
 same kernels and give the same tokens. The eager CPU path (``TargetStage.forward`` over a length-based cache) is a
 different computation and is not used here.
+
+:func:`capture_graph` is the one CUDA-graph capture of the project (side-stream warm-up, capture stream, memory pool):
+graphed stages, the graphed speculation head (:mod:`spd_ds.decoding.head_graph`) and the ``ar_graph`` baseline
+(:mod:`spd_ds.decoding.ar_graph`) all capture through it.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -103,17 +107,11 @@ class GraphedStage:
         if use_graph:
             self._capture(warmup, pool)
 
-    @torch.no_grad()
     def _capture(self, warmup: int, pool) -> None:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(max(1, warmup)):  # writes garbage at position 0: harmless, prefill rewrites it
-                static_stage_forward(self.stages, self.caches, self.hidden_in, self.pos)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.hidden_out, self.captured = static_stage_forward(self.stages, self.caches, self.hidden_in, self.pos)
+        def step():  # the warm-up writes garbage at position 0: harmless, prefill rewrites it
+            return static_stage_forward(self.stages, self.caches, self.hidden_in, self.pos)
+
+        self.graph, (self.hidden_out, self.captured) = capture_graph(step, self.device, warmup=warmup, pool=pool)
 
     @property
     def graphed(self) -> bool:
@@ -167,3 +165,53 @@ class GraphedStage:
         """Forget the host-side lengths (a new prompt); the device buffers need no clearing."""
         for c in self.caches:
             c.reset()
+
+
+def new_graph_pool():
+    """A CUDA graph memory pool handle (``torch.cuda.graph_pool_handle()``) for graphs that share memory, e.g. every
+    stage graph of one process (they never replay at the same time)."""
+    return torch.cuda.graph_pool_handle()
+
+
+@torch.no_grad()
+def capture_graph(step: Callable[[], Any], device, *, warmup: int = 3, warmup_step: Callable[[], Any] | None = None,
+                  pool=None, stream: "torch.cuda.Stream | None" = None,
+                  capture_error_mode: str = "global") -> tuple["torch.cuda.CUDAGraph", Any]:
+    """Capture ``step`` (a function of static tensors, no host synchronisation) as a CUDA graph.
+
+    1. **warm-up**: ``warmup_step`` (default ``step``) runs ``max(1, warmup)`` times eagerly on a side stream (library
+       workspaces, autotuning, lazy initialisation happen there, not in the graph); the side stream first waits for
+       the current one;
+    2. **capture**: ``step`` runs once under ``torch.cuda.graph``; its allocations go to ``pool`` (``None``: a pool
+       of the graph's own). Without ``stream`` the capture runs on torch's process-wide capture stream, after the
+       current stream has waited for the warm-up. With ``stream`` both warm-up and capture run on it (a graph keeps
+       the cuBLAS workspace of the stream it was captured on: a graph replayed beside others needs a stream of its
+       own) and the current stream waits for it after the capture.
+
+    Args:
+        step: what the graph replays; returns its (static) outputs.
+        device: the CUDA device.
+        warmup, warmup_step: warm-up runs and what runs in them.
+        pool: a memory pool handle (:func:`new_graph_pool`) to share.
+        stream: the warm-up and capture stream (default: a fresh side stream, and torch's capture stream).
+        capture_error_mode: ``torch.cuda.graph``'s; ``"thread_local"`` lets other threads (e.g. NCCL's watchdog)
+            keep querying events during a capture that starts after communication has begun.
+    Returns:
+        ``(graph, outputs)``: the ``torch.cuda.CUDAGraph`` and ``step``'s outputs, overwritten by every replay.
+    Raises:
+        RuntimeError: something in ``step`` cannot be captured (e.g. data-dependent shapes, a host synchronisation).
+    """
+    current = torch.cuda.current_stream(device)
+    side = stream if stream is not None else torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(max(1, warmup)):
+            (warmup_step or step)()
+    if stream is None:
+        current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+        outputs = step()
+    if stream is not None:
+        current.wait_stream(side)
+    return graph, outputs

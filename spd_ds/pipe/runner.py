@@ -27,7 +27,7 @@ import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.decoding.drafters import Drafter
-from spd_ds.decoding.reference import GenerationResult, check_prompt
+from spd_ds.decoding.cycle import GenerationResult, check_prompt
 from spd_ds.pipe.topology import PipePlan, WorldSizeError, detect_world_size
 
 logger = logging.getLogger(__name__)

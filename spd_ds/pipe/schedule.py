@@ -1,7 +1,7 @@
 """SPD's pipeline instructions and schedules (run by :class:`~spd_ds.pipe.engine.SPDPipelineEngine`).
 
 DeepSpeed's stock schedules are fixed fill-and-drain plans. SPD's plan depends on what verification decides, so
-these schedules are generators that read the engine's state between steps (``PipelineEngine._exec_schedule`` pulls
+these schedules are generators that read the rank's state between steps (``PipelineEngine._exec_schedule`` pulls
 the next step only after executing the previous one).
 
 **Head rank** (pipe stage 0), one step per decode cycle, mirroring the reference decoder's cycle::
@@ -14,14 +14,14 @@ while all stages compute; the token leaving the last stage arrives, verifies the
 or the replacement is loaded into stage 0. The anchors of the other in-flight tokens are received last: only the
 next cycle's draft needs them.
 
-**Stage ranks**, one step per message from upstream::
+**Stage ranks**, one step per message from upstream (see :mod:`spd_ds.pipe.stage_rank`)::
 
     RecvHidden  StageForward  SendHidden  SendAnchors          (PREFILL / DECODE)
     RecvHidden  EndGeneration | Shutdown | Warmup              (control)
 
-A stage needs no rollback message: a token's position tells it where to write (a position below its cache length
-crops the cache first), so tokens flushed by a rollback simply drain through the idle slots behind the
-replacement, and the head drops their messages by sequence number.
+Who executes an instruction: the engine hands it to the rank's role (:class:`~spd_ds.pipe.spd_head.SPDHead`,
+:class:`~spd_ds.pipe.ar_pipe.PipeAR` or :class:`~spd_ds.pipe.head_rank.HeadRank` on the head rank,
+:class:`~spd_ds.pipe.stage_rank.StageRank` elsewhere), a method of the same name in snake case.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class SPDInstruction(PipeInstruction):
 
 
 class LoadPrompt(SPDInstruction):
-    """Head: start a generation (reset per-prompt state; ``mode`` = ``spd`` or ``ar``)."""
+    """Head: start a generation (check the prompt, reset per-prompt state)."""
 
 
 class Prefill(SPDInstruction):
@@ -100,12 +100,17 @@ class Warmup(SPDInstruction):
     """Start-up check: a WARMUP message through every link (creates the NCCL communicators before timing starts)."""
 
 
-class _EngineSchedule(PipeSchedule):
-    """A schedule bound to an engine whose state decides the next step."""
+SPD_INSTRUCTIONS = (LoadPrompt, Prefill, PrepareDraft, StageForward, SendHidden, RecvHidden, SendAnchors, RecvAnchors,
+                    Draft, Verify, Rollback, LoadToken, SampleTarget, EndGeneration, Shutdown, Warmup)
 
-    def __init__(self, engine) -> None:
+
+class _EngineSchedule(PipeSchedule):
+    """A schedule bound to an engine; ``role`` (the rank's instructions, see :mod:`spd_ds.pipe.engine`) holds the state
+    that decides the next step."""
+
+    def __init__(self, engine, role=None) -> None:
         super().__init__(micro_batches=1, stages=engine.num_stages, stage_id=engine.stage_id)
-        self.engine = engine
+        self.engine, self.role = engine, role
 
     def num_pipe_buffers(self) -> int:
         return 1
@@ -115,59 +120,54 @@ class _EngineSchedule(PipeSchedule):
         return super().__next__()
 
 
+def _local_forwards(plan) -> list[SPDInstruction]:
+    """The head rank's own target stages on their tokens, then the last one's output down to the first remote stage."""
+    step: list[SPDInstruction] = [StageForward(stage=s) for s in plan.head_stages]
+    if plan.head_stages and plan.first_remote is not None:
+        step.append(SendHidden(stage=plan.head_stages[-1]))
+    return step
+
+
 class HeadSPDSchedule(_EngineSchedule):
-    """Head rank: one SPD generation (prompt and limits are on ``engine.spd``)."""
+    """Head rank: one SPD generation (``role``: the :class:`~spd_ds.pipe.spd_head.SPDHead` holding its request)."""
 
     def steps(self):
-        eng = self.engine
-        st = eng.spd
-        yield [LoadPrompt(mode="spd"), Prefill()]
-        if not st.finished:
+        gen = self.role
+        yield [LoadPrompt(), Prefill()]
+        if not gen.finished:
             yield [LoadToken()]  # the prefill token enters at depth 0
-        while not st.finished:
-            cycle = [PrepareDraft()]
-            for s in eng.plan.head_stages:
-                cycle.append(StageForward(stage=s))
-            if eng.plan.head_stages and eng.plan.first_remote is not None:
-                cycle.append(SendHidden(stage=eng.plan.head_stages[-1]))
-            cycle += [Draft(), RecvAnchors(final=True), Verify()]
-            yield cycle
-            if st.rejected:
+        while not gen.finished:
+            yield [PrepareDraft(), *_local_forwards(self.engine.plan), Draft(), RecvAnchors(final=True), Verify()]
+            if gen.rejected:
                 yield [Rollback()]
-            if not st.finished:
+            if not gen.finished:
                 yield [LoadToken(), RecvAnchors(final=False)]
         yield [EndGeneration()]
 
 
 class HeadARSchedule(_EngineSchedule):
-    """Head rank: one autoregressive generation through the same pipeline (each token crosses every stage)."""
+    """Head rank: one autoregressive generation through the same pipeline (each token crosses every stage; ``role``:
+    the :class:`~spd_ds.pipe.ar_pipe.PipeAR`)."""
 
     def steps(self):
-        eng = self.engine
-        st = eng.spd
-        yield [LoadPrompt(mode="ar"), Prefill()]
-        while not st.finished:
-            step = [LoadToken()]
-            for s in eng.plan.head_stages:
-                step.append(StageForward(stage=s))
-            if eng.plan.head_stages and eng.plan.first_remote is not None:
-                step.append(SendHidden(stage=eng.plan.head_stages[-1]))
-            step += [RecvAnchors(final=True), SampleTarget()]
-            yield step
+        gen = self.role
+        yield [LoadPrompt(), Prefill()]
+        while not gen.finished:
+            yield [LoadToken(), *_local_forwards(self.engine.plan), RecvAnchors(final=True), SampleTarget()]
         yield [EndGeneration()]
 
 
 class StageServeSchedule(_EngineSchedule):
-    """Stage rank: serve messages until SHUTDOWN."""
+    """Stage rank: serve messages until SHUTDOWN (``role``: the :class:`~spd_ds.pipe.stage_rank.StageRank`)."""
 
     def steps(self):
         from spd_ds.pipe.comm import Kind
 
-        eng = self.engine
-        s = eng.plan.stages_on(eng.stage_id)[0]
+        rank = self.role
+        s = rank.stage
         while True:
             yield [RecvHidden()]
-            kind = eng.stage_msg.kind
+            kind = rank.msg.kind
             if kind == Kind.SHUTDOWN:
                 yield [Shutdown()]
                 return
@@ -177,3 +177,14 @@ class StageServeSchedule(_EngineSchedule):
                 yield [Warmup()]
             else:
                 yield [StageForward(stage=s), SendHidden(stage=s), SendAnchors(stage=s)]
+
+
+class OneStep(_EngineSchedule):
+    """A one-step schedule (start-up and shutdown)."""
+
+    def __init__(self, engine, cmds) -> None:
+        super().__init__(engine)
+        self.cmds = cmds
+
+    def steps(self):
+        yield self.cmds
