@@ -26,7 +26,7 @@ import torch
 
 from spd_ds.decoding.drafters import Draft, Drafter
 from spd_ds.decoding.metrics import SPDMetrics
-from spd_ds.decoding.sampling import STREAM_TARGET, SamplingParams, keyed_uniform, logits_to_probs, sample_from_probs
+from spd_ds.decoding.sampling import STREAM_TARGET, SamplingParams, logits_to_probs, sample_from_probs
 from spd_ds.decoding.verify import verify_draft
 from spd_ds.models.adapter import Target
 
@@ -112,7 +112,7 @@ def first_token(logits: torch.Tensor, sampling: SamplingParams, position: int) -
     """The token taken from the prefill logits (argmax, or a keyed sample of the warped distribution)."""
     if sampling.greedy:
         return int(torch.argmax(logits))
-    return sample_from_probs(logits_to_probs(logits, sampling), keyed_uniform(sampling.seed, position, STREAM_TARGET))
+    return sample_from_probs(logits_to_probs(logits, sampling), sampling.uniform(position, STREAM_TARGET))
 
 
 class SPDReferenceDecoder:

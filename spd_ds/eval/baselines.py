@@ -29,7 +29,7 @@ import torch
 
 from spd_ds.decoding.metrics import SPDMetrics
 from spd_ds.decoding.reference import GenerationResult, check_prompt, eos_set
-from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.decoding.sampling import SamplingParams, request_key
 from spd_ds.models.adapter import Target
 
 log = logging.getLogger(__name__)
@@ -177,8 +177,8 @@ class HFGenerateBaseline:
         _sync(self.device)
         metrics.prefill_s = time.perf_counter() - t0
         gc = self._gc(max_new_tokens=max_new_tokens, min_new_tokens=0, **self.gen_kwargs)
-        if not self.sampling.greedy:
-            torch.manual_seed(self.sampling.seed)
+        if not self.sampling.greedy:  # its own generator, seeded per request (independent draws per prompt)
+            torch.manual_seed(request_key(self.sampling.seed, self.sampling.request) & ((1 << 63) - 1))
         _sync(self.device)
         t1 = time.perf_counter()
         out = self.model.generate(ids, attention_mask=mask, generation_config=gc)
