@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spd_ds.cli import chosen_engine, experiment_parser  # noqa: E402
+from spd_ds.cli import chosen_engine, experiment_parser, run_cli, setup_process  # noqa: E402
 from spd_ds.pipe.topology import detect_world_size  # noqa: E402
 
 
@@ -63,13 +63,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    """Run the suites. Exit status 0; 2 after a user error (one line); under a launcher 1 after any other error (one
+    rank-tagged line, traceback in a log file; ``SPD_DEBUG=1`` prints it)."""
+    from spd_ds.eval.runner import USER_ERRORS
+
+    return run_cli(_main, argv, user_errors=USER_ERRORS, prog="benchmark")
+
+
+def _main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_process()
     import torch
 
     from spd_ds.eval import benchmark as bm
     from spd_ds.eval.report import summarize, write_reports
-    from spd_ds.eval.runner import USER_ERRORS, run_baselines, run_eval
+    from spd_ds.eval.runner import run_baselines, run_eval
 
     world = detect_world_size()
     engine = chosen_engine(args.engine)
@@ -82,45 +91,41 @@ def main(argv=None) -> int:
         tag = sr.suite + (sr.label.rsplit("n=", 1)[-1] if sr.suite == "c" else "")
         sr.overrides.append(f"eval.output_dir={out / tag}")
     t0 = time.time()
-    try:
-        cfgs = [bm.config_of(sr, args.config) for sr in runs]
-        piped = [k for k, sr in enumerate(runs) if engine == "deepspeed" and sr.suite in ("a", "b")]
-        head = int(os.environ.get("RANK", "0")) == 0
-        if not piped and not head:  # e.g. suite c under the launcher: the head rank alone runs it
+    cfgs = [bm.config_of(sr, args.config) for sr in runs]
+    piped = [k for k, sr in enumerate(runs) if engine == "deepspeed" and sr.suite in ("a", "b")]
+    head = int(os.environ.get("RANK", "0")) == 0
+    if not piped and not head:  # e.g. suite c under the launcher: the head rank alone runs it
+        return 0
+    if piped:  # phase 1, every rank: all pipeline sessions, one process group
+        import torch.distributed as dist
+
+        c0 = cfgs[piped[0]]
+        from spd_ds.pipe.runner import init_process_group, init_timeout_s
+
+        init_process_group(c0.deepspeed.backend, init_timeout_s(c0))
+        head = dist.get_rank() == 0
+        try:
+            for k in piped:
+                runs[k].run = run_eval(cfgs[k], engine="deepspeed", baselines=False)
+        finally:
+            dist.destroy_process_group()
+        if not head:
             return 0
-        if piped:  # phase 1, every rank: all pipeline sessions, one process group
-            import torch.distributed as dist
-
-            c0 = cfgs[piped[0]]
-            from spd_ds.pipe.runner import init_process_group, init_timeout_s
-
-            init_process_group(c0.deepspeed.backend, init_timeout_s(c0))
-            head = dist.get_rank() == 0
-            try:
-                for k in piped:
-                    runs[k].run = run_eval(cfgs[k], engine="deepspeed", baselines=False)
-            finally:
-                dist.destroy_process_group()
-            if not head:
-                return 0
-        for k, sr in enumerate(runs):  # phase 2, head rank: baselines, stage timings, reports
-            if sr.run is None:
-                sr.run = run_eval(cfgs[k], engine="reference")
-            else:
-                run_baselines(sr.run)
-            if sr.suite in ("a", "b"):
-                bm.measure_stage_forwards(sr)
-            sr.summary = summarize(sr.run)
-            if sr.stage_forward_ms is not None:
-                sr.summary["stage_forward_ms_alone"] = sr.stage_forward_ms
-            write_reports(sr.run, sr.run.cfg.eval.output_dir, summary=sr.summary)
-            sr.run.target = None
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    for k, sr in enumerate(runs):  # phase 2, head rank: baselines, stage timings, reports
+        if sr.run is None:
+            sr.run = run_eval(cfgs[k], engine="reference")
+        else:
+            run_baselines(sr.run)
+        if sr.suite in ("a", "b"):
+            bm.measure_stage_forwards(sr)
+        sr.summary = summarize(sr.run)
+        if sr.stage_forward_ms is not None:
+            sr.summary["stage_forward_ms_alone"] = sr.stage_forward_ms
+        write_reports(sr.run, sr.run.cfg.eval.output_dir, summary=sr.summary)
+        sr.run.target = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     table = bm.render(runs)
     print("\n" + table)
     out.mkdir(parents=True, exist_ok=True)
