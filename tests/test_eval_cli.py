@@ -46,6 +46,16 @@ def test_eval_cli_bad_config_is_one_line(tmp_path):
     assert p.returncode == 2 and "unknown baseline" in p.stderr.strip().splitlines()[-1]
 
 
+def test_eval_cli_empty_prompt_set_is_an_error_before_the_model(tmp_path):
+    """An empty prompt set: one line, exit 2, before any model is resolved (the model named here does not exist)."""
+    f = tmp_path / "empty.jsonl"
+    f.write_text("\n")
+    p = run(["launch/eval.py", f"eval.prompt_sets=[{f}]", f"model.name={tmp_path / 'no_model_here'}"])
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: prompt set '{f}' holds no prompts") and "no_model_here" not in p.stderr
+
+
 @pytest.mark.slow
 def test_eval_cli_smollm2_prompt_sets(tmp_path, smollm2_dir):
     from spd_ds.eval.prompts import materialize_prompt_set
