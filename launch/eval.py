@@ -58,7 +58,7 @@ def _main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     setup_process()
     cfg = load_config(args.config, args.overrides)
-    from spd_ds.eval.report import exactness_lines, summary_table, write_reports
+    from spd_ds.eval.report import bandwidth_line, exactness_lines, summary_table, write_reports
     from spd_ds.eval.runner import run_eval
 
     if args.engine == "reference" and int(os.environ.get("RANK", "0")) != 0:
@@ -72,6 +72,7 @@ def _main(argv=None) -> int:
     for scope in ["overall"] + list(summary["prompt_sets"]):
         print(f"\n--- {scope}")
         print(summary_table(summary, scope))
+    print(bandwidth_line(summary))
     print("\n--- exactness (T=0: SPD tokens vs AR baselines)")
     for line in exactness_lines(summary):
         print(line)
