@@ -3,21 +3,32 @@
 
 Suites (``spd_ds/eval/benchmark.py``; method and commands in ``docs/benchmarks.md``):
 
-  a  SmolLM2-135M-Instruct, SPD n=2 vs ar_graph / hf_generate / ar (acceptance, decode tok/s)
-  b  Qwen3-4B-shaped random weights, n=2, oracle alpha in {1, 0.8, 0.6} (speedup, cycle vs slowest stage, GB/s)
-  c  CPU: equivalent accept length of SPD and PPSD heads on SmolLM2, n = 2, 3, 5, 6
+  a  SmolLM2-135M-Instruct, SPD n=2 vs ar_graph / hf_generate / ar (acceptance, decode tok/s). CPU (fp32) or GPU
+     (bf16); a speedup needs the pipeline engine on one GPU per stage.
+  b  Qwen3-4B-shaped random weights, n=2, oracle alpha in {1, 0.8, 0.6} (speedup, cycle vs slowest stage, GB/s).
+     Needs a GPU: its 4B parameters take ~16 GB in fp32 on CPU. On CPU run it small with
+     ``--suite b --model-b random:smollm2-135m``.
+  c  CPU: equivalent accept length of SPD and PPSD heads on SmolLM2, n = 2, 3, 5, 6 (untrained heads where
+     ``--spd-head``/``--ppsd-head`` name no checkpoint for that n).
 
-Reference decoder (one process, CPU or one GPU)::
+Default suites: a b c on a GPU machine, a c on CPU (b is skipped there, with a note).
 
-    python launch/benchmark.py --suite a c --spd-head 'runs/smollm2-n{n}' --ppsd-head 'runs/smollm2-ppsd-n{n}'
+One process (reference decoder, CPU or one GPU), with the shipped n=2 head::
 
-Pipeline engine (suites a and b through DeepSpeed; baselines on rank 0's GPU after the pipeline sessions)::
+    python launch/benchmark.py --suite a c --stages 2 --spd-head 'spd_ds/assets/heads/smollm2-135m-instruct-n{n}'
 
-    deepspeed --num_gpus 2 launch/benchmark.py --suite a b --out $OUT
+Heads you trained (``launch/train.py``; ``train.output_dir``/head) are passed the same way, e.g.
+``--spd-head 'runs/heads/smollm2_n{n}/head'``.
 
-Trailing ``section.key=value`` overrides apply to every suite (e.g. ``data.eval_dir=/data/eval``).
-Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json`` (rows + stage forward times) and each evaluation's
-reports under ``--out``/``<suite>``.
+Pipeline engine (suites a and b through DeepSpeed; baselines on rank 0's GPU after the pipeline sessions), on a
+machine with 2 GPUs::
+
+    deepspeed --num_gpus 2 launch/benchmark.py --suite a b --out outputs/benchmark
+
+``section.key=value`` overrides apply to every suite (e.g. ``data.eval_dir=/data/eval``); put them before options
+that take several values (``--suite``, ``--alphas``, ``--stages``, ``--prompt-sets``), which would take them as
+values. Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json`` (rows + stage forward times) and each
+evaluation's reports under ``--out``/``<suite>``.
 """
 
 from __future__ import annotations
@@ -41,25 +52,38 @@ from spd_ds.pipe.topology import detect_world_size  # noqa: E402
 log = logging.getLogger("spd_ds.benchmark")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``--help`` documents every option)."""
     ap = experiment_parser(__doc__, overrides_help="section.key=value overrides for every suite",
                            config_help="base experiment YAML under the suites' overrides",
                            engine_help="auto: DeepSpeed pipeline for suites a/b when WORLD_SIZE > 1, else the "
                                        "reference decoder")
-    ap.add_argument("--suite", nargs="+", choices=["a", "b", "c"], default=["a", "b", "c"])
-    ap.add_argument("--out", default="outputs/benchmark", help="output directory")
-    ap.add_argument("--spd-head", help="SPD head checkpoint path pattern with {n}, e.g. runs/smollm2-n{n} "
-                    "(suite a's default: the shipped n=2 head)")
-    ap.add_argument("--ppsd-head", help="PPSD head checkpoint path pattern with {n} (suite c)")
-    ap.add_argument("--model-b", default="random:qwen3-4b", help="random-weight shape of suite b")
-    ap.add_argument("--alphas", nargs="+", type=float, default=[1.0, 0.8, 0.6], help="oracle alphas of suite b")
-    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 5, 6], help="n values of suite c")
+    ap.add_argument("--suite", nargs="+", choices=["a", "b", "c"], default=None,
+                    help="suites to run (default: a b c with a GPU, a c on CPU; b needs a GPU, see above)")
+    ap.add_argument("--out", default="outputs/benchmark", help="output directory (default: %(default)s)")
+    ap.add_argument("--spd-head", help="SPD head checkpoint path pattern with {n}, e.g. "
+                    "'spd_ds/assets/heads/smollm2-135m-instruct-n{n}' (default: suite a uses that shipped n=2 head, "
+                    "suite c untrained heads)")
+    ap.add_argument("--ppsd-head", help="PPSD head checkpoint path pattern with {n} (suite c; default: no PPSD row)")
+    ap.add_argument("--model-b", default="random:qwen3-4b",
+                    help="random-weight shape of suite b (default: %(default)s; random:smollm2-135m fits a CPU)")
+    ap.add_argument("--alphas", nargs="+", type=float, default=[1.0, 0.8, 0.6],
+                    help="oracle alphas of suite b (default: %(default)s)")
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 5, 6], help="n values of suite c (default: "
+                    "%(default)s)")
     ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"],
-                    help="prompt sets of suites a and c (names or jsonl paths; suite b uses random token prompts)")
-    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per prompt set")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--baseline-prompts", type=int, default=2, help="prompts per set for the baselines (0 = all)")
-    return ap.parse_args(argv)
+                    help="prompt sets of suites a and c (names or jsonl paths; suite b uses random token prompts; "
+                         "gsm8k needs the hub and is skipped with a warning offline; default: %(default)s)")
+    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per prompt set (default: %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="new tokens per prompt, the prefill token included (default: %(default)s)")
+    ap.add_argument("--baseline-prompts", type=int, default=2,
+                    help="prompts per set for the baselines (0 = all; default: %(default)s)")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -83,7 +107,12 @@ def _main(argv=None) -> int:
     world = detect_world_size()
     engine = chosen_engine(args.engine)
     out = Path(args.out)
-    runs = bm.suite_runs(args.suite, cuda=bm.is_cuda_run(), spd_head=args.spd_head, ppsd_head=args.ppsd_head,
+    cuda = bm.is_cuda_run()
+    suites = args.suite or bm.default_suites(cuda)
+    if args.suite is None and not cuda:
+        log.info("no GPU: suites a and c; suite b needs a GPU (its default model is 4B parameters; on CPU run it small "
+                 "with --suite b --model-b random:smollm2-135m)")
+    runs = bm.suite_runs(suites, cuda=cuda, spd_head=args.spd_head, ppsd_head=args.ppsd_head,
                          model_b=args.model_b, alphas=args.alphas, stages_c=args.stages, num_prompts=args.num_prompts,
                          max_new_tokens=args.max_new_tokens, baseline_prompts=args.baseline_prompts or None,
                          prompt_sets=args.prompt_sets, extra=args.overrides)

@@ -117,3 +117,52 @@ def test_error_prefix():
     assert cli.error_prefix("error", {}) == "error"
     assert cli.error_prefix("train.py", {"RANK": "0", "WORLD_SIZE": "4"}) == "train.py (rank 0 of 4)"
     assert cli.rank_and_world({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"}) == (3, 4)
+
+
+# ---------------------------------------------------------------------------------------------- item 8
+def test_benchmark_help_documents_every_flag_and_its_paths_exist():
+    import argparse
+    import re
+
+    bench = launcher_module("benchmark")
+    ap = bench.build_parser()
+    undocumented = [a.option_strings or a.dest for a in ap._actions if a.help in (None, "")]
+    assert undocumented == []
+    assert all(a.help != argparse.SUPPRESS or a.dest == "local_rank" for a in ap._actions)
+    text = ap.format_help()
+    for pattern in re.findall(r"'([\w./{}-]+\{n\}[\w./-]*)'", text):  # head patterns in the examples
+        if not pattern.startswith("runs/"):  # runs/...: the user's own training output, named as such
+            assert (ROOT / pattern.format(n=2)).is_dir(), pattern
+    assert "Needs a GPU" in text and "a c on CPU" in text
+
+
+def test_readme_commands_name_files_that_exist():
+    """Every repository path in the README's commands (configs, launchers, DeepSpeed JSON, heads) exists."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"`((?:python|deepspeed|OMP_NUM_THREADS|bash)[^`]*)`", readme)
+    commands += re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    paths = {tok for cmd in commands for tok in re.split(r"[\s=]+", cmd)
+             if re.match(r"^(launch|ds_configs|spd_ds|draft_vocab|scripts|docs)/[\w./-]+$", tok)}
+    assert paths and sorted(p for p in paths if not (ROOT / p).exists()) == []
+
+
+# ---------------------------------------------------------------------------------------------- item 5 (hostfile)
+@pytest.mark.slow
+def test_localhost_hostfile_with_the_documented_flags(tmp_path, tiny_root):
+    """README / docs/distributed.md: ``deepspeed --hostfile hosts --no_ssh_check --master_addr 127.0.0.1`` runs a
+    localhost hostfile without ssh (the launcher otherwise probes ssh for any hostfile)."""
+    from tests.test_pipe_worker import free_port, launch
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(tiny_root, "qwen3", 6)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    job = {"name": "hostfile", "model": {"type": "qwen3", "layers": 6}, "prompts": [[3, 14, 15, 92, 65]],
+           "max_new_tokens": 8, "overrides": ["partition.num_stages=2", "head.placement=colocated"]}
+    cmd = ["deepspeed", "--hostfile", str(hosts), "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port",
+           str(free_port())]
+    results, rc, log = launch(cmd, {"tiny_root": str(tiny_root), "jobs": [job]}, tmp_path, timeout=600)
+    assert rc == 0, log[-3000:]
+    assert results["hostfile"]["spd"] == results["hostfile"]["reference"]

@@ -4,7 +4,8 @@
 a   SmolLM2-135M-Instruct (real weights), SPD n=2 (``--spd-head``, default the shipped n=2 head) against ``ar_graph``,
     ``hf_generate`` and ``ar`` on MT-Bench / HumanEval / GSM8K: acceptance and decode tok/s
 b   a Qwen3-4B-shaped random-weight model, n=2, oracle drafts with alpha in {1, 0.8, 0.6}: speedup against the
-    CUDA-graph AR, measured cycle time against the slowest stage's forward alone, achieved GB/s
+    CUDA-graph AR, measured cycle time against the slowest stage's forward alone, achieved GB/s (needs a GPU; not in
+    :func:`default_suites` on CPU)
 c   CPU: equivalent accept length of SPD heads and PPSD heads on SmolLM2 for n = 2, 3, 5, 6
 === =====================================================================================================
 
@@ -196,6 +197,12 @@ def render(runs: Sequence[SuiteRun]) -> str:
             parts.append(f"[{sr.suite}] {sr.label} ({sr.head_note}; engine {sr.summary['engine']}, "
                          f"device {sr.summary['device']}):\n  " + "\n  ".join(exactness_lines(sr.summary) + extra))
     return "\n\n".join(parts)
+
+
+def default_suites(cuda: bool) -> list[str]:
+    """The suites a plain ``launch/benchmark.py`` runs: all three with a GPU; a and c on CPU (suite b's 4B-shaped
+    model needs a GPU)."""
+    return list(SUITES) if cuda else ["a", "c"]
 
 
 def is_cuda_run(device: str | None = None) -> bool:
