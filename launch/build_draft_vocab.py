@@ -19,10 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-try:
-    import spd_ds  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's spd_ds, even if another is installed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spd_ds.cli import experiment_parser  # noqa: E402
-from spd_ds.config import ConfigError, load_config  # noqa: E402
+from spd_ds.cli import experiment_parser, run_cli, setup_process  # noqa: E402
+from spd_ds.config import load_config  # noqa: E402
 
 log = logging.getLogger("spd_ds.eval")
 
@@ -46,23 +46,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    """Run the evaluation. Exit status 0; 1 with ``--strict-exact`` and a divergence; 2 after a user error (one line);
+    under a launcher 1 after any other error (one rank-tagged line, traceback in a log file; ``SPD_DEBUG=1``)."""
+    from spd_ds.eval.runner import USER_ERRORS
+
+    return run_cli(_main, argv, user_errors=USER_ERRORS, prog="eval")
+
+
+def _main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from spd_ds.eval.report import exactness_lines, summary_table, write_reports
-    from spd_ds.eval.runner import USER_ERRORS, run_eval
+    setup_process()
+    cfg = load_config(args.config, args.overrides)
+    from spd_ds.eval.report import bandwidth_line, exactness_lines, summary_table, write_reports
+    from spd_ds.eval.runner import run_eval
 
     if args.engine == "reference" and int(os.environ.get("RANK", "0")) != 0:
         return 0  # --engine reference under a launcher: rank 0 alone evaluates
-    try:
-        run = run_eval(cfg, engine=args.engine)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    run = run_eval(cfg, engine=args.engine)
     if run is None:  # a stage rank of the pipeline: the head rank reports
         return 0
     summary = write_reports(run, run.cfg.eval.output_dir)
@@ -71,6 +72,7 @@ def main(argv=None) -> int:
     for scope in ["overall"] + list(summary["prompt_sets"]):
         print(f"\n--- {scope}")
         print(summary_table(summary, scope))
+    print(bandwidth_line(summary))
     print("\n--- exactness (T=0: SPD tokens vs AR baselines)")
     for line in exactness_lines(summary):
         print(line)

@@ -16,11 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
-try:
-    from spd_ds.eval.prompts import PROMPT_SETS, canonical_name, materialize_prompt_set, read_jsonl_prompts
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from spd_ds.eval.prompts import PROMPT_SETS, canonical_name, materialize_prompt_set, read_jsonl_prompts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's spd_ds, even if another is installed
+
+from spd_ds.eval.prompts import PROMPT_SETS, canonical_name, materialize_prompt_set, read_jsonl_prompts  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,10 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    import spd_ds  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's spd_ds, even if another is installed
 
 
 def _export(args) -> int:

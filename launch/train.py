@@ -17,38 +17,39 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-try:
-    import spd_ds  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's spd_ds, even if another is installed
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spd_ds.cli import experiment_parser
+    """Train. Exit status 0; 2 after a user error (one line: config, data, chat template, model); under a launcher 1
+    after any other error (one rank-tagged line, traceback in a log file; ``SPD_DEBUG=1`` prints it)."""
+    from spd_ds.cli import run_cli
+    from spd_ds.config import ConfigError
+    from spd_ds.train.chat import ChatTemplateError, EmptyMaskError
+    from spd_ds.train.data import DataError
+    from spd_ds.zoo import ModelUnavailableError
+
+    user_errors = (ConfigError, DataError, EmptyMaskError, ChatTemplateError, ModelUnavailableError)
+    return run_cli(_main, argv, user_errors=user_errors, prefix="train.py", prog="train")
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from spd_ds.cli import experiment_parser, setup_process
 
     ap = experiment_parser(__doc__.split("\n\n")[0], overrides_help="section.key=value overrides, e.g. train.lr=3e-4",
                            config_help="experiment YAML (sections model, partition, head, data, train)")
     ap.add_argument("--deepspeed_config", default="ds_configs/zero2.json", help="DeepSpeed JSON of the head's engine")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in train.output_dir")
     args = ap.parse_args(argv)
+    setup_process()
 
-    from spd_ds.config import ConfigError, load_config
-    from spd_ds.train.chat import ChatTemplateError, EmptyMaskError
-    from spd_ds.train.data import DataError
-    from spd_ds.zoo import ModelUnavailableError
+    from spd_ds.config import load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"train.py: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
     from spd_ds.train.loop import train
 
     try:
         train(cfg, args.deepspeed_config, resume=True if args.resume else None)
-    except (ConfigError, DataError, EmptyMaskError, ChatTemplateError, ModelUnavailableError) as e:
-        print(f"train.py: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
     finally:
         import torch.distributed as tdist
 

@@ -108,8 +108,8 @@ for d in sorted(out.glob("bench_*/pipe_bench.json")):
     print(f"| {d.parent.name[6:]} | {s['all_equal_to_pipeline_ar']} | {div} | {s['spd_decode_tok_s']:.1f} | "
           f"{s['ar_decode_tok_s']:.1f} | {s['speedup_vs_pipeline_ar']:.2f} | {s['equivalent_accept_length']:.2f} | {split} |")
 for f in sorted(out.glob("infer_*.log")):
-    line = [l for l in f.read_text().splitlines() if "identical to AR decoding" in l]
-    print(f"\n`launch/infer.py` ({f.stem[6:]}): {line[-1] if line else 'no AR comparison line (see log)'}")
+    line = [l for l in f.read_text().splitlines() if l.startswith(("identical to AR", "speed: "))]
+    print(f"\n`launch/infer.py` ({f.stem[6:]}): {'; '.join(line) if line else 'no AR comparison line (see log)'}")
 print("\nCommands: see `*.cmd` in this directory.")
 EOF
 cat "$OUT/summary.md"

@@ -87,10 +87,11 @@ def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartitio
                            lm_head_from_target=cfg.head.lm_head_from_target)
 
 
-def sampling_params(cfg: ExperimentConfig, seed: int | None = None) -> SamplingParams:
-    """:class:`SamplingParams` from the ``decoding`` section (``seed`` overrides it, e.g. per prompt)."""
+def sampling_params(cfg: ExperimentConfig, seed: int | None = None, request: int = 0) -> SamplingParams:
+    """:class:`SamplingParams` from the ``decoding`` section for request ``request`` (the prompt's index in the run,
+    part of every uniform's key: see :mod:`spd_ds.decoding.sampling`); ``seed`` overrides ``decoding.seed``."""
     d = cfg.decoding
-    return SamplingParams(d.temperature, d.top_k, d.top_p, d.seed if seed is None else seed)
+    return SamplingParams(d.temperature, d.top_k, d.top_p, d.seed if seed is None else seed, int(request))
 
 
 def eos_token_ids(cfg: ExperimentConfig, arch: TargetArch, tokenizer=None) -> list[int]:

@@ -180,7 +180,9 @@ class EvalConfig:
     baseline_num_prompts: Optional[int] = None  # run the baselines on the first k prompts of each set (None = all)
     check_exact: bool = True  # at T=0: SPD's tokens against the AR baselines', first divergence per prompt
     fit_max_length: bool = True  # shrink decoding.max_length (static KV caches) to the longest prompt + generation
-    hbm_gbps: float = 4270.0  # HBM bandwidth per device for the achieved-bandwidth column (H200 copy bandwidth)
+    # memory bandwidth per GPU (GB/s) for the % HBM column; None = the GPU's own figure from
+    # spd_ds.eval.speed.GPU_BANDWIDTH_GBPS (named in the report); GB/s and % HBM are reported on GPUs only
+    hbm_gbps: Optional[float] = None
     progress: bool = True  # tqdm progress bar
 
 
@@ -269,6 +271,8 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(str(e)) from None
     if cfg.data.num_prompts is not None and cfg.data.num_prompts < 1:
         raise ConfigError(f"data.num_prompts must be >= 1 (or null for all), got {cfg.data.num_prompts}")
+    if cfg.eval.hbm_gbps is not None and cfg.eval.hbm_gbps <= 0:
+        raise ConfigError(f"eval.hbm_gbps must be > 0 (GB/s per GPU) or null for the GPU's own, got {cfg.eval.hbm_gbps}")
     if not 0.0 <= d.oracle_alpha <= 1.0:
         raise ConfigError(f"decoding.oracle_alpha must be in [0, 1], got {d.oracle_alpha}")
     if not 0.0 <= cfg.data.held_out_fraction < 1.0:

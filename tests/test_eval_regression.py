@@ -10,7 +10,6 @@ import torch
 
 from spd_ds.eval.prompts import materialize_prompt_set
 from spd_ds.eval.regression import ACCEPTANCE_FILE, DEFAULT_HEAD_DIR, check_acceptance, record_acceptance
-from tests.conftest import EVAL_SOURCE
 from tests.test_eval_random_weights import make_random_shape, one_thread  # noqa: F401 (autouse)
 
 
@@ -23,7 +22,7 @@ def test_committed_head_keeps_its_acceptance(tmp_path, smollm2_dir):
         pytest.fail(f"{DEFAULT_HEAD_DIR} has no {ACCEPTANCE_FILE}: python -m spd_ds.eval.regression "
                     f"{DEFAULT_HEAD_DIR} --record --eval-dir DIR")
     spec = json.loads((DEFAULT_HEAD_DIR / ACCEPTANCE_FILE).read_text())["spec"]
-    materialize_prompt_set(spec["prompt_set"], tmp_path, source_dir=EVAL_SOURCE)
+    materialize_prompt_set(spec["prompt_set"], tmp_path)  # from its registry package, as the product gets it
     ok, msg, _ = check_acceptance(DEFAULT_HEAD_DIR, eval_dir=tmp_path)
     assert ok, msg
 

@@ -135,3 +135,56 @@ def test_baseline_registry_is_pluggable(heads, tmp_path):
         BASELINES.pop("ar_again"), BASELINES.pop("ar_by_name")
     with pytest.raises(ValueError, match="unknown baseline"):
         resolve_baseline("ar_again")
+
+
+def test_cycle_time_split_plot_compares_per_token(heads, tmp_path):
+    """The plot's bars, read back from the figure, are ms per decode token for SPD and AR alike (each adds up to
+    1000 / decode tok/s); the legend is outside the axes; the caption states prompts, tokens, n, T and device. A CPU
+    run has no GB/s or % HBM."""
+    import matplotlib.pyplot as plt
+
+    from spd_ds.eval.plots import cycle_time_split_figure
+    from spd_ds.eval.report import summary_table
+
+    shape, spd, _ = heads
+    cfg = load_config(None, overrides(shape, tmp_path, f"head.checkpoint={spd}", "eval.baselines=[ar]",
+                                      "eval.warmup_prompts=0"))
+    s = summarize(run_eval(cfg, engine="reference"))
+    fig = cycle_time_split_figure(s)
+    ax = fig.axes[0]
+    widths = {}
+    for patch in ax.patches:
+        y = round(patch.get_y() + patch.get_height() / 2)
+        widths[y] = widths.get(y, 0.0) + patch.get_width()
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    assert names == ["spd", "ar"]
+    for y, name in enumerate(names):
+        assert widths[y] == pytest.approx(1e3 / s["results"][name]["overall"]["decode_tok_s"], rel=1e-6)
+    assert "ms per decode token" in ax.get_xlabel()
+    legend = ax.get_legend()
+    assert legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted()).x0 > 1.0  # right of the axes
+    caption = fig.texts[-1].get_text()
+    for word in ("prompts: random x2", "up to 12 new tokens", "n=2", "T=0", "device cpu"):
+        assert word in caption
+    plt.close(fig)
+    assert s["bandwidth"] is None and s["results"]["spd"]["overall"]["achieved_gbps"] is None
+    assert s["results"]["ar"]["overall"]["hbm_fraction"] is None
+    assert "GB/s" not in summary_table(s) and "HBM" not in summary_table(s)
+
+
+def test_bandwidth_only_against_a_named_gpu():
+    from spd_ds.eval.report import bandwidth_line, summary_table
+    from spd_ds.eval.speed import known_bandwidth
+
+    assert known_bandwidth("NVIDIA H200")[0] == 4270.0 and known_bandwidth("NVIDIA GH200 480GB") is None
+    assert known_bandwidth("NVIDIA A100-SXM4-80GB")[0] == 2039.0 and known_bandwidth("NVIDIA A10G")[0] == 600.0
+    assert known_bandwidth("NVIDIA L40S")[0] == 864.0 and known_bandwidth("NVIDIA H100 80GB HBM3")[0] == 3350.0
+    block = {"decode_tok_s": 100.0, "speedup_vs_ar": {}, "equivalent_accept_length": None,
+             "draft_acceptance_rate": None, "tokens_per_cycle": None, "cycle_time_split_ms": None,
+             "achieved_gbps": 54.0, "hbm_fraction": 54.0 / 4270.0}
+    gpu = {"device": "cuda:0", "bandwidth": {"device_name": "NVIDIA H200", "gbps": 4270.0, "source": "measured"},
+           "methods": {"ar": {"kind": "baseline", "num_stages": 1}}, "results": {"ar": {"overall": block}}}
+    table = summary_table(gpu)
+    assert "| GB/s" in table and "% HBM" in table and "1.26" in table
+    assert "NVIDIA H200's 4270 GB/s" in bandwidth_line(gpu)
+    assert "GPU runs only" in bandwidth_line({"device": "cpu", "bandwidth": None})

@@ -82,3 +82,88 @@ def test_draft_vocab_file(tmp_path):
     f.write_text(json.dumps({"token_ids": [1, 5], "draft_vocab_size": 3}))
     with pytest.raises(ValueError, match="draft_vocab_size"):
         load_draft_vocab(f)
+
+
+def _copy_model(src, dst, change):
+    """A copy of model directory ``src`` at ``dst`` with ``change(state)`` applied to its tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = next(dst.glob("*.safetensors"))
+    state = load_file(str(f))
+    change(state)
+    save_file(state, str(f), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("what", ["late_embedding_row", "final_norm"])
+def test_fingerprint_refuses_a_model_changed_late(arch, tmp_path, what):
+    """A head trained for one model is refused by a model that differs only in one late embedding row (the last,
+    which the sampled rows include) or in its final norm; the version-1 fingerprint (first 8 rows) missed both."""
+    part = StagePartition.build(6, 2)
+    SpeculationHead(arch, part).save(tmp_path / "h")
+
+    def change(state):
+        if what == "late_embedding_row":
+            state["model.embed_tokens.weight"][-1] += 0.5
+        else:
+            state["model.norm.weight"] *= 1.01
+
+    other = TargetArch(_copy_model(arch.model_dir, tmp_path / "other", change))
+    assert other.legacy_fingerprint() == arch.legacy_fingerprint()  # what version 1 could not tell apart
+    assert other.fingerprint() != arch.fingerprint()
+    with pytest.raises(HeadMismatchError, match="another base model"):
+        SpeculationHead.check_base_model(tmp_path / "h", other)
+    assert json.loads((tmp_path / "h" / "head_config.json").read_text())["fingerprint_version"] == 2
+
+
+def test_version1_fingerprint_still_loads_with_a_warning(arch, tiny_root, tmp_path, caplog):
+    part = StagePartition.build(6, 2)
+    SpeculationHead(arch, part).save(tmp_path / "h")
+    cfg = tmp_path / "h" / "head_config.json"
+    meta = json.loads(cfg.read_text())
+    meta.pop("fingerprint_version")
+    meta["base_model_fingerprint"] = arch.legacy_fingerprint()
+    cfg.write_text(json.dumps(meta))
+    with caplog.at_level("WARNING"):
+        SpeculationHead.load(tmp_path / "h", arch)
+    assert "version-1 base-model fingerprint" in caplog.text and "re-save" in caplog.text
+    other = TargetArch(make_tiny_model(tiny_root, "qwen3", 6, seed=5))
+    with pytest.raises(HeadMismatchError, match="another base model"):
+        SpeculationHead.check_base_model(tmp_path / "h", other)
+
+
+def test_shipped_head_loads(smollm2_arch):
+    """The committed SmolLM2 n=2 head (fingerprint version 1) keeps loading onto SmolLM2-135M-Instruct."""
+    from spd_ds.eval.regression import DEFAULT_HEAD_DIR
+
+    meta = SpeculationHead.check_base_model(DEFAULT_HEAD_DIR, smollm2_arch)
+    head = SpeculationHead.load(DEFAULT_HEAD_DIR, smollm2_arch)
+    assert head.draft_vocab_size == meta["draft_vocab_size"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header", "header_length", "shapes"])
+def test_damaged_head_weights_are_a_one_line_error(arch, tmp_path, damage):
+    from spd_ds.head import HeadCheckpointError
+
+    part = StagePartition.build(6, 2)
+    SpeculationHead(arch, part).save(tmp_path / "h")
+    f = tmp_path / "h" / "head.safetensors"
+    data = f.read_bytes()
+    if damage == "truncated":
+        f.write_bytes(data[: len(data) // 2])
+    elif damage == "header":
+        f.write_bytes(data[:8] + b"\xff\x00garbage" + data[17:])
+    elif damage == "header_length":
+        f.write_bytes((10 ** 12).to_bytes(8, "little") + data[8:])
+    else:  # a readable file of another head
+        SpeculationHead(arch, StagePartition.build(6, 3)).save(tmp_path / "other")
+        f.write_bytes((tmp_path / "other" / "head.safetensors").read_bytes())
+    with pytest.raises(HeadCheckpointError) as ei:
+        SpeculationHead.check_base_model(tmp_path / "h", arch)
+    msg = str(ei.value)
+    assert "\n" not in msg and "head.safetensors" in msg and ("damaged" in msg or "does not match" in msg)
+    with pytest.raises(HeadCheckpointError):
+        SpeculationHead.load(tmp_path / "h", arch)

@@ -1,6 +1,8 @@
 """The main job as a user runs it: launch/infer.py on SmolLM2 (one process, plain python and under deepspeed)."""
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +33,14 @@ def test_infer_answers_match_ar(smollm2_dir, tmp_path, launcher):
     assert f"identical to {ar}: 2/2 prompts" in r.stdout
     assert "Paris" in r.stdout
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
-    assert len(lines) == 2 and '"equivalent_accept_length"' in lines[0]
+    assert len(lines) == 2 and '"equivalent_accept_length"' in lines[0] and '"ar_decode_tok_s"' in lines[0]
+    # the speed verdict from the same run, and what the acceptance metric means
+    speed = next(x for x in r.stdout.splitlines() if x.startswith("speed: "))
+    assert re.search(rf"SPD [0-9.]+ tok/s, AR [0-9.]+ tok/s \({ar}, same run.*\): SPD is [0-9.]+x AR", speed)
+    assert "1.00 = no gain over AR" in r.stdout and "counts the prefill token" in r.stdout
+    one_process_note = "in one process the 2 stages run one after another" in r.stdout
+    assert one_process_note == (launcher == "python")
+    assert "SPD" in r.stderr and "tokens" in r.stderr  # the progress line (tqdm, stderr)
 
 
 def test_unknown_key_is_a_one_line_error():
@@ -52,3 +61,88 @@ def test_head_for_another_partition_is_refused(smollm2_dir):
     r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "partition.num_stages=3", "--prompt", "hi"])
     assert r.returncode == 2
     assert "was trained for partition" in r.stderr and "partition.num_stages=2" in r.stderr
+
+
+def _infer_module():
+    spec = importlib.util.spec_from_file_location("infer_cli", ROOT / "launch" / "infer.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("prompts", ["empty_file", "blank_lines"])
+def test_empty_prompt_set_is_an_error_before_the_model(tmp_path, prompts):
+    """No prompt: one line, exit 2, and no model is touched (the model named here does not exist)."""
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("" if prompts == "empty_file" else "\n\n")
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), f"data.prompts={f}",
+             f"model.name={tmp_path / 'no_model_here'}"], timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()
+    assert last[-1].startswith(f"error: data.prompts={f} holds no prompts") and "no_model_here" not in r.stderr
+
+
+def test_speed_lines_explain_the_numbers():
+    """The speed verdict: SPD's and AR's decode tok/s of the same run and their ratio; the accept length's meaning
+    with and without the prefill token; in one process, why no speedup and which command gives one."""
+    from spd_ds.config import load_config
+    from spd_ds.decoding.metrics import SPDMetrics
+    from spd_ds.decoding.reference import GenerationResult
+
+    infer = _infer_module()
+    cfg = load_config(CONFIG)
+    # a head that accepts nothing at n = 2: one token per 2 cycles after the prefill token
+    spd = [GenerationResult(list(range(15)), "length", SPDMetrics(2, num_new_tokens=15, num_cycles=28, decode_s=2.0))]
+    ar = [GenerationResult(list(range(15)), "length", SPDMetrics(1, num_new_tokens=15, num_cycles=14, decode_s=1.0))]
+    lines = infer.speed_lines(cfg, spd, ar, "AR decoding", one_process=True)
+    assert lines[0].startswith("speed: SPD 7.0 tok/s, AR 14.0 tok/s (AR decoding, same run") and "0.50x AR" in lines[0]
+    assert "= 1.00 over decode tokens" in lines[1] and "1.00 = no gain over AR" in lines[1]
+    assert "equivalent_accept_length 1.07 counts the prefill token" in lines[1]
+    assert "deepspeed --num_gpus 2 launch/infer.py" in lines[2] and "one after another" in lines[2]
+    lines = infer.speed_lines(cfg, spd, None, one_process=False)
+    assert "AR did not run (--no-compare-ar)" in lines[0] and len(lines) == 2
+
+
+def _damaged_head(tmp_path, damage: str) -> Path:
+    import shutil
+
+    head = tmp_path / "head"
+    shutil.copytree(ROOT / "spd_ds" / "assets" / "heads" / "smollm2-135m-instruct-n2", head)
+    f = head / "head.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 3] if damage == "truncated" else data[:8] + b"\xff\x00garbage" + data[17:])
+    return head
+
+
+@pytest.mark.slow
+def test_damaged_head_is_one_line_exit_2_on_every_rank(smollm2_dir, tmp_path):
+    """Two ranks started as a launcher starts them (no launcher that kills the second when the first exits): each
+    finds the truncated head.safetensors in its pre-collective check and prints one rank-tagged line, exit 2."""
+    from tests.test_pipe_worker import free_port
+
+    head = _damaged_head(tmp_path, "truncated")
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, "launch/infer.py", "--config", str(CONFIG),
+                                       f"head.checkpoint={head}", "--prompt", "hi"], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for rank, p in enumerate(procs):
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 2, err[-3000:]
+        lines = [x for x in (out + err).splitlines() if "head.safetensors is damaged" in x]
+        assert len(lines) == 1 and lines[0].startswith(f"error (rank {rank} of 2): head {head}")
+        assert "Traceback" not in out + err
+
+
+@pytest.mark.slow
+def test_damaged_head_under_the_launcher(smollm2_dir, tmp_path):
+    head = _damaged_head(tmp_path, "header")
+    r = run(["deepspeed", "--num_gpus", "2", "launch/infer.py", "--config", str(CONFIG), f"head.checkpoint={head}",
+             "--prompt", "hi"])
+    text = r.stdout + r.stderr
+    assert r.returncode == 2, text[-3000:]
+    assert "error (rank 0 of 2): head" in text and "head.safetensors is damaged" in text
+    assert "Traceback" not in text and "SafetensorError" not in text

@@ -66,7 +66,8 @@ def world2(tmp_path_factory, tiny_root):
     jobs = [
         job("colo2_head", 2, "colocated", prompts=(P1, P2), ar=True),
         job("colo2_oracle", 2, "colocated", drafter="oracle_head", alpha=0.7),
-        job("colo2_T1", 2, "colocated", max_new=24, overrides=T1, drafter="oracle_head", alpha=0.8, ar=True),
+        job("colo2_T1", 2, "colocated", prompts=(P1, P2), max_new=24, overrides=T1, drafter="oracle_head", alpha=0.8,
+            ar=True),  # two requests: the second's uniforms are keyed by request 1 in both decoders
         job("colo2_eos", 2, "colocated", prompts=(P2,), max_new=25, eos_at=8,
             overrides=["decoding.drafter=oracle", "decoding.oracle_alpha=1.0"]),
         job("colo2_static", 2, "colocated", drafter="oracle_head", alpha=0.6, ar=True,

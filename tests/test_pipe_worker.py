@@ -83,10 +83,11 @@ def reference_tokens(cfg, job, prompts, max_new):
     target = build_target(cfg, arch, part, "cpu")
     head = build_head(cfg, arch, part)
     eos = eos_token_ids(cfg, arch)
-    sampling = sampling_params(cfg)
     out = {"reference": [], "ar_single": [], "reference_metrics": []}
-    ar_dec = ARDecoder(target, sampling, eos, cfg.decoding.max_length)
-    for p in prompts:
+    ar_dec = ARDecoder(target, sampling_params(cfg), eos, cfg.decoding.max_length)
+    for i, p in enumerate(prompts):  # prompt i is request i, as in the engine (its sampling key at T > 0)
+        sampling = sampling_params(cfg, request=i)
+        ar_dec.sampling = sampling
         ar = ar_dec.generate(p, max_new).tokens
         if job.get("drafter") == "oracle_head":
             base = HeadDrafter(head, cfg.decoding.max_length, torch.float32, "cpu")
@@ -171,13 +172,13 @@ def run_job(job, tiny_root: Path) -> dict | None:
         res = {"name": job["name"], "spd": [], "metrics": [], "ar": [], "setup_s": t_setup, "eos_index": eos_index,
                "finish": [], "engine": engine_info(session.engine)}
         t1 = time.time()
-        for p in prompts:
-            r = session.generate(p, max_new)
+        for i, p in enumerate(prompts):
+            r = session.generate(p, max_new, request=i)
             res["spd"].append(r.tokens)
             res["finish"].append(r.finish_reason)
             res["metrics"].append(r.metrics.to_dict())
             if job.get("ar"):
-                res["ar"].append(session.generate_ar(p, max_new).tokens)
+                res["ar"].append(session.generate_ar(p, max_new, request=i).tokens)
         res["run_s"] = time.time() - t1
         session.shutdown()
         session.close(destroy_process_group=False)

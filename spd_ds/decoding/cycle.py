@@ -39,7 +39,7 @@ import torch
 
 from spd_ds.decoding.drafters import Draft, Drafter
 from spd_ds.decoding.metrics import SPDMetrics
-from spd_ds.decoding.sampling import STREAM_TARGET, SamplingParams, keyed_uniform, logits_to_probs, sample_from_probs
+from spd_ds.decoding.sampling import STREAM_TARGET, SamplingParams, logits_to_probs, sample_from_probs
 from spd_ds.decoding.verify import verify_draft
 from spd_ds.partition import StagePartition
 
@@ -89,10 +89,10 @@ def eos_set(eos: int | Iterable[int] | None) -> frozenset[int]:
 
 def first_token(logits: torch.Tensor, sampling: SamplingParams, position: int) -> int:
     """The target's token at ``position`` from its logits ``[V]`` (fp32): the argmax at T = 0, else a sample of the
-    warped distribution keyed by ``(seed, position, STREAM_TARGET)``. Used for the prefill token and by AR decoding."""
+    warped distribution keyed by ``(seed, request, position, STREAM_TARGET)``. Used for the prefill token and by AR decoding."""
     if sampling.greedy:
         return int(torch.argmax(logits))
-    return sample_from_probs(logits_to_probs(logits, sampling), keyed_uniform(sampling.seed, position, STREAM_TARGET))
+    return sample_from_probs(logits_to_probs(logits, sampling), sampling.uniform(position, STREAM_TARGET))
 
 
 class TokenOutput:

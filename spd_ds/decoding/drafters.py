@@ -110,7 +110,7 @@ def draft_from_logits(logits: torch.Tensor, draft_ids: torch.Tensor, sampling: S
     if sampling.greedy:
         return Draft(int(draft_ids[torch.argmax(logits)]))  # one host read
     q = logits_to_probs(logits, sampling)
-    idx = sample_from_probs(q, keyed_uniform(sampling.seed, position, STREAM_DRAFT))
+    idx = sample_from_probs(q, sampling.uniform(position, STREAM_DRAFT))
     return Draft(int(draft_ids[idx]), q, draft_ids)
 
 
@@ -124,7 +124,7 @@ class OracleDrafter:
         base: optional drafter that is still run every cycle (its state stays exact) and proposes when the coin fails;
             without one, a failed coin proposes a token that differs from the reference (a sure rejection at T = 0).
         vocab_size: target vocabulary size (for the "wrong token").
-        seed: coin key.
+        seed: coin key (with the request of the ``sampling`` passed to :meth:`propose`).
     """
 
     def __init__(self, reference: Sequence[int], alpha: float = 1.0, base: Drafter | None = None,
@@ -145,7 +145,8 @@ class OracleDrafter:
         the base drafter's draft or a sure-to-be-rejected token."""
         pos = start_pos + completed.shape[0] + inflight.shape[0]
         base = self.base.propose(completed, inflight, inflight_types, start_pos, sampling) if self.base else None
-        hit = pos < len(self.reference) and keyed_uniform(self.seed, pos, STREAM_ORACLE) < self.alpha
+        coin = keyed_uniform(self.seed, pos, STREAM_ORACLE, sampling.request)
+        hit = pos < len(self.reference) and coin < self.alpha
         if hit:
             return Draft(self.reference[pos])
         if base is not None:

@@ -189,3 +189,18 @@ def pooled_decode_tok_s(items: "Iterable[SPDMetrics]") -> float:
     items = list(items)
     t = sum(m.decode_s for m in items)
     return sum(max(m.num_new_tokens - 1, 0) for m in items) / t if t > 0 else 0.0
+
+
+def pooled_decode_accept_length(items: "Iterable[SPDMetrics]") -> float:
+    """Equivalent accept length over decode tokens only: ``n * Σ(N_i - 1) / ΣK_i`` (each generation's prefill token
+    excluded, which :attr:`SPDMetrics.equivalent_accept_length` counts in ``N``). 1.0 = one token per ``n`` cycles,
+    AR's rate (a head whose drafts are all rejected); ``n`` = every draft accepted. 0.0 without cycles.
+
+    Raises:
+        ValueError: metrics of different numbers of stages.
+    """
+    items = list(items)
+    if len({m.num_stages for m in items}) > 1:
+        raise ValueError("cannot pool metrics of runs with different numbers of stages")
+    k = sum(m.num_cycles for m in items)
+    return items[0].num_stages * sum(max(m.num_new_tokens - 1, 0) for m in items) / k if k else 0.0

@@ -1,9 +1,16 @@
-"""Sampling warpers and position-keyed randomness shared by every decoding path.
+"""Sampling warpers and keyed randomness shared by every decoding path.
 
-Randomness is keyed by ``(seed, position, stream)`` instead of drawn from a stateful generator, so the reference
-decoder, the DeepSpeed engine and the AR baselines consume exactly the same uniforms for the same event whatever
-order they run in. Each output position's decision uses its own fresh uniforms, which keeps speculative sampling
-exact (the uniforms of position ``t`` are independent of everything that decided positions ``< t``).
+Randomness is keyed by ``(seed, request, position, stream)`` instead of drawn from a stateful generator, so the
+reference decoder, the DeepSpeed engine and the AR baselines consume exactly the same uniforms for the same event
+whatever order they run in. Each output position's decision uses its own fresh uniforms, which keeps speculative
+sampling exact (the uniforms of position ``t`` are independent of everything that decided positions ``< t``).
+
+Keying: ``seed`` is ``decoding.seed``, one per run; ``request`` is the prompt's index in the run (0, 1, 2, ... in the
+order the prompts are given; the launchers and the evaluation pass it through :meth:`SamplingParams.for_request`),
+so prompts of equal length get independent uniforms; ``position`` is the token position the decision is for;
+``stream`` names the decision (draft sample, accept coin, target sample, oracle coin). The uniform is
+``splitmix64`` applied along ``seed -> request -> position -> stream`` (:func:`keyed_uniform`). The same seed and
+request give the same tokens in every decoder.
 """
 
 from __future__ import annotations
@@ -27,9 +34,21 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def keyed_uniform(seed: int, position: int, stream: int) -> float:
-    """A uniform float in ``[0, 1)`` that depends only on ``(seed, position, stream)`` (53-bit resolution)."""
-    x = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) ^ stream)
+def request_key(seed: int, request: int = 0) -> int:
+    """The 64-bit key of request ``request`` (a prompt's index in the run) under run seed ``seed``."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (request & _MASK64))
+
+
+def keyed_uniform(seed: int, position: int, stream: int, request: int = 0) -> float:
+    """A uniform float in ``[0, 1)`` that depends only on ``(seed, request, position, stream)`` (53-bit resolution).
+
+    Args:
+        seed: the run's seed (``decoding.seed``), any int (taken modulo 2**64).
+        position: token position of the decision.
+        stream: which decision (``STREAM_*``).
+        request: the prompt's index in the run (0 for a single generation).
+    """
+    x = _splitmix64(_splitmix64(request_key(seed, request) ^ (position & _MASK64)) ^ stream)
     return (x >> 11) * (1.0 / (1 << 53))
 
 
@@ -41,13 +60,15 @@ class SamplingParams:
         temperature: T >= 0.
         top_k: keep the k most likely tokens (0 = off).
         top_p: nucleus mass in (0, 1] (1 = off).
-        seed: key of all uniforms of a generation.
+        seed: the run's seed, first part of the key of every uniform.
+        request: index of the generation's prompt in the run, second part of the key (see the module docstring).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    request: int = 0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -61,6 +82,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True at temperature 0 (argmax decoding, exact-match verification)."""
         return self.temperature == 0.0
+
+    def for_request(self, request: int) -> "SamplingParams":
+        """The same distribution and seed for request ``request`` (a prompt's index in the run)."""
+        return dataclasses.replace(self, request=int(request))
+
+    def uniform(self, position: int, stream: int) -> float:
+        """This generation's uniform for ``(position, stream)``: :func:`keyed_uniform` of ``(seed, request)``."""
+        return keyed_uniform(self.seed, position, stream, self.request)
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

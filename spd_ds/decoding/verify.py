@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from spd_ds.decoding.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs, sample_from_probs
+from spd_ds.decoding.sampling import STREAM_ACCEPT, STREAM_TARGET, logits_to_probs, sample_from_probs
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: int) -> tuple[bool, int]:
@@ -52,7 +52,8 @@ def verify_draft(target_logits: torch.Tensor, draft_token: int, q_full, position
         target_logits: ``[V]`` fp32 target logits at the position before the draft.
         draft_token: the drafted token at ``position``.
         q_full: callable ``(V, device) -> [V]`` giving the draft distribution (only called at T > 0).
-        position: the draft's token position (keys the uniforms, see ``spd_ds.decoding.sampling``).
+        position: the draft's token position (keys the uniforms with the seed and request, see
+            ``spd_ds.decoding.sampling``).
         sampling: :class:`~spd_ds.decoding.sampling.SamplingParams`.
     Returns:
         ``(accepted, token)``: the emitted token is the draft or the replacement.
@@ -61,5 +62,5 @@ def verify_draft(target_logits: torch.Tensor, draft_token: int, q_full, position
         return verify_greedy(target_logits, draft_token)
     p = logits_to_probs(target_logits, sampling)
     q = q_full(p.shape[0], p.device)
-    return verify_sampling(p, q, draft_token, keyed_uniform(sampling.seed, position, STREAM_ACCEPT),
-                           keyed_uniform(sampling.seed, position, STREAM_TARGET))
+    return verify_sampling(p, q, draft_token, sampling.uniform(position, STREAM_ACCEPT),
+                           sampling.uniform(position, STREAM_TARGET))

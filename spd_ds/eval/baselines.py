@@ -29,7 +29,7 @@ import torch
 
 from spd_ds.decoding.metrics import SPDMetrics
 from spd_ds.decoding.cycle import GenerationResult, check_prompt, eos_set
-from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.decoding.sampling import SamplingParams, request_key
 from spd_ds.models.adapter import Target
 
 log = logging.getLogger(__name__)
@@ -178,8 +178,8 @@ class HFGenerateBaseline:
         prefill_s = time.perf_counter() - t0
         metrics.observe_prefill(prefill_s)
         gc = self._gc(max_new_tokens=max_new_tokens, min_new_tokens=0, **self.gen_kwargs)
-        if not self.sampling.greedy:
-            torch.manual_seed(self.sampling.seed)
+        if not self.sampling.greedy:  # its own generator, seeded per request (independent draws per prompt)
+            torch.manual_seed(request_key(self.sampling.seed, self.sampling.request) & ((1 << 63) - 1))
         _sync(self.device)
         t1 = time.perf_counter()
         out = self.model.generate(ids, attention_mask=mask, generation_config=gc)

@@ -4,7 +4,8 @@
 a   SmolLM2-135M-Instruct (real weights), SPD n=2 (``--spd-head``, default the shipped n=2 head) against ``ar_graph``,
     ``hf_generate`` and ``ar`` on MT-Bench / HumanEval / GSM8K: acceptance and decode tok/s
 b   a Qwen3-4B-shaped random-weight model, n=2, oracle drafts with alpha in {1, 0.8, 0.6}: speedup against the
-    CUDA-graph AR, measured cycle time against the slowest stage's forward alone, achieved GB/s
+    CUDA-graph AR, measured cycle time against the slowest stage's forward alone, achieved GB/s (needs a GPU; not in
+    :func:`default_suites` on CPU)
 c   CPU: equivalent accept length of SPD heads and PPSD heads on SmolLM2 for n = 2, 3, 5, 6
 === =====================================================================================================
 
@@ -129,12 +130,25 @@ def measure_stage_forwards(sr: SuiteRun, iters: int = 50) -> None:
 
 # ---------------------------------------------------------------------------------------------- tables
 SPEED_HEADERS = ["suite", "config", "method", "tok/s", "x ar_graph", "x hf_generate", "eq. accept len",
-                 "draft acc.", "cycle ms", "slowest stage fwd ms", "cycle / slowest", "GB/s", "% HBM"]
+                 "draft acc.", "cycle ms", "slowest stage fwd ms", "cycle / slowest"]
+GPU_HEADERS = ["GB/s", "% HBM"]  # GPU runs only (against the GPU's named bandwidth, ``summary["bandwidth"]``)
+
+
+def on_gpu(sr: SuiteRun) -> bool:
+    """Whether a finished suite run measured a GPU (then its speed rows carry GB/s and % HBM)."""
+    return bool(sr.summary) and sr.summary.get("bandwidth") is not None
+
+
+def speed_headers(runs: Sequence[SuiteRun]) -> list[str]:
+    """Headers of the speed table: :data:`SPEED_HEADERS`, plus :data:`GPU_HEADERS` when the runs measured a GPU."""
+    gpu = any(on_gpu(sr) for sr in runs if sr.suite in ("a", "b"))
+    return SPEED_HEADERS + (GPU_HEADERS if gpu else [])
 ACCEPT_HEADERS = ["n", "method", "eq. accept len", "draft acc.", "tok/cycle", "acceptance by fill 1..n", "head"]
 
 
 def speed_rows(sr: SuiteRun) -> list[list]:
-    """Rows of the speed table (suites a, b): one per method; AR rows show ms per token in the cycle column."""
+    """Rows of the speed table (suites a, b): one per method; AR rows show ms per token in the cycle column; GB/s and
+    % HBM only for a GPU run (:func:`on_gpu`)."""
     s = sr.summary
     slow = max(sr.stage_forward_ms) if sr.stage_forward_ms else None
     rows = []
@@ -146,8 +160,9 @@ def speed_rows(sr: SuiteRun) -> list[list]:
         rows.append([sr.suite, sr.label, name, tok_s, b["speedup_vs_ar"].get("ar_graph"),
                      b["speedup_vs_ar"].get("hf_generate"), b["equivalent_accept_length"],
                      b["draft_acceptance_rate"], cycle, slow if spd else None,
-                     (cycle / slow) if spd and cycle and slow else None, b["achieved_gbps"],
-                     100 * b["hbm_fraction"] if b["hbm_fraction"] is not None else None])
+                     (cycle / slow) if spd and cycle and slow else None]
+                    + ([b["achieved_gbps"], 100 * b["hbm_fraction"] if b["hbm_fraction"] is not None else None]
+                       if on_gpu(sr) else []))
     return rows
 
 
@@ -167,20 +182,27 @@ def accept_rows(sr: SuiteRun) -> list[list]:
 
 def render(runs: Sequence[SuiteRun]) -> str:
     """Markdown tables of finished suite runs (speed table for a/b, acceptance table for c) plus exactness lines."""
-    from spd_ds.eval.report import exactness_lines, format_table
+    from spd_ds.eval.report import bandwidth_line, exactness_lines, format_table
 
     parts = []
     speed = [r for sr in runs if sr.suite in ("a", "b") and sr.summary for r in speed_rows(sr)]
     if speed:
-        parts.append(format_table(SPEED_HEADERS, speed))
+        parts.append(format_table(speed_headers(runs), speed))
     acc = [r for sr in runs if sr.suite == "c" and sr.summary for r in accept_rows(sr)]
     if acc:
         parts.append(format_table(ACCEPT_HEADERS, acc))
     for sr in runs:
         if sr.summary:
+            extra = [bandwidth_line(sr.summary)] if sr.suite in ("a", "b") else []
             parts.append(f"[{sr.suite}] {sr.label} ({sr.head_note}; engine {sr.summary['engine']}, "
-                         f"device {sr.summary['device']}):\n  " + "\n  ".join(exactness_lines(sr.summary)))
+                         f"device {sr.summary['device']}):\n  " + "\n  ".join(exactness_lines(sr.summary) + extra))
     return "\n\n".join(parts)
+
+
+def default_suites(cuda: bool) -> list[str]:
+    """The suites a plain ``launch/benchmark.py`` runs: all three with a GPU; a and c on CPU (suite b's 4B-shaped
+    model needs a GPU)."""
+    return list(SUITES) if cuda else ["a", "c"]
 
 
 def is_cuda_run(device: str | None = None) -> bool:

@@ -1,4 +1,8 @@
-"""PNG plots of an evaluation summary (matplotlib, headless ``Agg`` backend)."""
+"""PNG plots of an evaluation summary (matplotlib, headless ``Agg`` backend).
+
+Every plot states what it was measured on (:func:`run_caption`: model, prompts, tokens, n, temperature, device) and
+keeps its legend off the bars. Times are compared per decode token, the unit in which SPD and AR can be compared.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,28 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+TIME_UNIT = "ms per decode token"
+
+
+def run_caption(summary: dict) -> str:
+    """One line for a plot: model and dtype, prompts per set, new tokens, n, temperature, device and engine.
+
+    Args:
+        summary: a dict from :func:`spd_ds.eval.report.summarize`.
+    """
+    m, d = summary["model"], summary["decoding"]
+    sets = ", ".join(f"{name} x{s['num_prompts']}" for name, s in summary["prompt_sets"].items())
+    temp = f"T={d['temperature']:g}" + (f" top_k={d['top_k']}" if d.get("top_k") else "") + (
+        f" top_p={d['top_p']:g}" if d.get("top_p", 1.0) < 1.0 else "")
+    return (f"{str(m['name']).split('/')[-1]} ({m['dtype']}); prompts: {sets}; up to {d['max_new_tokens']} new tokens "
+            f"each; n={summary['partition']['num_stages']}; {temp}; device {summary['device']} "
+            f"(engine {summary['engine']})")
+
 
 def plot_acceptance_by_depth(summary: dict, path: str | Path) -> Path:
     """Grouped bars: draft acceptance rate per fill ``f = 1..n`` (tokens in flight when drafted; ``f = n`` is a full
-    pipeline), one bar per SPD method, pooled over all prompts; bar labels give accepted/verified counts.
+    pipeline), one bar per SPD method, pooled over all prompts; bar labels give accepted/verified counts; the legend
+    sits right of the axes, the caption below them (:func:`run_caption`).
 
     Args:
         summary: a dict from :func:`spd_ds.eval.report.summarize`.
@@ -22,7 +44,7 @@ def plot_acceptance_by_depth(summary: dict, path: str | Path) -> Path:
     """
     spd = [(name, r["overall"]["acceptance_by_depth"]) for name, r in summary["results"].items()
            if summary["methods"][name]["kind"] == "spd"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.4))
     width = 0.8 / max(1, len(spd))
     for k, (name, rows) in enumerate(spd):
         xs = [r["fill"] + (k - (len(spd) - 1) / 2) * width for r in rows]
@@ -36,20 +58,80 @@ def plot_acceptance_by_depth(summary: dict, path: str | Path) -> Path:
     ax.set_xlabel("fill at drafting (tokens in flight; n = full pipeline)")
     ax.set_ylabel("draft acceptance rate")
     ax.set_ylim(0, 1.08)
-    ax.set_title(f"Acceptance by draft depth ({summary['model']['name'].split('/')[-1]}, "
-                 f"n={summary['partition']['num_stages']})")
+    ax.set_title("Draft acceptance by depth (labels: accepted / verified drafts)")
     if spd:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    _caption(fig, summary)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 
 
+def cycle_time_split_data(summary: dict) -> list[dict]:
+    """Per-token decode time of every method, split by phase, in :data:`TIME_UNIT`.
+
+    AR: one segment, ``1000 / decode_tok_s``. SPD: its per-cycle split (stage forwards, head, verify, comm,
+    control) times cycles per decode token, ``K / (N - prompts)``, so its segments add up to ``1000 / decode_tok_s``
+    as well: the bar lengths compare the methods' speeds directly (shorter = faster).
+
+    Args:
+        summary: a dict from :func:`spd_ds.eval.report.summarize`.
+    Returns:
+        One ``{"name", "kind", "segments": [(label, ms)], "total_ms", "decode_tok_s"}`` per method, in run order.
+    """
+    out = []
+    for name, r in summary["results"].items():
+        b = r["overall"]
+        tok_s = b["decode_tok_s"]
+        kind = summary["methods"][name]["kind"]
+        decode_tokens = b["num_new_tokens"] - b["num_prompts"]  # the prefill token of each prompt is not decoded
+        if kind == "spd" and b["cycle_time_split_ms"] and decode_tokens > 0:
+            per_token = b["num_cycles"] / decode_tokens  # cycles per decode token
+            s = b["cycle_time_split_ms"]
+            parts = [(f"stage {i} forward", v * per_token) for i, v in enumerate(s["stage_forward"])]
+            parts += [(lab, s[key] * per_token) for lab, key in
+                      (("head", "head"), ("verify", "verify"), ("comm", "comm"), ("control", "control"))]
+        else:
+            parts = [("AR decode step" if kind != "spd" else "decode", 1e3 / tok_s if tok_s else 0.0)]
+        out.append({"name": name, "kind": kind, "segments": parts, "total_ms": sum(v for _, v in parts),
+                    "decode_tok_s": tok_s})
+    return out
+
+
+def cycle_time_split_figure(summary: dict):
+    """The figure of :func:`plot_cycle_time_split` (a ``matplotlib.figure.Figure``; the caller closes it).
+
+    Stacked horizontal bars, one per method, of :func:`cycle_time_split_data` in :data:`TIME_UNIT`; each bar ends in
+    its total and tok/s; the legend sits right of the axes, the caption below them (:func:`run_caption`).
+    """
+    data = cycle_time_split_data(summary)
+    labels: list[str] = []
+    for row in data:
+        labels += [lab for lab, _ in row["segments"] if lab not in labels]
+    colors = {lab: plt.get_cmap("tab10")(k % 10) for k, lab in enumerate(labels)}
+    fig, ax = plt.subplots(figsize=(10, 0.6 * max(2, len(data)) + 1.8))
+    seen = set()
+    for y, row in enumerate(data):
+        left = 0.0
+        for lab, v in row["segments"]:
+            ax.barh(y, v, left=left, color=colors[lab], label=lab if lab not in seen else None)
+            seen.add(lab)
+            left += v
+        ax.annotate(f" {row['total_ms']:.2f} ms ({row['decode_tok_s']:.1f} tok/s)", (left, y), va="center",
+                    fontsize=7)
+    ax.set_yticks(range(len(data)))
+    ax.set_yticklabels([row["name"] for row in data])
+    ax.invert_yaxis()
+    ax.margins(x=0.25)  # room for the totals at the bar ends
+    ax.set_xlabel(f"{TIME_UNIT} (shorter = faster; SPD's per-cycle split x cycles per decode token)")
+    ax.set_title("Decode time per token, split by phase")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    _caption(fig, summary)
+    return fig
+
+
 def plot_cycle_time_split(summary: dict, path: str | Path) -> Path:
-    """Stacked horizontal bars: mean milliseconds per SPD cycle split into stage forwards (one segment per stage),
-    head, verify, communication and control; AR baselines appear as one segment, their milliseconds per decode
-    token, for scale.
+    """Write :func:`cycle_time_split_figure` to ``path`` (PNG).
 
     Args:
         summary: a dict from :func:`spd_ds.eval.report.summarize`.
@@ -57,37 +139,12 @@ def plot_cycle_time_split(summary: dict, path: str | Path) -> Path:
     Returns:
         ``path``.
     """
-    names, segs = [], []
-    for name, r in summary["results"].items():
-        b = r["overall"]
-        if summary["methods"][name]["kind"] == "spd":
-            s = b["cycle_time_split_ms"]
-            parts = [(f"stage {i} forward", v) for i, v in enumerate(s["stage_forward"])]
-            parts += [("head", s["head"]), ("verify", s["verify"]), ("comm", s["comm"]), ("control", s["control"])]
-        else:
-            tok_s = b["decode_tok_s"]
-            parts = [("AR step", 1e3 / tok_s if tok_s else 0.0)]
-        names.append(name)
-        segs.append(parts)
-    labels = []
-    for parts in segs:
-        labels += [lab for lab, _ in parts if lab not in labels]
-    colors = {lab: plt.get_cmap("tab10")(k % 10) for k, lab in enumerate(labels)}
-    fig, ax = plt.subplots(figsize=(8, 0.6 * max(2, len(names)) + 1.2))
-    seen = set()
-    for y, parts in enumerate(segs):
-        left = 0.0
-        for lab, v in parts:
-            ax.barh(y, v, left=left, color=colors[lab], label=lab if lab not in seen else None)
-            seen.add(lab)
-            left += v
-    ax.set_yticks(range(len(names)))
-    ax.set_yticklabels(names)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms per cycle (SPD) / per decode token (AR)")
-    ax.set_title("Per-cycle time split")
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig = cycle_time_split_figure(summary)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
+
+
+def _caption(fig, summary: dict) -> None:
+    fig.tight_layout()
+    fig.text(0.01, -0.01, run_caption(summary), fontsize=7, ha="left", va="top", wrap=True)

@@ -4,6 +4,7 @@ text tables and the plots.
 Summary schema (``schema_version`` 1)::
 
     {"schema_version", "created_utc", "engine", "device",
+     "bandwidth": null off GPU | {"device_name", "gbps", "source"} (what "hbm_fraction" is measured against),
      "model": {"name", "dir", "random_weights", "model_type", "num_layers", "hidden_size", "vocab_size", "dtype",
                "weight_bytes_per_token"},
      "partition": {"num_layers", "stage_layers", "anchors", "num_stages"},
@@ -60,8 +61,9 @@ DEFINITIONS = {
                            "decode_s / K. Reference decoder on GPU: host timers without synchronisation, so GPU time "
                            "lands in the phase that waits (verify); the pipeline engine times stage forwards with "
                            "CUDA events",
-    "achieved_gbps": "weight bytes per token x decode_tok_s / 1e9 (gpt-fast's achieved bandwidth)",
-    "hbm_fraction": "achieved_gbps / (eval.hbm_gbps x devices the method runs on)",
+    "achieved_gbps": "weight bytes per token x decode_tok_s / 1e9 (gpt-fast's achieved bandwidth); GPU runs only",
+    "hbm_fraction": "achieved_gbps / (bandwidth.gbps x devices the method runs on): the GPU's memory bandwidth named "
+                    "in 'bandwidth' (eval.hbm_gbps overrides it); GPU runs only",
     "speedup_vs_ar": "decode_tok_s of the method / decode_tok_s of each baseline, pooled over the prompts both ran",
 }
 
@@ -116,13 +118,15 @@ def summarize(run, weight_bytes: int | None = None) -> dict:
         run: the evaluation.
         weight_bytes: bytes per token for the bandwidth columns (default: computed from the architecture).
     """
-    from spd_ds.eval.speed import weight_bytes_per_token
+    from spd_ds.eval.speed import device_bandwidth, weight_bytes_per_token
     from spd_ds.models.adapter import resolve_dtype
 
     cfg, part = run.cfg, run.partition
     dtype = resolve_dtype(cfg.model.dtype)
     if weight_bytes is None:
         weight_bytes = weight_bytes_per_token(run.arch, dtype)
+    bandwidth = device_bandwidth(run.device, cfg.eval.hbm_gbps)  # None off GPU: no GB/s, no % HBM there
+    gpu_bytes = weight_bytes if bandwidth is not None else None
     sets: dict[str, list[int]] = {}
     for i, p in enumerate(run.prompts):
         sets.setdefault(p.prompt_set, []).append(i)
@@ -135,8 +139,8 @@ def summarize(run, weight_bytes: int | None = None) -> dict:
         scopes.update({s: [i for i in idx if i in mr.results] for s, idx in sets.items()})
         blocks = {}
         for scope, idx in scopes.items():
-            b = metric_block([mr.results[i].metrics for i in idx], spd, mr.num_stages, weight_bytes, mr.devices,
-                             cfg.eval.hbm_gbps)
+            b = metric_block([mr.results[i].metrics for i in idx], spd, mr.num_stages, gpu_bytes, mr.devices,
+                             bandwidth["gbps"] if bandwidth else None)
             if spd:
                 for base in run.baselines():
                     common = [i for i in idx if i in base.results]
@@ -151,6 +155,7 @@ def summarize(run, weight_bytes: int | None = None) -> dict:
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "engine": run.engine,
         "device": run.device,
+        "bandwidth": bandwidth,
         "model": {
             "name": cfg.model.name, "dir": str(run.arch.model_dir),
             "random_weights": bool(getattr(run.arch, "random_weights", False)),
@@ -253,9 +258,12 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 def summary_table(summary: dict, scope: str = "overall") -> str:
     """Methods x headline metrics of a summary (``scope``: ``overall`` or a prompt-set name)."""
     bases = [n for n, m in summary["methods"].items() if m["kind"] == "baseline"]
-    cuda = str(summary.get("device", "")).startswith("cuda")  # bandwidth means something on a GPU only
+    bw = summary.get("bandwidth")  # a GPU run: GB/s, and % HBM against the GPU's named bandwidth
+    cuda = bw is not None and str(summary.get("device", "")).startswith("cuda")
+    hbm = cuda and bw.get("gbps") is not None
     headers = (["method", "stages", "tok/s"] + [f"x {b}" for b in bases]
-               + ["eq. accept len", "draft acc.", "tok/cycle", "cycle ms"] + (["GB/s"] if cuda else []))
+               + ["eq. accept len", "draft acc.", "tok/cycle", "cycle ms"] + (["GB/s"] if cuda else [])
+               + (["% HBM"] if hbm else []))
     rows = []
     for name, res in summary["results"].items():
         b = res["overall"] if scope == "overall" else res["by_set"].get(scope)
@@ -265,8 +273,19 @@ def summary_table(summary: dict, scope: str = "overall") -> str:
         rows.append([name, summary["methods"][name]["num_stages"], b["decode_tok_s"]]
                     + [b["speedup_vs_ar"].get(x) for x in bases]
                     + [b["equivalent_accept_length"], b["draft_acceptance_rate"], b["tokens_per_cycle"],
-                       split.get("cycle")] + ([b["achieved_gbps"]] if cuda else []))
+                       split.get("cycle")] + ([b["achieved_gbps"]] if cuda else [])
+                    + ([100 * b["hbm_fraction"] if b["hbm_fraction"] is not None else None] if hbm else []))
     return format_table(headers, rows)
+
+
+def bandwidth_line(summary: dict) -> str:
+    """What the GB/s and % HBM columns mean for this run: the GPU and its bandwidth, or why there are none."""
+    bw = summary.get("bandwidth")
+    if bw is None:
+        return f"GB/s and % HBM: not reported on {summary.get('device', 'this device')} (GPU runs only)"
+    if bw.get("gbps") is None:
+        return f"% HBM: not reported, {bw['device_name']} is not a known GPU (set eval.hbm_gbps)"
+    return f"% HBM: achieved GB/s against the {bw['device_name']}'s {bw['gbps']:.0f} GB/s per device ({bw['source']})"
 
 
 def exactness_lines(summary: dict) -> list[str]:

@@ -174,17 +174,22 @@ def random_prompt_ids(count: int, lengths: Sequence[int], vocab_size: int, seed:
     return out
 
 
-def load_eval_prompts(cfg: ExperimentConfig, tokenizer, vocab_size: int) -> list[EvalPrompt]:
-    """The prompts of ``eval.prompt_sets`` (first ``data.num_prompts`` of each; ``data.eval_dir`` for set names).
+def load_eval_records(cfg: ExperimentConfig, tokenizer_free: bool = False) -> list[tuple[str, list[dict] | None]]:
+    """The records of ``eval.prompt_sets`` (first ``data.num_prompts`` of each; ``data.eval_dir`` for set names),
+    read before any model is fetched or loaded, so that an empty set ends the run at once.
 
-    A set's first user turn is encoded with :func:`spd_ds.builder.encode_prompt`. Set ``random`` (and every set when
-    ``tokenizer`` is ``None``) gives random token ids of ``eval.random_prompt_lengths``.
-
+    Args:
+        cfg: the experiment.
+        tokenizer_free: the model has no tokenizer (random weights): only ``random`` sets are allowed.
+    Returns:
+        ``(label, records)`` per set, in order; ``records`` is ``None`` for a ``random`` set (made later, it needs the
+        vocabulary size).
     Raises:
-        ConfigError: no prompt sets, or a named set on a model without tokenizer.
-        FileNotFoundError / PromptSetUnavailableError / ValueError: from :func:`spd_ds.eval.prompts.load_prompts`
-            (with the default ``eval.prompt_sets``, a set that cannot be had after the first is skipped with a
-            warning instead: gsm8k without the hub).
+        ConfigError: no prompt sets, a set that holds no prompts, malformed records, or a named set on a model
+            without tokenizer.
+        FileNotFoundError / PromptSetUnavailableError: from :func:`spd_ds.eval.prompts.load_prompts` (with the
+            default ``eval.prompt_sets``, a set that cannot be had after the first is skipped with a warning instead:
+            gsm8k without the hub).
     """
     from pathlib import Path
 
@@ -195,17 +200,15 @@ def load_eval_prompts(cfg: ExperimentConfig, tokenizer, vocab_size: int) -> list
     if not cfg.eval.prompt_sets:
         raise ConfigError("eval.prompt_sets is empty; give set names (mt_bench, humaneval, gsm8k, random) "
                           "or jsonl paths")
-    count = cfg.data.num_prompts if cfg.data.num_prompts is not None else 5
     # the default list (or the same sets spelled otherwise): an unavailable set after the first is skipped
     default_sets = tuple(canonical_name(s) or s for s in cfg.eval.prompt_sets) == DEFAULT_PROMPT_SETS
     eval_dir = resolve_path(cfg.data.eval_dir)
-    out: list[EvalPrompt] = []
+    out: list[tuple[str, list[dict] | None]] = []
     for name in cfg.eval.prompt_sets:
         if name == RANDOM_SET:
-            ids = random_prompt_ids(count, cfg.eval.random_prompt_lengths, vocab_size, cfg.decoding.seed)
-            out += [EvalPrompt(RANDOM_SET, f"random-{i}", p) for i, p in enumerate(ids)]
+            out.append((RANDOM_SET, None))
             continue
-        if tokenizer is None:
+        if tokenizer_free:
             raise ConfigError(f"prompt set {name!r} needs a tokenizer, and {cfg.model.name} has none (random weights); "
                               f"use eval.prompt_sets=[{RANDOM_SET}]")
         try:
@@ -217,14 +220,41 @@ def load_eval_prompts(cfg: ExperimentConfig, tokenizer, vocab_size: int) -> list
             raise PromptSetUnavailableError(
                 f"{e} (or: python launch/prepare_eval_data.py --source-dir DIR; data.eval_dir=DIR; or drop {name!r} "
                 "from eval.prompt_sets)") from None
+        except ValueError as e:  # malformed records
+            raise ConfigError(f"prompt set {name!r}: {e}") from None
+        if not recs:
+            raise ConfigError(f"prompt set {name!r} holds no prompts; give a jsonl file with records (one "
+                              "{\"turns\": [\"...\"]} a line) or drop it from eval.prompt_sets")
         label = Path(name).stem if name.endswith(".jsonl") else (Path(name).name if os.sep in name else name)
         if label == "question":  # <dir>/question.jsonl
             label = Path(name).parent.name
+        out.append((label, recs))
+    return out
+
+
+def encode_eval_prompts(cfg: ExperimentConfig, sets: Sequence[tuple[str, list[dict] | None]], tokenizer,
+                        vocab_size: int) -> list[EvalPrompt]:
+    """:class:`EvalPrompt` s of :func:`load_eval_records`' sets: a record's first user turn encoded with
+    :func:`spd_ds.builder.encode_prompt`; a ``random`` set as ``data.num_prompts`` (default 5) prompts of random token
+    ids of ``eval.random_prompt_lengths`` below ``vocab_size``."""
+    count = cfg.data.num_prompts if cfg.data.num_prompts is not None else 5
+    out: list[EvalPrompt] = []
+    for label, recs in sets:
+        if recs is None:
+            ids = random_prompt_ids(count, cfg.eval.random_prompt_lengths, vocab_size, cfg.decoding.seed)
+            out += [EvalPrompt(RANDOM_SET, f"random-{i}", p) for i, p in enumerate(ids)]
+            continue
         for r in recs:
             text = r["turns"][0]
             out.append(EvalPrompt(label, str(r["question_id"]),
                                   builder.encode_prompt(tokenizer, text, cfg.decoding.chat_template), text))
     return out
+
+
+def load_eval_prompts(cfg: ExperimentConfig, tokenizer, vocab_size: int) -> list[EvalPrompt]:
+    """The prompts of ``eval.prompt_sets``: :func:`load_eval_records` (``tokenizer`` ``None`` = a model without
+    one) then :func:`encode_eval_prompts`; the errors of the former."""
+    return encode_eval_prompts(cfg, load_eval_records(cfg, tokenizer is None), tokenizer, vocab_size)
 
 
 def fit_max_length(cfg: ExperimentConfig, prompts: Sequence[EvalPrompt], num_stages: int) -> int:
@@ -317,16 +347,19 @@ def timed_generate(gen: Callable[[list[int], int], GenerationResult], prompt: li
 
 
 class _Progress:
+    """tqdm line on stderr: generations (prompts x methods) done, tokens so far, the current method and prompt."""
+
     def __init__(self, total: int, enabled: bool, desc: str = "eval") -> None:
-        self.bar = None
+        self.bar, self.tokens = None, 0
         if enabled:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, desc=desc, unit="gen", dynamic_ncols=True)
 
-    def step(self, label: str) -> None:
+    def step(self, label: str, tokens: int = 0) -> None:
         if self.bar is not None:
-            self.bar.set_postfix_str(label, refresh=False)
+            self.tokens += tokens
+            self.bar.set_postfix_str(f"{self.tokens} tokens, {label}", refresh=False)
             self.bar.update(1)
 
     def close(self) -> None:
@@ -381,15 +414,21 @@ def prepare(cfg: ExperimentConfig):
     Returns:
         ``(cfg, arch, partition, tokenizer | None, prompts)``.
     Raises:
-        ConfigError and the prompt loaders' errors.
+        ConfigError and the prompt loaders' errors (an empty prompt set before the model is resolved).
     """
+    from spd_ds.models.adapter import is_random_model_dir
+
     cfg = resolve_model_name(cfg)
+    # the prompt records first: an empty or missing set fails before any model is fetched or loaded
+    sets = load_eval_records(cfg, tokenizer_free=is_random_model_dir(cfg.model.name))
     arch = builder.build_arch(cfg)
     part = builder.build_partition(cfg, arch)
     tok = None if getattr(arch, "random_weights", False) else builder.load_tokenizer(arch)
     if cfg.decoding.eos_token_ids is None:
         cfg.decoding.eos_token_ids = [] if tok is None else builder.eos_token_ids(cfg, arch, tok)
-    prompts = load_eval_prompts(cfg, tok, arch.vocab_size)
+    if tok is None and any(recs is not None for _, recs in sets):
+        load_eval_records(cfg, tokenizer_free=True)  # raises the one-line error for the first named set
+    prompts = encode_eval_prompts(cfg, sets, tok, arch.vocab_size)
     if not prompts:
         raise ConfigError("no prompts: check eval.prompt_sets and data.num_prompts")
     if cfg.eval.fit_max_length:
@@ -399,6 +438,12 @@ def prepare(cfg: ExperimentConfig):
 
 def _warm(prompts: list[EvalPrompt], k: int) -> list[EvalPrompt]:
     return [prompts[i % len(prompts)] for i in range(max(0, k))]
+
+
+def _requests(num_warm: int, num_prompts: int) -> list[int]:
+    """Request index (sampling key, :mod:`spd_ds.decoding.sampling`) of each generation of ``warm + prompts``:
+    prompt ``i`` is request ``i``; warm-up prompt ``j`` repeats prompt ``j % num_prompts`` and its request."""
+    return [j % num_prompts for j in range(num_warm)] + list(range(num_prompts))
 
 
 def _baseline_indices(cfg: ExperimentConfig, prompts: list[EvalPrompt]) -> list[int]:
@@ -451,7 +496,7 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
 
     methods: dict[str, MethodRun] = {}
     if engine == "deepspeed":
-        if not _run_distributed(cfg, arch, part, prompts, variants, methods):
+        if not _run_distributed(cfg, arch, part, prompts, variants, methods, progress):
             return None
         run = EvalRun(cfg, engine, arch, part, prompts, methods, tok, None, str(_local_device(cfg)))
     else:
@@ -500,16 +545,17 @@ def _run_reference(cfg, part, target, prompts, variants, methods, bar) -> None:
     sampling = builder.sampling_params(cfg)
     eos, max_len, max_new = cfg.decoding.eos_token_ids, cfg.decoding.max_length, cfg.decoding.max_new_tokens
     device = target.device
-    references: dict[tuple[int, ...], list[int]] = {}  # oracle source: prompt + AR continuation (untimed)
+    references: dict[tuple, list[int]] = {}  # oracle source: prompt + AR continuation (untimed)
 
-    def reference_of(ids: list[int]) -> list[int]:
-        key = tuple(ids)
+    def reference_of(ids: list[int], request: int) -> list[int]:
+        key = (request, tuple(ids))
         if key not in references:
-            ar = ARDecoder(target, sampling, eos, max_len)
+            ar = ARDecoder(target, sampling.for_request(request), eos, max_len)
             references[key] = list(ids) + ar.generate(ids, max_new + part.num_stages).tokens
         return references[key]
 
     warm = _warm(prompts, cfg.eval.warmup_prompts)
+    requests = _requests(len(warm), len(prompts))
     for v in variants:
         vt = target_view(target, builder.build_partition(v.cfg, target.arch))
         head = None
@@ -520,17 +566,20 @@ def _run_reference(cfg, part, target, prompts, variants, methods, bar) -> None:
         run = methods[v.name] = MethodRun(v.name, "spd", part.num_stages, v.description + ", reference decoder")
         for j, p in enumerate(warm + prompts):
             i = j - len(warm)
+            dec.sampling = sampling.for_request(requests[j])
             if v.alpha is not None:
-                dec.drafter = builder.build_drafter(v.cfg, None, target.arch, device, reference=reference_of(p.ids))
+                dec.drafter = builder.build_drafter(v.cfg, None, target.arch, device,
+                                                    reference=reference_of(p.ids, requests[j]))
             res, wall = timed_generate(dec.generate, p.ids, max_new, device)
             if i >= 0:
                 run.results[i], run.wall_s[i] = res, wall
-            bar.step(f"{v.name} {p.prompt_set}/{p.question_id}")
+            bar.step(f"{v.name} {p.prompt_set}/{p.question_id}", len(res.tokens))
         del dec, head, base
         gc.collect()
 
 
 def _run_baselines(cfg, target, prompts, methods, bar) -> None:
+    from spd_ds.decoding.sampling import SamplingParams
     from spd_ds.eval.baselines import BaselineContext, build_baseline
 
     if not cfg.eval.baselines:
@@ -539,6 +588,11 @@ def _run_baselines(cfg, target, prompts, methods, bar) -> None:
                           cfg.decoding.max_length, cfg.model.attn_implementation)
     idx = _baseline_indices(cfg, prompts)
     warm = _warm([prompts[i] for i in idx], cfg.eval.warmup_prompts)
+
+    def use_request(base, request: int) -> None:  # the prompt's sampling key, as SPD's (T > 0)
+        if isinstance(getattr(base, "sampling", None), SamplingParams):
+            base.sampling = ctx.sampling.for_request(request)
+
     for name in cfg.eval.baselines:
         base = build_baseline(name, ctx)
         graphed = getattr(base, "graphed", None)
@@ -547,13 +601,15 @@ def _run_baselines(cfg, target, prompts, methods, bar) -> None:
                 "ar_graph": "static KV cache + CUDA graph per token" if graphed else
                             "static KV cache, eager (no CUDA graph on this device)"}.get(name, type(base).__name__)
         run = methods[name] = MethodRun(name, "baseline", 1, desc)
-        for p in warm:
-            timed_generate(base.generate, p.ids, cfg.decoding.max_new_tokens, target.device)
-            bar.step(f"{name} warm-up")
+        for j, p in enumerate(warm):
+            use_request(base, idx[j % len(idx)])
+            res, _ = timed_generate(base.generate, p.ids, cfg.decoding.max_new_tokens, target.device)
+            bar.step(f"{name} warm-up", len(res.tokens))
         for i in idx:
+            use_request(base, i)
             res, wall = timed_generate(base.generate, prompts[i].ids, cfg.decoding.max_new_tokens, target.device)
             run.results[i], run.wall_s[i] = res, wall
-            bar.step(f"{name} {prompts[i].prompt_set}/{prompts[i].question_id}")
+            bar.step(f"{name} {prompts[i].prompt_set}/{prompts[i].question_id}", len(res.tokens))
         del base
         gc.collect()
         if target.device.type == "cuda":
@@ -573,11 +629,11 @@ def _import_engine():
 
 def _oracle_factory(variants: list[_Variant], prompts: list[list[int]], arch):
     """One drafter factory serving several oracle alphas in one pipeline session: generation ``g`` (in call order)
-    belongs to variant ``g // len(prompts)``; the AR reference of each prompt is computed once."""
+    belongs to variant ``g // len(prompts)``; the AR reference of each prompt (and request) is computed once."""
     from spd_ds.decoding.drafters import OracleDrafter
 
     state = {"g": 0}
-    refs: dict[tuple[int, ...], list[int]] = {}
+    refs: dict[int, list[int]] = {}
 
     def make(head, prompt, ar_reference):  # noqa: ARG001 - the oracle needs no head
         g = state["g"]
@@ -586,7 +642,7 @@ def _oracle_factory(variants: list[_Variant], prompts: list[list[int]], arch):
         if list(prompt) != list(prompts[g % len(prompts)]):
             raise RuntimeError("oracle drafter factory called out of order (the engine generated prompts in another "
                                "order than given)")
-        key = tuple(prompt)
+        key = g % len(prompts)  # same prompt, same request: same AR reference
         if key not in refs:
             refs[key] = list(ar_reference())
         return OracleDrafter(refs[key], v.alpha, None, arch.vocab_size, seed=v.cfg.decoding.seed + 7)
@@ -594,8 +650,9 @@ def _oracle_factory(variants: list[_Variant], prompts: list[list[int]], arch):
     return make
 
 
-def _run_distributed(cfg, arch, part, prompts, variants, methods) -> bool:
-    """SPD variants through the pipeline engine (every rank). Returns whether this is the head rank."""
+def _run_distributed(cfg, arch, part, prompts, variants, methods, progress: bool = False) -> bool:
+    """SPD variants through the pipeline engine (every rank; ``progress``: a tqdm line on the head rank). Returns
+    whether this is the head rank."""
     import torch.distributed as dist
 
     run_distributed_inference = _import_engine()
@@ -608,6 +665,8 @@ def _run_distributed(cfg, arch, part, prompts, variants, methods) -> bool:
     warm = _warm(prompts, cfg.eval.warmup_prompts)
     ids = [p.ids for p in warm + prompts]
     max_new = cfg.decoding.max_new_tokens
+    requests = _requests(len(warm), len(prompts))
+    bar = _Progress(len(variants) * len(ids), progress and head_rank, "spd")
     try:
         oracle = [v for v in variants if v.alpha is not None]
         groups: list[tuple[list[_Variant], ExperimentConfig, object]] = []
@@ -619,8 +678,15 @@ def _run_distributed(cfg, arch, part, prompts, variants, methods) -> bool:
         for vs, c, factory in groups:
             t = time.perf_counter()
             kw = {"drafter_factory": factory} if factory is not None else {}
-            out = run_distributed_inference(c, ids * len(vs), max_new, **kw)
-            log.info("pipeline session for %s: %.1f s", [v.name for v in vs], time.perf_counter() - t)
+            names = [v.name for v in vs]
+
+            def step(kind, index, res, names=names):  # noqa: ARG001 - progress only
+                if res is not None:
+                    bar.step(names[index // len(ids)], len(res.tokens))
+
+            out = run_distributed_inference(c, ids * len(vs), max_new, requests=requests * len(vs),
+                                            on_generation=step, **kw)
+            log.info("pipeline session for %s: %.1f s", names, time.perf_counter() - t)
             if out is None:
                 continue
             for k, v in enumerate(vs):
@@ -631,6 +697,7 @@ def _run_distributed(cfg, arch, part, prompts, variants, methods) -> bool:
                 for i, res in enumerate(chunk):
                     run.results[i] = res
     finally:
+        bar.close()
         if created and dist.is_initialized():
             dist.destroy_process_group()
     gc.collect()

@@ -3,14 +3,68 @@
 At batch 1 a decode step reads every weight once, so ``bytes per token / HBM bandwidth`` is its floor (gpt-fast
 reports achieved GB/s = bytes per token x tokens/s). The bytes counted are the decoder layers, the final norm and
 the LM head; the embedding table is not counted (one row is read), except as the LM head when the two are tied.
+Achieved GB/s and the fraction of the memory bandwidth are reported on GPUs only, against that GPU's own figure
+(:func:`device_bandwidth`): a CPU run has no HBM to compare with.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Sequence
 
 import torch
+
+# Memory bandwidth of known GPUs in GB/s (1e9 bytes/s): (regular expression on torch.cuda.get_device_name, GB/s,
+# where the figure comes from); the first match wins. The H200's is the copy bandwidth measured on the project's
+# machine (DESIGN.md), the others are NVIDIA's datasheet peaks.
+GPU_BANDWIDTH_GBPS: tuple[tuple[str, float, str], ...] = (
+    (r"\bH200\b", 4270.0, "copy bandwidth measured on one H200 (DESIGN.md; datasheet 4800)"),
+    (r"\bH100\b.*\bPCIe\b", 2000.0, "NVIDIA datasheet, H100 PCIe"),
+    (r"\bH100\b.*\bNVL\b", 3900.0, "NVIDIA datasheet, H100 NVL"),
+    (r"\bH100\b", 3350.0, "NVIDIA datasheet, H100 SXM"),
+    (r"\bA100\b.*80GB.*PCIe", 1935.0, "NVIDIA datasheet, A100 80GB PCIe"),
+    (r"\bA100\b.*80GB", 2039.0, "NVIDIA datasheet, A100 80GB SXM"),
+    (r"\bA100\b", 1555.0, "NVIDIA datasheet, A100 40GB"),
+    (r"\bL40S\b", 864.0, "NVIDIA datasheet, L40S"),
+    (r"\bL4\b", 300.0, "NVIDIA datasheet, L4"),
+    (r"\bA10G?\b", 600.0, "NVIDIA datasheet, A10"),
+    (r"\bV100\b", 900.0, "NVIDIA datasheet, V100"),
+)
+
+
+def known_bandwidth(device_name: str) -> tuple[float, str] | None:
+    """``(GB/s, source)`` of a GPU by its name (``torch.cuda.get_device_name``), or ``None`` if not in
+    :data:`GPU_BANDWIDTH_GBPS`."""
+    for pattern, gbps, source in GPU_BANDWIDTH_GBPS:
+        if re.search(pattern, device_name):
+            return gbps, source
+    return None
+
+
+def device_bandwidth(device: str, override_gbps: float | None = None) -> dict | None:
+    """The memory bandwidth the % HBM column is measured against, for the device a run used.
+
+    Args:
+        device: the run's device (``"cpu"``, ``"cuda:0"``).
+        override_gbps: ``eval.hbm_gbps`` (GB/s per device), or ``None`` for the GPU's figure from
+            :data:`GPU_BANDWIDTH_GBPS`.
+    Returns:
+        ``None`` off GPU (no bandwidth column there), else ``{"device_name", "gbps", "source"}``; ``gbps`` is
+        ``None`` for a GPU not in the table and no override.
+    """
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return None
+    try:
+        name = torch.cuda.get_device_name(torch.device(device))
+    except (RuntimeError, AssertionError):
+        name = "unknown GPU"
+    if override_gbps:
+        return {"device_name": name, "gbps": float(override_gbps), "source": "eval.hbm_gbps"}
+    known = known_bandwidth(name)
+    if known is None:
+        return {"device_name": name, "gbps": None, "source": "not a known GPU: set eval.hbm_gbps"}
+    return {"device_name": name, "gbps": known[0], "source": known[1]}
 
 
 def weight_bytes_per_token(arch, dtype: torch.dtype) -> int:

@@ -178,20 +178,59 @@ class TargetArch:
         return torch.stack(parts)
 
     def fingerprint(self) -> str:
-        """A short id of the base model: architecture numbers plus a hash of the first embedding rows."""
+        """A short id of the base model's weights (version :data:`FINGERPRINT_VERSION`), 16 hex digits.
+
+        SHA-256 over the architecture numbers (model type, layers, hidden size, vocabulary, tied LM head), the rows
+        :func:`fingerprint_rows` of the embedding and of the LM head (when untied), spread over the whole vocabulary
+        with the first and the last row included, and the whole final norm, all as fp32 bytes. Reads
+        ``2 * FINGERPRINT_ROWS`` rows and one vector, so every rank can afford it before any collective; a model that
+        differs only in rows that are not sampled (and nowhere else that is hashed) is not told apart. Random-weight
+        shapes hash their generator's identity instead of rows. Computed once per :class:`TargetArch`.
+        """
+        if getattr(self, "_fingerprint", None) is None:
+            h = hashlib.sha256()
+            c = self.config
+            h.update(json.dumps([f"spd-fingerprint-v{FINGERPRINT_VERSION}", c.model_type, self.num_layers,
+                                 self.hidden_size, self.vocab_size, self.tied_embeddings]).encode())
+            if isinstance(self._weights, RandomWeights):  # the generator's identity instead of sampled rows
+                h.update(self._weights.identity())
+            else:
+                idx = fingerprint_rows(self.vocab_size)
+                names = ["model.embed_tokens.weight"] + ([] if self.tied_embeddings else ["lm_head.weight"])
+                for name in names:
+                    h.update(self._weights.rows(name, idx).to(torch.float32).contiguous().numpy().tobytes())
+                h.update(self._weights.get("model.norm.weight").to(torch.float32).contiguous().numpy().tobytes())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def legacy_fingerprint(self) -> str:
+        """The version-1 fingerprint (architecture numbers and the first 8 embedding rows only), which heads saved
+        before :data:`FINGERPRINT_VERSION` 2 carry; it cannot tell models apart that differ from row 8 on."""
         h = hashlib.sha256()
         c = self.config
         h.update(json.dumps([c.model_type, self.num_layers, self.hidden_size, self.vocab_size]).encode())
-        if isinstance(self._weights, RandomWeights):  # the generator's identity instead of sampled rows
+        if isinstance(self._weights, RandomWeights):
             h.update(self._weights.identity())
         else:
-            emb = self._weights.get("model.embed_tokens.weight")[:8].to(torch.float32).contiguous()
+            emb = self._weights.rows("model.embed_tokens.weight", list(range(8))).to(torch.float32).contiguous()
             h.update(emb.numpy().tobytes())
         return h.hexdigest()[:16]
 
     def new_cache(self, layer_ids: Iterable[int], max_len: int, dtype: torch.dtype, device) -> StageKVCache:
         """A :class:`StageKVCache` for the given layers of this architecture."""
         return StageKVCache(layer_ids, self.num_kv_heads, self.head_dim, max_len, dtype, device)
+
+
+FINGERPRINT_VERSION = 2  # of TargetArch.fingerprint; head checkpoints record it (``fingerprint_version``)
+FINGERPRINT_ROWS = 64  # rows of the embedding (and of an untied LM head) that the fingerprint hashes
+
+
+def fingerprint_rows(num_rows: int, count: int = FINGERPRINT_ROWS) -> list[int]:
+    """The row indices :meth:`TargetArch.fingerprint` hashes: ``count`` rows evenly spread over ``[0, num_rows)``,
+    the first and the last included (all rows when there are fewer)."""
+    if num_rows <= count:
+        return list(range(num_rows))
+    return sorted({round(i * (num_rows - 1) / (count - 1)) for i in range(count)})
 
 
 class _SafetensorsIndex:
@@ -214,6 +253,14 @@ class _SafetensorsIndex:
             return self._where[name].get_tensor(name)
         except KeyError:
             raise KeyError(f"tensor {name!r} not found in the checkpoint") from None
+
+    def rows(self, name: str, idx: Sequence[int]) -> torch.Tensor:
+        """Rows ``idx`` of the 2-D tensor ``name``, read one by one (not the whole tensor)."""
+        try:
+            sl = self._where[name].get_slice(name)
+        except KeyError:
+            raise KeyError(f"tensor {name!r} not found in the checkpoint") from None
+        return torch.cat([sl[i:i + 1] for i in idx])
 
 
 # ---- random weights of real shapes (systems benchmarks; no checkpoint, no tokenizer) ----------------------------
@@ -297,6 +344,10 @@ class RandomWeights:
         key = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
         g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & ((1 << 63) - 1))
         return torch.empty(shape).normal_(0.0, self.std, generator=g)
+
+    def rows(self, name: str, idx: Sequence[int]) -> torch.Tensor:
+        """Rows ``idx`` of tensor ``name`` (the whole tensor is generated)."""
+        return self.get(name)[list(idx)]
 
     def identity(self) -> bytes:
         """What the weights are a function of (for :meth:`TargetArch.fingerprint`)."""

@@ -291,14 +291,23 @@ class SPDSession:
         return self._head_drafter
 
     # ------------------------------------------------------------------ work
-    def generate(self, prompt: Sequence[int], max_new_tokens: int | None = None) -> GenerationResult:
-        """SPD generation on the head rank (see :meth:`SPDPipelineEngine.generate`)."""
+    def _use_request(self, request: int) -> None:
+        """Key the engine's uniforms by ``request`` (the prompt's index in the run; ``spd_ds.decoding.sampling``)."""
+        self.engine.sampling = self.sampling.for_request(request)
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int | None = None, request: int = 0) -> GenerationResult:
+        """SPD generation on the head rank (see :meth:`SPDPipelineEngine.generate`); ``request`` is the prompt's index
+        in the run, part of the key of its uniforms at T > 0 (the reference decoder with the same seed and request
+        draws the same tokens)."""
         max_new = max_new_tokens or self.max_new_tokens
+        self._use_request(request)
         drafter = self._drafter_for(list(prompt), max_new)
         return self.engine.generate(prompt, max_new, drafter)
 
-    def generate_ar(self, prompt: Sequence[int], max_new_tokens: int | None = None) -> GenerationResult:
-        """AR generation through the same pipeline on the head rank (same stage code and kernels as :meth:`generate`).
+    def generate_ar(self, prompt: Sequence[int], max_new_tokens: int | None = None,
+                    request: int = 0) -> GenerationResult:
+        """AR generation through the same pipeline on the head rank (same stage code and kernels as :meth:`generate`;
+        ``request`` as there).
 
         Returns:
             :class:`GenerationResult` (tokens after the prompt, the first from the prefill logits; AR metrics).
@@ -306,6 +315,7 @@ class SPDSession:
             RuntimeError: not the head rank. PromptError: empty or too long prompt. PipeCommError: a rank died or
             stalled.
         """
+        self._use_request(request)
         return self.engine.generate_ar(prompt, max_new_tokens or self.max_new_tokens)
 
     def serve(self) -> None:
@@ -342,9 +352,15 @@ class SPDSession:
                 self.engine.close_spd()
 
 
+# on_generation(kind, index, result): called on the head rank when a generation starts (result None) and when it
+# ends (its GenerationResult); kind "spd" or "ar"
+GenerationCallback = Callable[[str, int, GenerationResult], None]
+
+
 def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequence[Sequence[int]],
                               max_new_tokens: int | None = None, *,
-                              drafter_factory: DrafterFactory | None = None, with_ar: bool = False
+                              drafter_factory: DrafterFactory | None = None, with_ar: bool = False,
+                              requests: Sequence[int] | None = None, on_generation: GenerationCallback | None = None
                               ) -> list[GenerationResult] | tuple[list[GenerationResult], list[GenerationResult]] | None:
     """Generate for every prompt with SPD through DeepSpeed's pipeline engine. Call it on every rank.
 
@@ -355,6 +371,9 @@ def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequenc
         drafter_factory: see :class:`SPDSession`.
         with_ar: also decode every prompt autoregressively through the same pipeline (same stage code and kernels:
             the exactness reference on GPU, where eager single-process decoders can part at bf16 near-ties).
+        requests: request index of each prompt (its sampling key with ``decoding.seed``; default ``0, 1, ...``).
+        on_generation: progress callback ``f(kind, index, result)`` on the head rank (``kind``: ``spd`` or ``ar``;
+            ``result`` ``None`` when the generation starts).
     Returns:
         On the head rank (pipe stage 0, global rank 0) one :class:`GenerationResult` per prompt, or with ``with_ar``
         a pair ``(spd results, ar results)``; ``None`` elsewhere.
@@ -368,8 +387,20 @@ def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequenc
     try:
         if session.is_head:
             try:
-                results = [session.generate(p, max_new_tokens) for p in prompt_token_lists]
-                ar = [session.generate_ar(p, max_new_tokens) for p in prompt_token_lists] if with_ar else None
+                reqs = list(range(len(prompt_token_lists))) if requests is None else list(requests)
+                results, ar = [], [] if with_ar else None
+                for i, p in enumerate(prompt_token_lists):
+                    if on_generation is not None:
+                        on_generation("spd", i, None)
+                    results.append(session.generate(p, max_new_tokens, reqs[i]))
+                    if on_generation is not None:
+                        on_generation("spd", i, results[-1])
+                for i, p in enumerate(prompt_token_lists if with_ar else ()):
+                    if on_generation is not None:
+                        on_generation("ar", i, None)
+                    ar.append(session.generate_ar(p, max_new_tokens, reqs[i]))
+                    if on_generation is not None:
+                        on_generation("ar", i, ar[-1])
             except BaseException:
                 session.abort()
                 raise

@@ -247,6 +247,7 @@ class TokenizedData:
     dropped_long: int = 0
     truncated: int = 0
     turns_skipped: int = 0
+    max_length: int | None = None  # data.max_seq_length the examples were cut to (for the summary's explanation)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -262,11 +263,16 @@ class TokenizedData:
         return sum(valid_positions(m) for m in self.assistant_mask)
 
     def summary(self) -> str:
-        """One line: examples, tokens, loss positions and what was dropped or truncated."""
+        """One line: examples, tokens, loss positions and what was dropped or truncated, and why."""
+        limit = f"data.max_seq_length={self.max_length}" if self.max_length else "data.max_seq_length"
+        why = ""
+        if self.dropped_no_assistant:
+            why = (f" (no answer token to learn within the first {limit} tokens: a long first prompt, or answers the "
+                   "chat template hides; a larger data.max_seq_length keeps the former)")
         return (f"{len(self)} examples, {self.num_tokens} tokens, {self.num_loss_positions} loss positions; dropped "
-                f"{self.dropped_no_assistant} without assistant tokens, {self.dropped_short} short, "
-                f"{self.dropped_long} long; truncated {self.truncated}; assistant turns not located "
-                f"{self.turns_skipped}")
+                f"{self.dropped_no_assistant} conversations without assistant tokens{why}, {self.dropped_short} short "
+                f"(< data.min_seq_length), {self.dropped_long} long (> {limit}, data.overflow=drop); truncated "
+                f"{self.truncated} to {limit}; assistant turns not located {self.turns_skipped}")
 
 
 def tokenize_records(records: Sequence[dict], tokenizer, max_length: int, min_length: int = 1,
@@ -289,7 +295,7 @@ def tokenize_records(records: Sequence[dict], tokenizer, max_length: int, min_le
         raise ValueError(f"data.overflow must be 'truncate' or 'drop', got {overflow!r}")
     convs = [r["messages"] for r in records if "messages" in r]
     pre = [r for r in records if "input_ids" in r]
-    out = TokenizedData([], [])
+    out = TokenizedData([], [], max_length=max_length)
 
     def enc(batch):
         res = {"input_ids": [], "assistant_mask": [], "truncated": [], "skipped": []}

@@ -1,0 +1,168 @@
+"""spd_ds.cli: overrides anywhere on the command line, CPU threads per rank, one error line per failing rank."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spd_ds import cli
+from spd_ds.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "launch" / "configs" / "smollm2_spd.yaml"
+
+
+def launcher_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"launch_{name}", ROOT / "launch" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---------------------------------------------------------------------------------------------- item 11
+def test_overrides_before_and_after_options():
+    infer = launcher_module("infer")
+    args = infer.parse_args(["--local_rank=1", "--config", "x.yaml", "deepspeed.timeout_s=20", "--no-compare-ar",
+                             "head.placement=dedicated", "--prompt", "hi", "data.num_prompts=2"])
+    assert args.overrides == ["deepspeed.timeout_s=20", "head.placement=dedicated", "data.num_prompts=2"]
+    assert args.config == "x.yaml" and args.compare_ar is False and args.prompt == ["hi"]
+    ev = launcher_module("eval").parse_args(["a.b=1", "--strict-exact", "c.d=2", "--engine", "reference"])
+    assert ev.overrides == ["a.b=1", "c.d=2"] and ev.strict_exact and ev.engine == "reference"
+    bench = launcher_module("benchmark").parse_args(["e.f=3", "--out", "o", "g.h=4", "--suite", "c"])
+    assert bench.overrides == ["e.f=3", "g.h=4"] and bench.suite == ["c"] and bench.out == "o"
+
+
+def test_infer_takes_overrides_after_options():
+    """The issue's command line: overrides after ``--no-compare-ar`` reach the config (the unknown key proves it:
+    argparse no longer says ``unrecognized arguments``)."""
+    r = subprocess.run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "deepspeed.timeout_s=20",
+                        "--no-compare-ar", "head.placement=dedicated", "partition.stages=3"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "unrecognized arguments" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: unknown config key 'partition.stages'")
+
+
+# ---------------------------------------------------------------------------------------------- item 5
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_per_rank_unless_the_user_set_them(restore_threads):
+    env = {"LOCAL_SIZE": "2", "RANK": "1", "WORLD_SIZE": "2"}  # what `deepspeed --num_gpus 2` sets
+    assert cli.configure_cpu_threads(env, cores=8) == 4
+    assert env["OMP_NUM_THREADS"] == "4" and torch.get_num_threads() == 4
+    assert cli.configure_cpu_threads({"LOCAL_WORLD_SIZE": "3"}, cores=2) == 1  # torchrun; never below one
+    assert torch.get_num_threads() == 1
+    user = {"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}
+    assert cli.configure_cpu_threads(user, cores=8) is None and user["OMP_NUM_THREADS"] == "3"  # the user's wins
+    assert cli.configure_cpu_threads({}, cores=8) is None  # one process: torch's default
+    assert cli.local_world_size({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == 4
+
+
+# ---------------------------------------------------------------------------------------------- item 13
+def _launched(monkeypatch, rank=1, world=2):
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+
+
+def test_user_error_is_one_rank_tagged_line(monkeypatch, capsys):
+    _launched(monkeypatch)
+
+    def main(argv):
+        raise ConfigError("partition.num_stages=31 exceeds the model's 30 decoder layers")
+
+    assert cli.run_cli(main, [], user_errors=(ConfigError,)) == 2
+    err = capsys.readouterr().err
+    assert err == "error (rank 1 of 2): partition.num_stages=31 exceeds the model's 30 decoder layers\n"
+
+
+def test_other_error_under_a_launcher_is_one_line_and_a_traceback_file(monkeypatch, capsys, tmp_path):
+    _launched(monkeypatch, rank=2, world=3)
+    monkeypatch.setenv(cli.LOG_DIR_ENV, str(tmp_path))
+
+    def main(argv):
+        raise RuntimeError("rank 2 (target stage 1): receiving from rank 1 failed;\na rank died")
+
+    assert cli.run_cli(main, [], prog="infer") == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error (rank 2 of 3): RuntimeError: rank 2 (target stage 1)")
+    logs = list(tmp_path.glob("spd_ds-infer-rank2-*.log"))
+    assert len(logs) == 1 and str(logs[0]) in lines[0] and "Traceback" in logs[0].read_text()
+    monkeypatch.setenv(cli.DEBUG_ENV, "1")  # the debug switch: the traceback itself
+    with pytest.raises(RuntimeError):
+        cli.run_cli(main, [])
+
+
+def test_other_error_in_one_process_keeps_its_traceback(monkeypatch):
+    _launched(monkeypatch, rank=0, world=1)
+
+    def main(argv):
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        cli.run_cli(main, [], user_errors=(ConfigError,))
+
+
+def test_error_prefix():
+    assert cli.error_prefix("error", {}) == "error"
+    assert cli.error_prefix("train.py", {"RANK": "0", "WORLD_SIZE": "4"}) == "train.py (rank 0 of 4)"
+    assert cli.rank_and_world({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"}) == (3, 4)
+
+
+# ---------------------------------------------------------------------------------------------- item 8
+def test_benchmark_help_documents_every_flag_and_its_paths_exist():
+    import argparse
+    import re
+
+    bench = launcher_module("benchmark")
+    ap = bench.build_parser()
+    undocumented = [a.option_strings or a.dest for a in ap._actions if a.help in (None, "")]
+    assert undocumented == []
+    assert all(a.help != argparse.SUPPRESS or a.dest == "local_rank" for a in ap._actions)
+    text = ap.format_help()
+    for pattern in re.findall(r"'([\w./{}-]+\{n\}[\w./-]*)'", text):  # head patterns in the examples
+        if not pattern.startswith("runs/"):  # runs/...: the user's own training output, named as such
+            assert (ROOT / pattern.format(n=2)).is_dir(), pattern
+    assert "Needs a GPU" in text and "a c on CPU" in text
+
+
+def test_readme_commands_name_files_that_exist():
+    """Every repository path in the README's commands (configs, launchers, DeepSpeed JSON, heads) exists."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"`((?:python|deepspeed|OMP_NUM_THREADS|bash)[^`]*)`", readme)
+    commands += re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    paths = {tok for cmd in commands for tok in re.split(r"[\s=]+", cmd)
+             if re.match(r"^(launch|ds_configs|spd_ds|draft_vocab|scripts|docs)/[\w./-]+$", tok)}
+    assert paths and sorted(p for p in paths if not (ROOT / p).exists()) == []
+
+
+# ---------------------------------------------------------------------------------------------- item 5 (hostfile)
+@pytest.mark.slow
+def test_localhost_hostfile_with_the_documented_flags(tmp_path, tiny_root):
+    """README / docs/distributed.md: ``deepspeed --hostfile hosts --no_ssh_check --master_addr 127.0.0.1`` runs a
+    localhost hostfile without ssh (the launcher otherwise probes ssh for any hostfile)."""
+    from tests.test_pipe_worker import free_port, launch
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(tiny_root, "qwen3", 6)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    job = {"name": "hostfile", "model": {"type": "qwen3", "layers": 6}, "prompts": [[3, 14, 15, 92, 65]],
+           "max_new_tokens": 8, "overrides": ["partition.num_stages=2", "head.placement=colocated"]}
+    cmd = ["deepspeed", "--hostfile", str(hosts), "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port",
+           str(free_port())]
+    results, rc, log = launch(cmd, {"tiny_root": str(tiny_root), "jobs": [job]}, tmp_path, timeout=600)
+    assert rc == 0, log[-3000:]
+    assert results["hostfile"]["spd"] == results["hostfile"]["reference"]
