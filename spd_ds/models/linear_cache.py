@@ -168,6 +168,20 @@ class HybridStageCache(StageKVCache):
         """Eager mode: the lengths whose linear-attention state the ring holds (sorted), besides 0."""
         return sorted(x for x in self._slot_len if x >= 0)
 
+    def linear_state(self, layer_idx: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states of linear layer ``layer_idx`` after ``length`` tokens (default: the current length), as views of
+        the ring: ``(conv [1, conv_dim, K], recurrent [1, value_heads, key_dim, value_dim] fp32)``. Static mode does not
+        check that the slot holds that length (the device decides what is written).
+
+        Raises:
+            RollbackError: eager mode, the state is not held (or ``length`` is 0: there is no state yet).
+        """
+        length = self.length if length is None else int(length)
+        slot = length % self.slots
+        if not self.static and (length <= 0 or self._slot_len[slot] != length):
+            raise RollbackError(f"no linear-attention state after {length} tokens (held: {self.held_lengths()})")
+        return self.conv_ring[layer_idx][slot], self.rec_ring[layer_idx][slot]
+
     # ---- what transformers' linear-attention layers call ----------------------------------------
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         """Whether a forward now continues a sequence (5.5-5.17 API). Static mode: always (position 0 reads zeros)."""
