@@ -14,7 +14,8 @@ def run_stages(target, caches, ids, pos0):
     return target.ends.logits(h)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text",
+                                        "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_stages_in_turn_reproduce_hf_logits(tiny_root, model_type, n):
     from transformers import AutoModelForCausalLM
@@ -86,3 +87,31 @@ def test_partition_must_match_model(tiny_root):
     path = make_tiny_model(tiny_root, "llama", 6)
     with pytest.raises(ValueError, match="partition has 4 layers"):
         Target(TargetArch(path), StagePartition.build(4, 2), torch.float32, "cpu")
+
+
+def test_composite_checkpoint_stage_reads_only_its_language_model_layers(tiny_root, monkeypatch):
+    """A composite Qwen3.5 checkpoint (text model + vision tower): the text config drives the stages, and a stage
+    reads only its own layers' tensors (never the vision tower's)."""
+    from spd_ds.models import adapter
+    from spd_ds.models.adapter import TargetStage
+
+    arch = TargetArch(make_tiny_model(tiny_root, "qwen3_5", 8))
+    assert arch.composite and arch.config.model_type == "qwen3_5_text" and arch.hybrid
+    seen = []
+    orig = adapter._SafetensorsIndex.get
+    monkeypatch.setattr(adapter._SafetensorsIndex, "get", lambda self, n: seen.append(n) or orig(self, n))
+    TargetStage(arch, range(4, 8), torch.float32, "cpu")
+    assert seen and all(n.startswith("model.language_model.layers.") for n in seen)
+    assert {int(n.split(".")[3]) for n in seen} == {4, 5, 6, 7}
+
+
+def test_qwen3_5_layers_other_than_linear_and_full_attention_are_refused(tmp_path):
+    from transformers import AutoConfig
+
+    from tests.tiny_models import TINY
+
+    cfg = AutoConfig.for_model("qwen3_5_text", **TINY["qwen3_5_text"], num_hidden_layers=2,
+                               layer_types=["linear_attention", "sliding_attention"])
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="only full_attention and linear_attention"):
+        TargetArch(tmp_path)
