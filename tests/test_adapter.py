@@ -115,3 +115,31 @@ def test_qwen3_5_layers_other_than_linear_and_full_attention_are_refused(tmp_pat
     cfg.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="only full_attention and linear_attention"):
         TargetArch(tmp_path)
+
+
+@pytest.mark.parametrize("top_tie,text_tie", [(True, False), (False, True), (True, True)])
+def test_composite_checkpoint_ties_the_lm_head_as_its_own_model(tmp_path, top_tie, text_tie):
+    """A composite checkpoint's LM head is tied (or not) as the composite model itself decides (its top-level flag):
+    logits equal transformers' image-text-to-text model's on text input."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from tests.tiny_models import TINY, TINY_VISION
+
+    text = dict(TINY["qwen3_5_text"], num_hidden_layers=4, tie_word_embeddings=text_tie)
+    cfg = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=dict(TINY_VISION),
+                               tie_word_embeddings=top_tie)
+    torch.manual_seed(0)
+    vlm = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in vlm.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    vlm.save_pretrained(tmp_path)
+    vlm = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    arch = TargetArch(tmp_path)
+    assert arch.tied_embeddings == top_tie
+    target = Target(arch, StagePartition.build(4, 2), torch.float32, "cpu")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = vlm(input_ids=ids).logits[0]
+        torch.testing.assert_close(run_stages(target, target.new_caches(16), ids, 0)[0], want, atol=1e-5, rtol=1e-5)

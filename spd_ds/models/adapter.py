@@ -104,7 +104,8 @@ class TargetArch:
             )
         cfg._attn_implementation = attn_implementation
         self.config = cfg
-        self._tie = bool(getattr(cfg, "tie_word_embeddings", False) or getattr(top, "tie_word_embeddings", False))
+        # a composite checkpoint ties (or not) as its top-level model does; a missing lm_head.weight always ties
+        self._tie = bool(getattr(top, "tie_word_embeddings", False))
         self.max_rollback = DEFAULT_MAX_ROLLBACK if max_rollback is None else int(max_rollback)
         self._linear = frozenset(i for i, t in enumerate(layer_types) if t == "linear_attention")
         with torch.device("meta"):
@@ -325,7 +326,7 @@ def _load_config(model_dir: Path):
 
             raise UnsupportedModelError(f"{model_dir}: model_type {mt!r} needs transformers >= 5.2 "
                                         f"(installed {transformers.__version__})") from None
-        raise e
+        raise
 
 
 class TextPositionRotary(nn.Module):
