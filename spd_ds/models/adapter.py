@@ -351,6 +351,7 @@ class TextPositionRotary(nn.Module):
             super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """``x [B, q, *]`` (dtype/device only), ``position_ids [B, q]`` int64 -> ``(cos, sin)`` in ``x``'s dtype."""
         return self.inner(x, position_ids[None].expand(3, *position_ids.shape))
 
 
