@@ -47,8 +47,11 @@ def model_dir(cfg: ExperimentConfig) -> Path:
 
 
 def build_arch(cfg: ExperimentConfig) -> TargetArch:
-    """The target's :class:`TargetArch` (config + layer classes + lazy weights)."""
-    return TargetArch(model_dir(cfg), cfg.model.attn_implementation)
+    """The target's :class:`TargetArch` (config + layer classes + lazy weights). Its stage caches support rewinds of
+    up to ``n - 1`` tokens for the configured ``n`` (the linear-attention snapshot rings of hybrid targets)."""
+    p = cfg.partition
+    n = len(p.stage_layers) if p.stage_layers else (p.num_stages or 1)
+    return TargetArch(model_dir(cfg), cfg.model.attn_implementation, max_rollback=max(int(n) - 1, 0))
 
 
 def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:

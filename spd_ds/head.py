@@ -53,7 +53,9 @@ class SpeculationHead(nn.Module):
         partition: the :class:`~spd_ds.partition.StagePartition` whose anchors define ``g_0 .. g_{m-1}``.
         num_layers: ``L_s`` tower layers (>= 1).
         draft_token_ids: sorted unique target ids forming the draft vocabulary ``D`` (``None`` = full vocabulary).
-        intermediate_size: MLP width of the tower (default: the target's).
+        intermediate_size: MLP width of the tower (default: the target's; Qwen3.5-MoE targets, which have no dense
+            width, ``moe_intermediate_size x num_experts_per_tok``). The tower layers are the target family's
+            full-attention decoder layers (Qwen3.5: gated attention, partial RoPE) with a dense MLP, MoE targets too.
         init_from_target: copy the target's final norm and LM-head rows (set False when loading a checkpoint).
         lm_head_from_target: the LM head is the target's own rows at the draft ids, frozen and not stored in
             checkpoints (they are read from the target on load): a smaller file and fewer trainable parameters.
@@ -90,7 +92,8 @@ class SpeculationHead(nn.Module):
         for lin in self.aggr:
             nn.init.normal_(lin.weight, std=0.02)
         self.config = head_layer_config(arch, self.num_layers, intermediate_size)
-        self.layers = nn.ModuleList(arch.make_layer(i, self.config) for i in range(self.num_layers))
+        layer_cls = arch.head_layer_class(self.config)  # the target family's full-attention layer, dense MLP
+        self.layers = nn.ModuleList(layer_cls(self.config, layer_idx=i) for i in range(self.num_layers))
         self.rotary = arch.make_rotary(self.config)
         self.norm = arch.make_norm()
         self.lm_head = nn.Linear(H, ids.numel(), bias=False)
@@ -179,8 +182,8 @@ class SpeculationHead(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
     def new_cache(self, max_len: int, dtype: torch.dtype, device) -> StageKVCache:
-        """KV cache for the tower."""
-        return self.arch.new_cache(range(self.num_layers), max_len, dtype, device)
+        """KV cache for the tower (full-attention layers only, whatever the target's layer types)."""
+        return StageKVCache(range(self.num_layers), self.arch.num_kv_heads, self.arch.head_dim, max_len, dtype, device)
 
     # ------------------------------------------------------------------ checkpoint
     def save(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
@@ -297,6 +300,12 @@ class SpeculationHead(nn.Module):
         """
         meta = cls.read_config(path)
         cls.check_weights_file(path, meta)
+        saved_type, this_type = meta.get("base_model_type"), arch.config.model_type
+        if saved_type is not None and saved_type != this_type:
+            raise HeadMismatchError(
+                f"head {path} was trained for a {saved_type} target but {arch.model_dir} is {this_type}; "
+                f"use a head trained for {arch.model_dir}"
+            )
         legacy = meta.get("fingerprint_version", 1) < FINGERPRINT_VERSION
         mine = arch.legacy_fingerprint() if legacy else arch.fingerprint()
         if meta.get("base_model_fingerprint") != mine or meta.get("hidden_size") != arch.hidden_size:

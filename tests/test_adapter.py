@@ -14,7 +14,8 @@ def run_stages(target, caches, ids, pos0):
     return target.ends.logits(h)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text",
+                                        "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_stages_in_turn_reproduce_hf_logits(tiny_root, model_type, n):
     from transformers import AutoModelForCausalLM
@@ -86,3 +87,59 @@ def test_partition_must_match_model(tiny_root):
     path = make_tiny_model(tiny_root, "llama", 6)
     with pytest.raises(ValueError, match="partition has 4 layers"):
         Target(TargetArch(path), StagePartition.build(4, 2), torch.float32, "cpu")
+
+
+def test_composite_checkpoint_stage_reads_only_its_language_model_layers(tiny_root, monkeypatch):
+    """A composite Qwen3.5 checkpoint (text model + vision tower): the text config drives the stages, and a stage
+    reads only its own layers' tensors (never the vision tower's)."""
+    from spd_ds.models import adapter
+    from spd_ds.models.adapter import TargetStage
+
+    arch = TargetArch(make_tiny_model(tiny_root, "qwen3_5", 8))
+    assert arch.composite and arch.config.model_type == "qwen3_5_text" and arch.hybrid
+    seen = []
+    orig = adapter._SafetensorsIndex.get
+    monkeypatch.setattr(adapter._SafetensorsIndex, "get", lambda self, n: seen.append(n) or orig(self, n))
+    TargetStage(arch, range(4, 8), torch.float32, "cpu")
+    assert seen and all(n.startswith("model.language_model.layers.") for n in seen)
+    assert {int(n.split(".")[3]) for n in seen} == {4, 5, 6, 7}
+
+
+def test_qwen3_5_layers_other_than_linear_and_full_attention_are_refused(tmp_path):
+    from transformers import AutoConfig
+
+    from tests.tiny_models import TINY
+
+    cfg = AutoConfig.for_model("qwen3_5_text", **TINY["qwen3_5_text"], num_hidden_layers=2,
+                               layer_types=["linear_attention", "sliding_attention"])
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="only full_attention and linear_attention"):
+        TargetArch(tmp_path)
+
+
+@pytest.mark.parametrize("top_tie,text_tie", [(True, False), (False, True), (True, True)])
+def test_composite_checkpoint_ties_the_lm_head_as_its_own_model(tmp_path, top_tie, text_tie):
+    """A composite checkpoint's LM head is tied (or not) as the composite model itself decides (its top-level flag):
+    logits equal transformers' image-text-to-text model's on text input."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from tests.tiny_models import TINY, TINY_VISION
+
+    text = dict(TINY["qwen3_5_text"], num_hidden_layers=4, tie_word_embeddings=text_tie)
+    cfg = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=dict(TINY_VISION),
+                               tie_word_embeddings=top_tie)
+    torch.manual_seed(0)
+    vlm = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in vlm.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    vlm.save_pretrained(tmp_path)
+    vlm = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    arch = TargetArch(tmp_path)
+    assert arch.tied_embeddings == top_tie
+    target = Target(arch, StagePartition.build(4, 2), torch.float32, "cpu")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = vlm(input_ids=ids).logits[0]
+        torch.testing.assert_close(run_stages(target, target.new_caches(16), ids, 0)[0], want, atol=1e-5, rtol=1e-5)

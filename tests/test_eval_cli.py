@@ -74,8 +74,10 @@ def test_eval_cli_smollm2_prompt_sets(tmp_path, smollm2_dir):
 
 
 @pytest.mark.slow
-def test_benchmark_cli_tiny_suite_b(tmp_path):
-    shape = make_random_shape(tmp_path)
+@pytest.mark.parametrize("family", ["llama", "random:qwen3.5-tiny"])
+def test_benchmark_cli_tiny_suite_b(tmp_path, family):
+    """Suite b on CPU; ``random:qwen3.5-tiny`` is the debug flavour of ``random:qwen3.5-4b`` (the GPU row's shape)."""
+    shape = family if family.startswith("random:") else make_random_shape(tmp_path, family)
     p = run(["launch/benchmark.py", "--suite", "b", "--model-b", str(shape), "--alphas", "1", "0.5",
              "--num-prompts", "2", "--max-new-tokens", "10", "--out", str(tmp_path / "bench"),
              "eval.random_prompt_lengths=[6]", "eval.progress=false"])
@@ -88,6 +90,10 @@ def test_benchmark_cli_tiny_suite_b(tmp_path):
     assert "not reported on cpu (GPU runs only)" in table
     rows = json.loads((tmp_path / "bench" / "benchmark.json").read_text())["speed"]
     assert rows[0][2] == "spd_oracle_1" and rows[0][6] == pytest.approx(2.0)  # eq. accept length at alpha 1, n=2
+    import re
+
+    same = re.findall(r"spd_oracle_\S+ vs (\w+): (\d+)/(\d+) prompts identical", p.stdout)
+    assert {b for b, _, _ in same} == {"ar_graph", "hf_generate", "ar"} and all(x == y for _, x, y in same), p.stdout
 
 
 @pytest.mark.slow

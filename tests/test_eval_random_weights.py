@@ -48,8 +48,11 @@ def make_random_shape(root: Path, model_type: str = "llama", seed: int = 0, std:
 def test_committed_shapes_have_the_public_parameter_counts():
     from transformers import AutoModelForCausalLM
 
-    assert {"qwen3-4b", "llama-3.1-8b", "smollm2-135m"} <= set(random_shapes())
-    want = {"qwen3-4b": 4.022e9, "llama-3.1-8b": 8.030e9, "smollm2-135m": 0.1345e9}
+    assert {"qwen3-4b", "llama-3.1-8b", "smollm2-135m", "qwen3.5-4b", "qwen3.5-moe"} <= set(random_shapes())
+    # qwen3.5-4b: the text model of Qwen/Qwen3.5-4B (its vision tower is not part of the shape); qwen3.5-moe: 24
+    # layers of Qwen3.5-35B-A3B's layout with 32 experts (a small MoE of the real layout)
+    want = {"qwen3-4b": 4.022e9, "llama-3.1-8b": 8.030e9, "smollm2-135m": 0.1345e9, "qwen3.5-4b": 4.206e9,
+            "qwen3.5-moe": 4.281e9}
     for name, n in want.items():
         arch = TargetArch(f"random:{name}")
         assert arch.random_weights and is_random_model_dir(arch.model_dir)
@@ -60,6 +63,11 @@ def test_committed_shapes_have_the_public_parameter_counts():
     rope = getattr(cfg, "rope_parameters", None) or cfg.rope_scaling
     assert rope["rope_type"] == "llama3" and rope.get("rope_theta", getattr(cfg, "rope_theta", None)) == 500000.0
     assert TargetArch("random:qwen3-4b").config.head_dim == 128
+    q = TargetArch("random:qwen3.5-4b")
+    assert q.hybrid and q.tied_embeddings and [i for i in range(32) if not q.is_linear(i)] == list(range(3, 32, 4))
+    assert q.config.rope_parameters["partial_rotary_factor"] == 0.25 and q.config.head_dim == 256
+    m = TargetArch("random:qwen3.5-moe")
+    assert m.num_layers == 24 and m.config.num_experts == 32 and m.config.num_experts_per_tok == 8
     with pytest.raises(ValueError, match="known: random:"):
         random_model_dir("random:nope-1b")
 
@@ -94,6 +102,16 @@ def test_weights_are_seeded_per_tensor_and_stage_local(tmp_path, monkeypatch):
     assert layers == {2, 3}
 
 
+def test_zero_centred_norms_are_generated_as_their_identity():
+    """Qwen3.5's RMSNorms scale by ``1 + w`` (identity: zeros), its gated norm by ``w`` (identity: ones)."""
+    a = TargetArch("random:qwen3.5-tiny")
+    for name in ("model.layers.0.input_layernorm.weight", "model.layers.3.self_attn.q_norm.weight", "model.norm.weight"):
+        assert torch.equal(a.load_tensor(name), torch.zeros_like(a.load_tensor(name))), name
+    assert torch.equal(a.load_tensor("model.layers.0.linear_attn.norm.weight"), torch.ones(16))
+    b = TargetArch("random:smollm2-135m")  # other families: unchanged (ones), so are their fingerprints
+    assert not b._weights.zero_norms and torch.equal(b.load_tensor("model.norm.weight"), torch.ones(576))
+
+
 def test_hf_generate_baseline_uses_the_target_weights(tmp_path):
     from spd_ds.decoding.ar import ARDecoder
     from spd_ds.eval.baselines import BaselineContext, build_baseline
@@ -108,3 +126,10 @@ def test_hf_generate_baseline_uses_the_target_weights(tmp_path):
         got = hf.generate(prompt, 16)
         assert got.tokens == want, mt
         assert got.metrics.num_new_tokens == 16 and got.metrics.decode_s > 0
+    for shape in ("qwen3.5-tiny", "qwen3.5-moe-tiny"):  # hybrid shapes: transformers' own cache and generate
+        arch = TargetArch(f"random:{shape}")
+        target = Target(arch, StagePartition.build(8, 2), torch.float32, "cpu")
+        hf = build_baseline("hf_generate", BaselineContext(target, SamplingParams(), [], 128))
+        prompt = [5, 17, 33, 2, 60, 61]
+        want = ARDecoder(target, eos_token_ids=[], max_len=128).generate(prompt, 16).tokens
+        assert hf.generate(prompt, 16).tokens == want, shape

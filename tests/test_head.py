@@ -167,3 +167,63 @@ def test_damaged_head_weights_are_a_one_line_error(arch, tmp_path, damage):
     assert "\n" not in msg and "head.safetensors" in msg and ("damaged" in msg or "does not match" in msg)
     with pytest.raises(HeadCheckpointError):
         SpeculationHead.load(tmp_path / "h", arch)
+
+
+# ---------------------------------------------------------------------------------------------------- Qwen3.5 heads
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_5"])
+def test_qwen3_5_head_tower_is_a_gated_attention_layer_with_a_dense_mlp(tiny_root, tmp_path, family):
+    arch = TargetArch(make_tiny_model(tiny_root, family, 8))
+    part = StagePartition.build(8, 4)
+    head = SpeculationHead(arch, part, num_layers=2, draft_token_ids=list(range(0, 96, 2)))
+    cfg = arch.config
+    for layer in head.layers:
+        assert type(layer).__name__ == "Qwen3_5DecoderLayer"  # the dense family's class, MoE targets too
+        assert not hasattr(layer, "linear_attn") and hasattr(layer.mlp, "gate_proj")
+        assert layer.self_attn.q_proj.out_features == 2 * cfg.num_attention_heads * cfg.head_dim  # output gate
+    want = cfg.intermediate_size if family != "qwen3_5_moe_text" else cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    assert head.layers[0].mlp.gate_proj.out_features == want
+    feats = torch.randn(5, part.num_types, arch.hidden_size)
+    out = head.logits(head.tower(head.aggregate(feats, [4, 3, 2, 1, 0])[None], torch.arange(5)))
+    assert out.shape == (1, 5, 48) and torch.isfinite(out).all()
+    head.save(tmp_path / "h")
+    meta = json.loads((tmp_path / "h" / "head_config.json").read_text())
+    assert meta["base_model_type"] == cfg.model_type and meta["base_model_fingerprint"] == arch.fingerprint()
+    back = SpeculationHead.load(tmp_path / "h", arch)
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), back.state_dict().values()))
+
+
+@pytest.mark.parametrize("head_family,target_family", [("qwen3_5_text", "qwen3"), ("qwen3", "qwen3_5_text"),
+                                                       ("qwen3_5_text", "qwen3_5_moe_text")])
+def test_head_of_another_family_is_refused_in_one_line(tiny_root, tmp_path, head_family, target_family):
+    a = TargetArch(make_tiny_model(tiny_root, head_family, 8))
+    b = TargetArch(make_tiny_model(tiny_root, target_family, 8))
+    SpeculationHead(a, StagePartition.build(8, 2)).save(tmp_path / "h")
+    with pytest.raises(HeadMismatchError, match=f"trained for a {head_family} target but .* is {target_family}") as e:
+        SpeculationHead.check_base_model(tmp_path / "h", b)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("shape", ["random:qwen3.5-4b", "random:qwen3.5-moe"])
+def test_partitions_and_head_towers_of_the_32_and_24_layer_shapes(shape):
+    """Default partitions and anchors of the real-size hybrid shapes (32 and 24 layers) for n = 2..8, every stage's
+    cache (built on the meta device) and the head tower's layer (a gated full-attention layer, dense MLP)."""
+    from spd_ds.models.adapter import head_layer_config
+    from spd_ds.models.linear_cache import HybridStageCache
+
+    arch = TargetArch(shape)
+    L = arch.num_layers
+    assert L == (32 if shape.endswith("4b") else 24)
+    for n in range(2, 9):
+        part = StagePartition.build(L, n)
+        assert part.anchors[0] == 0 and part.anchors[-1] == L and set(part.depth_to_type) == set(range(part.num_types))
+        linear = 0
+        for s in range(n):
+            c = arch.new_cache(part.stage_range(s), 8, torch.bfloat16, "meta", max_rollback=n - 1)
+            lin = [i for i in part.stage_range(s) if arch.is_linear(i)]
+            linear += len(lin)
+            assert (isinstance(c, HybridStageCache) and c.linear_layer_ids == lin and c.slots == n) or not lin
+        assert linear == 3 * L // 4
+    cfg = head_layer_config(arch, 1)
+    with torch.device("meta"):
+        layer = arch.head_layer_class(cfg)(cfg, layer_idx=0)
+    assert hasattr(layer, "self_attn") and hasattr(layer.mlp, "gate_proj") and not hasattr(layer, "linear_attn")

@@ -4,7 +4,9 @@ Each world size is one ``deepspeed --num_gpus N`` launch running several jobs (t
 head rank also runs the single-process reference and AR decoders on the same config after the distributed run.
 Matrix: n = 1, 2, 3 stages; co-located and dedicated head; T = 0 and T > 0; the untrained head (every draft
 rejected: rollbacks) and the oracle over the head (accepts and rollbacks); an EOS accepted while drafts are in
-flight; static KV caches (the GPU path, eager on CPU); SmolLM2-135M-Instruct; a one-process run.
+flight; static KV caches (the GPU path, eager on CPU); SmolLM2-135M-Instruct; a one-process run. Hybrid Qwen3.5
+targets (dense and MoE, linear-attention states rolled back by the stage caches) at n = 2, 3, 4 in both placements,
+greedy (equal to transformers' ``generate``) and at T > 0 (equal to the reference decoder), eager and static caches.
 """
 
 from __future__ import annotations
@@ -25,10 +27,52 @@ P1, P2 = [3, 14, 15, 92, 65], [7, 8, 9]
 T1 = ["decoding.temperature=0.35", "decoding.top_k=20", "decoding.top_p=0.95", "decoding.seed=5"]
 
 
-def job(name, n, placement, prompts=(P1,), max_new=20, overrides=(), **kw):
-    return dict(name=name, model=TINY, prompts=list(prompts), max_new_tokens=max_new,
+Q35 = {"type": "qwen3_5_text", "layers": 8}
+Q35M = {"type": "qwen3_5_moe_text", "layers": 8}
+
+
+def job(name, n, placement, prompts=(P1,), max_new=20, overrides=(), model=TINY, **kw):
+    return dict(name=name, model=model, prompts=list(prompts), max_new_tokens=max_new,
                 overrides=[f"partition.num_stages={n}", f"head.placement={placement}", "deepspeed.timeout_s=60",
                            *overrides], **kw)
+
+
+def hybrid_jobs(specs):
+    """Qwen3.5 jobs ``(name, n, placement, model, kind)``: kind ``greedy`` = oracle over the head at alpha 0.6 with AR
+    through the pipe; ``T1`` = sampling; ``static`` = greedy on the static-cache path."""
+    out = []
+    for name, n, placement, model, kind in specs:
+        if kind == "T1":
+            out.append(job(name, n, placement, max_new=24, overrides=T1, drafter="oracle_head", alpha=0.8, model=model))
+        else:
+            ov = ["deepspeed.static_cache=true"] if kind == "static" else []
+            out.append(job(name, n, placement, max_new=24, drafter="oracle_head", alpha=0.6, ar=True, model=model,
+                           overrides=ov))
+    return out
+
+
+def hf_greedy(tiny_root, spec, prompt, max_new):
+    """transformers' own greedy ``generate`` of the tiny model ``spec``."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_models import make_tiny_model
+
+    path = make_tiny_model(tiny_root, spec["type"], spec["layers"], seed=spec.get("seed", 0))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)[0, len(prompt):].tolist()
+
+
+def check_hybrid(res, tiny_root, names):
+    """Greedy Qwen3.5 jobs equal the reference decoder, AR through the pipe and transformers' generate; sampled ones
+    equal the reference decoder (same seed)."""
+    for name in names:
+        r = res[name]
+        greedy = "T1" not in name
+        check(r, accepts=greedy, greedy=greedy)  # T > 0: the oracle proposes AR's samples, rarely accepted once apart
+        if greedy:
+            spec = Q35M if name.startswith("q35m") else Q35
+            assert r["spd"][0] == hf_greedy(tiny_root, spec, P1, 24), name
 
 
 def check(res, *, rollbacks=True, accepts=False, greedy=True, cycles=True):
@@ -53,12 +97,25 @@ def check(res, *, rollbacks=True, accepts=False, greedy=True, cycles=True):
 def run_world(tmp_path, tiny_root, world, jobs, timeout=600, cmd=None):
     from tests.tiny_models import make_tiny_model
 
-    make_tiny_model(tiny_root, "qwen3", 6)  # created here: ranks must not race to write it
+    make_tiny_model(tiny_root, "qwen3", 6)  # created here: ranks must not race to write them
+    for j in jobs:
+        if isinstance(j.get("model"), dict):
+            make_tiny_model(tiny_root, j["model"]["type"], j["model"]["layers"], seed=j["model"].get("seed", 0))
     cmd = cmd or (deepspeed_cmd(world) if world > 1 else [sys.executable])
     results, rc, log = launch(cmd, {"tiny_root": str(tiny_root), "jobs": jobs}, tmp_path, timeout)
     assert rc == 0, log[-4000:]
     assert set(results) == {j["name"] for j in jobs}, log[-4000:]
     return results
+
+
+# Qwen3.5 (dense Q35, MoE Q35M): n = 2, 3, 4 co-located, n = 2, 3 dedicated, greedy / T > 0 / static caches
+HYBRID_W2 = [("q35_colo2", 2, "colocated", Q35, "greedy"), ("q35m_colo2", 2, "colocated", Q35M, "greedy"),
+             ("q35_colo2_static", 2, "colocated", Q35, "static"), ("q35_colo2_T1", 2, "colocated", Q35, "T1")]
+HYBRID_W3 = [("q35_colo3", 3, "colocated", Q35, "greedy"), ("q35m_colo3", 3, "colocated", Q35M, "greedy"),
+             ("q35_ded2", 2, "dedicated", Q35, "greedy"), ("q35m_ded2", 2, "dedicated", Q35M, "greedy"),
+             ("q35m_ded2_T1", 2, "dedicated", Q35M, "T1")]
+HYBRID_W4 = [("q35_colo4", 4, "colocated", Q35, "greedy"), ("q35m_colo4", 4, "colocated", Q35M, "greedy"),
+             ("q35m_ded3_static", 3, "dedicated", Q35M, "static"), ("q35_ded3_T1", 3, "dedicated", Q35, "T1")]
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +143,7 @@ def world2(tmp_path_factory, tiny_root):
             overrides=["model.dtype=bfloat16", "deepspeed.static_cache=true"]),
         job("colo2_bf16_static_head", 2, "colocated", prompts=(P1, P2), max_new=48, ar=True, reference=False,
             head_drafter="static", overrides=["model.dtype=bfloat16", "deepspeed.static_cache=true"]),
+        *hybrid_jobs(HYBRID_W2),
     ]
     port = free_port()
     res = run_world(tmp_path_factory.mktemp("w2"), tiny_root, 2, jobs,
@@ -108,6 +166,7 @@ def world3(tmp_path_factory, tiny_root, smollm2_prompts):
                  alpha=0.8, ar=True, overrides=["decoding.max_length=128"]), model="smollm2"),
         dict(job("smol_colo3_T1", 3, "colocated", prompts=smollm2_prompts[4:5], max_new=12,
                  overrides=["decoding.max_length=160", *T1]), model="smollm2"),
+        *hybrid_jobs(HYBRID_W3),
     ]
     return run_world(tmp_path_factory.mktemp("w3"), tiny_root, 3, jobs, timeout=900)
 
@@ -117,6 +176,7 @@ def world4(tmp_path_factory, tiny_root):
     jobs = [
         job("ded3_oracle", 3, "dedicated", max_new=24, drafter="oracle_head", alpha=0.7, ar=True),
         job("ded3_T1", 3, "dedicated", max_new=24, overrides=T1),
+        *hybrid_jobs(HYBRID_W4),
     ]
     return run_world(tmp_path_factory.mktemp("w4"), tiny_root, 4, jobs)
 
@@ -260,6 +320,19 @@ def test_dedicated_n3_oracle(world4):
 
 def test_dedicated_n3_sampling_head(world4):
     check(world4["ded3_T1"], greedy=False)
+
+
+# ---------------------------------------------------------------------------------------------------- Qwen3.5
+def test_qwen3_5_two_stages_colocated(world2, tiny_root):
+    check_hybrid(world2, tiny_root, [j[0] for j in HYBRID_W2])
+
+
+def test_qwen3_5_three_ranks(world3, tiny_root):
+    check_hybrid(world3, tiny_root, [j[0] for j in HYBRID_W3])
+
+
+def test_qwen3_5_four_ranks(world4, tiny_root):
+    check_hybrid(world4, tiny_root, [j[0] for j in HYBRID_W4])
 
 
 # ---------------------------------------------------------------------------------------------------- one process

@@ -10,9 +10,10 @@ from spd_ds.partition import StagePartition
 from tests.tiny_models import make_tiny_model
 
 
-@pytest.fixture(scope="module")
-def target(tiny_root):
-    arch = TargetArch(make_tiny_model(tiny_root, "qwen3", 6))
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5_text"])
+def target(tiny_root, request):
+    """A full-attention target and a hybrid one (linear-attention states in position-indexed rings)."""
+    arch = TargetArch(make_tiny_model(tiny_root, request.param, 6))
     return Target(arch, StagePartition.build(6, 2), torch.float32, "cpu")
 
 
@@ -85,13 +86,17 @@ def test_graphs_need_cuda(target):
 
 def test_make_static_cache(target):
     c = make_static_cache(target.stages[1], 32)
-    assert c.static and c.layer_ids == [3, 4, 5] and c.keys[3].shape[2] == 32
+    assert c.static and getattr(c, "all_layer_ids", c.layer_ids) == [3, 4, 5] and c.keys[3].shape[2] == 32
+    if target.arch.hybrid:  # layers 4, 5 are linear attention: rings of max_rollback + 1 states + the zero state
+        assert c.layer_ids == [3] and c.linear_layer_ids == [4, 5]
+        assert c.rec_ring[4].shape[0] == target.arch.max_rollback + 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
 @torch.no_grad()
-def test_cuda_graph_replay_equals_eager_static_forward(tiny_root):
-    arch = TargetArch(make_tiny_model(tiny_root, "qwen3", 6))
+def test_cuda_graph_replay_equals_eager_static_forward(tiny_root, model_type):
+    arch = TargetArch(make_tiny_model(tiny_root, model_type, 6))
     tgt = Target(arch, StagePartition.build(6, 2), torch.bfloat16, "cuda")
     g = GraphedStage(list(tgt.stages), 64, use_graph=True)  # both stages in one graph (AR-baseline style)
     e = GraphedStage(list(tgt.stages), 64, use_graph=False)

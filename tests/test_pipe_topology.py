@@ -111,7 +111,13 @@ def test_session_checks_before_any_collective(tiny_root, monkeypatch):
     assert not (dist.is_available() and dist.is_initialized())
 
 
-def test_head_checkpoint_of_another_model_fails_before_any_collective(tiny_root, tmp_path, monkeypatch):
+@pytest.mark.parametrize("head_model,target_model,match", [
+    (("qwen3", 0), ("qwen3", 1), "trained for another base model"),
+    (("qwen3_5_text", 0), ("qwen3", 0), "trained for a qwen3_5_text target but .* is qwen3;"),  # Qwen3.5 head, Qwen3
+    (("qwen3", 0), ("qwen3_5_text", 0), "trained for a qwen3 target but .* is qwen3_5_text;"),  # and the reverse
+])
+def test_head_checkpoint_of_another_model_fails_before_any_collective(tiny_root, tmp_path, monkeypatch, head_model,
+                                                                      target_model, match):
     import torch.distributed as dist
 
     from spd_ds.head import HeadMismatchError, SpeculationHead
@@ -119,11 +125,13 @@ def test_head_checkpoint_of_another_model_fails_before_any_collective(tiny_root,
     from spd_ds.pipe.runner import SPDSession
     from tests.tiny_models import make_tiny_model
 
-    a, b = make_tiny_model(tiny_root, "qwen3", 6, seed=0), make_tiny_model(tiny_root, "qwen3", 6, seed=1)
+    a = make_tiny_model(tiny_root, head_model[0], 6, seed=head_model[1])
+    b = make_tiny_model(tiny_root, target_model[0], 6, seed=target_model[1])
     arch_a = TargetArch(a)
     SpeculationHead(arch_a, StagePartition.build(6, 2)).save(tmp_path / "head_a")
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = load_config(None, [f"model.name={b}", "partition.num_stages=2", f"head.checkpoint={tmp_path / 'head_a'}"])
-    with pytest.raises(HeadMismatchError, match="trained for another base model"):
+    with pytest.raises(HeadMismatchError, match=match) as e:
         SPDSession(cfg)
+    assert "\n" not in str(e.value)  # one line
     assert not (dist.is_available() and dist.is_initialized())

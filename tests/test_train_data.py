@@ -48,9 +48,10 @@ def make_tokenizer(template: str = CHATML):
     return tok
 
 
-def make_chat_model(root: Path, num_layers: int = 4, template: str = CHATML) -> Path:
-    """A tiny random llama (vocab 128, EOS = <|im_end|> = 2) with the character tokenizer saved beside it."""
-    d = make_tiny_model(Path(root), "llama", num_layers=num_layers, vocab_size=128, eos_token_id=2, bos_token_id=1)
+def make_chat_model(root: Path, num_layers: int = 4, template: str = CHATML, model_type: str = "llama") -> Path:
+    """A tiny random ``model_type`` (default llama; vocab 128, EOS = <|im_end|> = 2) with the character tokenizer
+    saved beside it."""
+    d = make_tiny_model(Path(root), model_type, num_layers=num_layers, vocab_size=128, eos_token_id=2, bos_token_id=1)
     if not (d / "tokenizer.json").exists():
         make_tokenizer(template).save_pretrained(d)
     return d

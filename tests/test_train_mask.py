@@ -187,11 +187,17 @@ def tiny8(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", num_layers=8)
 
 
-@pytest.mark.parametrize("L,stage_layers,anchors", PARTITIONS)
-def test_mask_matches_reference_decoder(tiny8, L, stage_layers, anchors):
+# the hybrid partition (Qwen3.5: linear-attention layers 0-2, 4-6, full attention 3, 7): stages of linear layers only,
+# anchors on linear- and on full-attention layers
+HYBRID_PARTITIONS = [(8, (4, 4), None), (8, (3, 3, 2), None), (8, (2, 2, 2, 2), (0, 4, 8))]
+
+
+@pytest.mark.parametrize("family,L,stage_layers,anchors", [("llama", *p) for p in PARTITIONS]
+                         + [("qwen3_5_text", *p) for p in HYBRID_PARTITIONS])
+def test_mask_matches_reference_decoder(tiny8, family, L, stage_layers, anchors):
     arch = TargetArch(tiny8)
-    if L != arch.num_layers:  # smaller L: a shallower tiny model
-        arch = TargetArch(make_tiny_model(tiny8.parent, "llama", num_layers=L))
+    if L != arch.num_layers or family != "llama":  # smaller L: a shallower tiny model; or another family
+        arch = TargetArch(make_tiny_model(tiny8.parent, family, num_layers=L))
     part = StagePartition.build(L, stage_layers=stage_layers, anchors=anchors)
     n, m, f = part.num_stages, part.num_types, part.depth_to_type
     target = Target(arch, part, torch.float32, "cpu")
@@ -214,12 +220,12 @@ def test_mask_matches_reference_decoder(tiny8, L, stage_layers, anchors):
     assert seen_fills == set(range(1, n + 1))
 
     # The reference project's rule (one block per type, threshold δ >= F from every query) is caught:
-    if (L, stage_layers, anchors) == (8, (2, 2, 2, 2), (0, 4, 8)):
+    if (family, L, stage_layers, anchors) == ("llama", 8, (2, 2, 2, 2), (0, 4, 8)):
         # non-injective f, full pipeline: the reference treats the depth-1 row (type 0) as if it were at depth 0
         S = 12
         ref_mask = _reference_v11_mask(S, 4, part)
         assert not _same_first_query(intern, S, 4, part, ref_mask)
-    if (L, stage_layers, anchors) == (6, (2, 2, 2), None):
+    if (family, L, stage_layers, anchors) == ("llama", 6, (2, 2, 2), None):
         # injective f, partial fill 2: the reference thresholds δ >= F from every query
         S = 12
         ref_mask = _reference_v11_mask(S, 2, part)

@@ -191,6 +191,26 @@ def test_teacher_pipeline_degree_n(setup):
     assert losses[8] < losses[1]
 
 
+@pytest.mark.slow
+def test_qwen3_5_teacher_lowers_the_loss(tmp_path):
+    """launch/train.py with a hybrid Qwen3.5 teacher (linear-attention layers per packed document), as a two-stage
+    teacher pipeline on two ranks: a few KD steps lower the loss and the head loads for that target."""
+    model = make_chat_model(tmp_path, num_layers=8, model_type="qwen3_5_text")
+    data = make_chats(tmp_path / "chats.jsonl", 200)
+    cfg = _experiment(tmp_path, model, data, teacher_pipe_degree=2, max_steps=10, save_every=100)
+    proc = _launch(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = _losses(tmp_path / "run")
+    assert sorted(losses) == list(range(1, 11))
+    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (8, 9, 10)) / 3
+    assert last < 0.8 * first, losses
+    from spd_ds.head import SpeculationHead
+    from spd_ds.models.adapter import TargetArch
+
+    head = SpeculationHead.load(tmp_path / "run" / "head", TargetArch(model))
+    assert type(head.layers[0]).__name__ == "Qwen3_5DecoderLayer" and head.partition.num_layers == 8
+
+
 def test_bad_config_fails_fast_with_one_line(tmp_path):
     sys.path.insert(0, str(REPO / "launch"))
     import train as train_launcher

@@ -5,7 +5,10 @@ that transformers' ``AutoModelForCausalLM`` uses for the config (found on a meta
 read tensor by tensor from the checkpoint's safetensors, so a stage process only ever materialises its own layers.
 This module knows nothing of DeepSpeed or of SPD's schedule (``spd_ds.pipe`` wraps it).
 
-Supported families: ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mistral`` (full-attention layers only).
+Supported families: ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mistral`` (full-attention layers), and the
+hybrid Qwen3.5 family (``qwen3_5_text``, ``qwen3_5_moe_text``, and the text model inside a composite ``qwen3_5`` /
+``qwen3_5_moe`` checkpoint): three of every four layers are Gated DeltaNet linear attention, whose conv and recurrent
+states live in a :class:`~spd_ds.models.linear_cache.HybridStageCache` (snapshot rings: exact rollback by cropping).
 
 Random weights of real shapes (systems benchmarks): ``TargetArch("random:qwen3-4b")``, or any directory holding
 ``config.json`` + ``random_weights.json`` and no ``*.safetensors``, generates its weights tensor by tensor
@@ -26,8 +29,18 @@ import torch
 from torch import nn
 
 from spd_ds.models.kv_cache import StageKVCache
+from spd_ds.models.linear_cache import HybridStageCache, LinearStateShape
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral",
+                         "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+# text model types whose layers may be linear attention (Gated DeltaNet), and composite checkpoints holding one
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+COMPOSITE_MODEL_TYPES = {"qwen3_5": "model.language_model.", "qwen3_5_moe": "model.language_model."}
+# MoE text model -> the dense model type of the same family (the speculation head's tower is dense)
+DENSE_SIBLING = {"qwen3_5_moe_text": "qwen3_5_text"}
+_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+             "output_router_logits", "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
+DEFAULT_MAX_ROLLBACK = 7  # linear-attention rewind when the pipeline depth is not given (n <= 8)
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -54,32 +67,47 @@ class TargetArch:
     """The target's config and its transformers module classes.
 
     Args:
-        model_dir: local HF directory (``config.json`` + ``*.safetensors``).
+        model_dir: local HF directory (``config.json`` + ``*.safetensors``), or ``random:<shape>``.
         attn_implementation: transformers attention backend for the layers (``sdpa``, ``eager``, ``flash_attention_2``).
+        max_rollback: hybrid targets only: the deepest rewind a stage cache must support (``n - 1`` for ``n``
+            pipeline stages; :func:`spd_ds.builder.build_arch` passes the run's). It sizes the linear-attention snapshot
+            rings of :meth:`new_cache` (``max_rollback + 1`` states per layer); ``None`` = ``DEFAULT_MAX_ROLLBACK``.
+
+    For a composite checkpoint (``qwen3_5``: text model + vision tower) :attr:`config` is its ``text_config`` and
+    only the language model's tensors are read (``model.language_model.*``, ``lm_head.weight``).
 
     Raises:
-        UnsupportedModelError: unsupported ``model_type`` or sliding-window layers.
+        UnsupportedModelError: unsupported ``model_type``, sliding-window layers, or a Qwen3.5 checkpoint with a
+            transformers too old to know it.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, attn_implementation: str = "sdpa") -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+    def __init__(self, model_dir: str | os.PathLike, attn_implementation: str = "sdpa",
+                 max_rollback: int | None = None) -> None:
+        from transformers import AutoModelForCausalLM
 
         if str(model_dir).startswith(RANDOM_PREFIX):  # ``random:<shape>``: a committed shape, seeded random weights
             model_dir = random_model_dir(str(model_dir))
         self.model_dir = Path(model_dir)
-        cfg = AutoConfig.from_pretrained(self.model_dir)
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        top = _load_config(self.model_dir)
+        if top.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
-                f"model_type {cfg.model_type!r} is not supported; spd-ds splits {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"model_type {top.model_type!r} is not supported; spd-ds splits {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        self.composite = top.model_type in COMPOSITE_MODEL_TYPES
+        cfg = top.text_config if self.composite else top
         layer_types = getattr(cfg, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types):
+        allowed = {"full_attention", "linear_attention"} if cfg.model_type in HYBRID_MODEL_TYPES else {"full_attention"}
+        if any(t not in allowed for t in layer_types):
             raise UnsupportedModelError(
-                f"{self.model_dir}: layers {sorted(set(layer_types))} found; only full-attention layers are supported "
-                "(turn sliding windows off in config.json)"
+                f"{self.model_dir}: layers {sorted(set(layer_types))} found; only {' and '.join(sorted(allowed))} "
+                "layers are supported (turn sliding windows off in config.json)"
             )
         cfg._attn_implementation = attn_implementation
         self.config = cfg
+        # a composite checkpoint ties (or not) as its top-level model does; a missing lm_head.weight always ties
+        self._tie = bool(getattr(top, "tie_word_embeddings", False))
+        self.max_rollback = DEFAULT_MAX_ROLLBACK if max_rollback is None else int(max_rollback)
+        self._linear = frozenset(i for i, t in enumerate(layer_types) if t == "linear_attention")
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(cfg)
         self.layer_cls = type(skeleton.model.layers[0])
@@ -92,6 +120,8 @@ class TargetArch:
             self._weights = RandomWeights.from_skeleton(skeleton, self.model_dir, cfg)
         else:
             self._weights = _SafetensorsIndex(self.model_dir)
+            if self.composite:
+                self._weights = _PrefixedWeights(self._weights, "model.", COMPOSITE_MODEL_TYPES[top.model_type])
 
     # ---- geometry -----------------------------------------------------------------------------------
     @property
@@ -133,7 +163,21 @@ class TargetArch:
     @property
     def tied_embeddings(self) -> bool:
         """True when the LM head shares the embedding matrix (or the checkpoint has no ``lm_head.weight``)."""
-        return bool(getattr(self.config, "tie_word_embeddings", False)) or not self._weights.has("lm_head.weight")
+        return self._tie or not self._weights.has("lm_head.weight")
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers are linear attention (Qwen3.5): their state lives in :class:`HybridStageCache`."""
+        return bool(self._linear)
+
+    def is_linear(self, idx: int) -> bool:
+        """Whether decoder layer ``idx`` is a linear-attention (Gated DeltaNet) layer."""
+        return idx in self._linear
+
+    @property
+    def linear_state_shape(self) -> LinearStateShape | None:
+        """Per-sequence state geometry of a linear-attention layer (``None`` for targets without any)."""
+        return LinearStateShape.from_config(self.config) if self._linear else None
 
     # ---- module factories ----------------------------------------------------------------------------
     def make_layer(self, idx: int, config=None) -> nn.Module:
@@ -145,8 +189,23 @@ class TargetArch:
         return self.norm_cls(self.hidden_size, eps=self.config.rms_norm_eps)
 
     def make_rotary(self, config=None) -> nn.Module:
-        """The target's rotary-embedding module (``forward(x, position_ids [B, q]) -> (cos, sin)``, fp32 inv_freq)."""
-        return self.rotary_cls(config=config or self.config)
+        """The target's rotary-embedding module (``forward(x, position_ids [B, q]) -> (cos, sin)``, fp32 inv_freq).
+
+        Multimodal-RoPE text towers (Qwen3.5: position ids ``[3, B, q]`` for time/height/width) are wrapped in
+        :class:`TextPositionRotary`, which repeats the text positions on the three axes, as transformers' text model
+        does for text-only input.
+        """
+        rot = self.rotary_cls(config=config or self.config)
+        return TextPositionRotary(rot) if self.config.model_type in HYBRID_MODEL_TYPES else rot
+
+    def head_layer_class(self, config) -> type:
+        """The decoder-layer class for the speculation head's tower config (the dense sibling for MoE targets)."""
+        if config.model_type == self.config.model_type:
+            return self.layer_cls
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return type(AutoModelForCausalLM.from_config(config).model.layers[0])
 
     def load_tensor(self, name: str) -> torch.Tensor:
         """One checkpoint tensor by its HF name (e.g. ``model.norm.weight``)."""
@@ -216,9 +275,26 @@ class TargetArch:
             h.update(emb.numpy().tobytes())
         return h.hexdigest()[:16]
 
-    def new_cache(self, layer_ids: Iterable[int], max_len: int, dtype: torch.dtype, device) -> StageKVCache:
-        """A :class:`StageKVCache` for the given layers of this architecture."""
-        return StageKVCache(layer_ids, self.num_kv_heads, self.head_dim, max_len, dtype, device)
+    def new_cache(self, layer_ids: Iterable[int], max_len: int, dtype: torch.dtype, device, *, static: bool = False,
+                  max_rollback: int | None = None) -> StageKVCache:
+        """The cache of a stage over ``layer_ids``: a :class:`StageKVCache`, or for layers that include linear
+        attention a :class:`~spd_ds.models.linear_cache.HybridStageCache` whose rings hold ``max_rollback + 1``
+        states per linear layer (default :attr:`max_rollback`). ``crop(length)`` rolls both back exactly.
+
+        Args:
+            layer_ids: global decoder-layer indices of the stage.
+            max_len: KV capacity in positions.
+            dtype, device: of the buffers (the layers' compute dtype).
+            static: static mode (CUDA graphs; see :mod:`spd_ds.models.graphs`).
+            max_rollback: deepest rewind to support (``n - 1``).
+        """
+        ids = list(layer_ids)
+        linear = [i for i in ids if self.is_linear(i)]
+        if not linear:
+            return StageKVCache(ids, self.num_kv_heads, self.head_dim, max_len, dtype, device, static=static)
+        return HybridStageCache(ids, linear, self.num_kv_heads, self.head_dim, max_len, dtype, device,
+                                shape=self.linear_state_shape, static=static,
+                                max_rollback=self.max_rollback if max_rollback is None else max_rollback)
 
 
 FINGERPRINT_VERSION = 2  # of TargetArch.fingerprint; head checkpoints record it (``fingerprint_version``)
@@ -263,6 +339,72 @@ class _SafetensorsIndex:
         return torch.cat([sl[i:i + 1] for i in idx])
 
 
+class _PrefixedWeights:
+    """A composite checkpoint's language model seen under the text model's names (``model.X`` is read from
+    ``model.language_model.X`` when the checkpoint has no ``model.X``; ``lm_head.weight`` as is)."""
+
+    def __init__(self, inner, prefix: str, stored_prefix: str) -> None:
+        self._inner, self._prefix, self._stored = inner, prefix, stored_prefix
+
+    def _name(self, name: str) -> str:
+        if not self._inner.has(name) and name.startswith(self._prefix):
+            return self._stored + name[len(self._prefix):]
+        return name
+
+    def has(self, name: str) -> bool:
+        return self._inner.has(self._name(name))
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._inner.get(self._name(name))
+
+    def rows(self, name: str, idx: Sequence[int]) -> torch.Tensor:
+        return self._inner.rows(self._name(name), idx)
+
+
+def _load_config(model_dir: Path):
+    """``AutoConfig`` of ``model_dir``; a Qwen3.5 checkpoint with a transformers that does not know it is an
+    :class:`UnsupportedModelError` naming the version needed."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError) as e:
+        p = Path(model_dir) / "config.json"
+        mt = json.loads(p.read_text()).get("model_type", "") if p.is_file() else ""
+        if mt.startswith("qwen3_5"):
+            import transformers
+
+            raise UnsupportedModelError(f"{model_dir}: model_type {mt!r} needs transformers >= 5.2 "
+                                        f"(installed {transformers.__version__})") from None
+        raise
+
+
+class TextPositionRotary(nn.Module):
+    """A multimodal-RoPE rotary module (``position_ids [3, B, q]``) called with text positions ``[B, q]``.
+
+    ``forward(x, position_ids [B, q]) -> (cos, sin)`` repeats the positions on the three mRoPE axes (text-only input,
+    as transformers' text model does). ``inv_freq`` reads and writes the wrapped module's (fp32 RoPE frequencies).
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.inner.inv_freq
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "inv_freq":  # the wrapped module's buffer (nn.Module would register one of ours)
+            self.inner.inv_freq = value
+        else:
+            super().__setattr__(name, value)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """``x [B, q, *]`` (dtype/device only), ``position_ids [B, q]`` int64 -> ``(cos, sin)`` in ``x``'s dtype."""
+        return self.inner(x, position_ids[None].expand(3, *position_ids.shape))
+
+
 # ---- random weights of real shapes (systems benchmarks; no checkpoint, no tokenizer) ----------------------------
 RANDOM_PREFIX = "random:"
 RANDOM_WEIGHTS_FILE = "random_weights.json"
@@ -301,18 +443,22 @@ class RandomWeights:
     Every tensor comes from its own CPU ``torch.Generator`` seeded by ``sha256(seed, name)``, so its values depend only
     on ``(seed, std, name, shape)``: a stage process generates only its own layers and still gets the same weights as
     any other process. Values: ``normal(0, std)`` (``std`` defaults to the config's ``initializer_range``, else
-    0.02) in fp32; parameters whose name contains ``norm`` are ones; biases are zeros.
+    0.02) in fp32; parameters whose name contains ``norm`` are their class's identity value (ones, or zeros for
+    zero-centred norms that scale by ``1 + weight``, as Qwen3.5's); biases are zeros.
 
     Args:
         shapes: HF parameter name -> shape (from a meta-device skeleton of the model).
         seed: generator seed.
         std: standard deviation of the weight matrices.
+        zero_norms: names of norm weights whose identity value is zero.
     """
 
     GENERATOR = "torch-cpu-normal-per-tensor-v1"
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0, std: float = 0.02) -> None:
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0, std: float = 0.02,
+                 zero_norms: Iterable[str] = ()) -> None:
         self.shapes, self.seed, self.std = dict(shapes), int(seed), float(std)
+        self.zero_norms = frozenset(zero_norms)
 
     @classmethod
     def from_skeleton(cls, skeleton: nn.Module, model_dir: Path, config) -> "RandomWeights":
@@ -321,7 +467,7 @@ class RandomWeights:
         spec = json.loads((Path(model_dir) / RANDOM_WEIGHTS_FILE).read_text())
         std = spec.get("std") or getattr(config, "initializer_range", None) or 0.02
         shapes = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
-        return cls(shapes, int(spec.get("seed", 0)), float(std))
+        return cls(shapes, int(spec.get("seed", 0)), float(std), _zero_centred_norms(skeleton, shapes))
 
     def has(self, name: str) -> bool:
         """Whether ``name`` is a parameter of the architecture (a tied LM head is not)."""
@@ -337,6 +483,8 @@ class RandomWeights:
             raise KeyError(f"tensor {name!r} is not a parameter of this random-weight model")
         shape = self.shapes[name]
         leaf = name.rsplit(".", 2)
+        if name in self.zero_norms:
+            return torch.zeros(shape)
         if "norm" in name:
             return torch.ones(shape)
         if leaf[-1] == "bias":
@@ -351,7 +499,32 @@ class RandomWeights:
 
     def identity(self) -> bytes:
         """What the weights are a function of (for :meth:`TargetArch.fingerprint`)."""
-        return json.dumps([self.GENERATOR, self.seed, self.std, sorted(self.shapes.items())]).encode()
+        ident = [self.GENERATOR, self.seed, self.std, sorted(self.shapes.items())]
+        if self.zero_norms:  # only hybrid shapes have them: the other shapes keep their fingerprints
+            ident.append(sorted(self.zero_norms))
+        return json.dumps(ident).encode()
+
+
+def _zero_centred_norms(skeleton: nn.Module, shapes: dict) -> list[str]:
+    """Names of the norm weights in ``shapes`` whose module class initialises them to zeros (``(1 + w) x`` norms),
+    found by building one small instance of each norm class on the CPU."""
+    init_zero: dict[type, bool] = {}
+    out = []
+    for mname, mod in skeleton.named_modules():
+        name = f"{mname}.weight" if mname else "weight"
+        if "norm" not in name or name not in shapes or not isinstance(getattr(mod, "weight", None), nn.Parameter):
+            continue
+        kind = type(mod)
+        if kind not in init_zero:
+            try:
+                with torch.device("cpu"):
+                    probe = kind(4)
+                init_zero[kind] = bool(torch.all(probe.weight == 0))
+            except Exception:  # noqa: BLE001 - a norm class with another constructor: keep the ones default
+                init_zero[kind] = False
+        if init_zero[kind]:
+            out.append(name)
+    return out
 
 
 def causal_mask(q: int, past: int, device) -> torch.Tensor | None:
@@ -399,7 +572,8 @@ class TargetStage(nn.Module):
         Args:
             hidden: ``[1, q, H]`` input (embeddings for stage 0), the stage's dtype.
             positions: int64 ``[q]`` token positions (RoPE), ``cache.length .. cache.length + q - 1``.
-            cache: the stage's :class:`StageKVCache` (advanced by ``q``), or ``None`` (no cache: causal over ``q``).
+            cache: the stage's :class:`StageKVCache` or :class:`HybridStageCache` (advanced by ``q``), or ``None``
+                (no cache: causal over ``q``, linear-attention layers from a zero state).
         Returns:
             ``(hidden [1, q, H], {j: [1, q, H]})``: the stage output and the raw outputs of the layers whose
             hidden-state index ``j`` is an aggregation anchor.
@@ -411,7 +585,8 @@ class TargetStage(nn.Module):
         captured = {}
         kw = {self.arch.cache_kwarg: cache}
         for i, layer in zip(self.layer_ids, self.layers):
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions[None], position_embeddings=pos_emb, **kw)
+            m = None if self.arch.is_linear(i) else mask  # linear attention is causal by construction
+            hidden = layer(hidden, attention_mask=m, position_ids=positions[None], position_embeddings=pos_emb, **kw)
             if isinstance(hidden, tuple):  # older transformers return (hidden,)
                 hidden = hidden[0]
             if i in self.capture:
@@ -476,13 +651,28 @@ class Target(nn.Module):
         )
 
     def new_caches(self, max_len: int) -> list[StageKVCache]:
-        """One KV cache per stage."""
-        return [self.arch.new_cache(st.layer_ids, max_len, self.dtype, self.device) for st in self.stages]
+        """One cache per stage (linear-attention layers: rings for rewinds up to ``n - 1`` tokens)."""
+        rb = self.partition.num_stages - 1
+        return [self.arch.new_cache(st.layer_ids, max_len, self.dtype, self.device, max_rollback=rb)
+                for st in self.stages]
 
 
 def head_layer_config(arch: TargetArch, num_layers: int, intermediate_size: int | None = None):
-    """Config for the speculation head's tower: the target's, with ``num_layers`` dense full-attention layers."""
+    """Config for the speculation head's tower: the target's, with ``num_layers`` dense full-attention layers.
+
+    Hybrid (Qwen3.5) targets get their full (gated, partial-RoPE) attention layer; MoE targets a dense MLP: the
+    MoE-only-layers switch for ``qwen3_moe``, the dense sibling config (``qwen3_5_text``) for ``qwen3_5_moe_text``,
+    whose MLP width defaults to ``moe_intermediate_size x num_experts_per_tok`` (the routed experts a token uses).
+    """
     cfg = copy.deepcopy(arch.config)
+    sibling = DENSE_SIBLING.get(cfg.model_type)
+    if sibling is not None:
+        from transformers import AutoConfig
+
+        d = {k: v for k, v in cfg.to_dict().items() if k not in _MOE_KEYS and k not in ("model_type", "architectures")}
+        width = int(cfg.moe_intermediate_size) * int(cfg.num_experts_per_tok)
+        cfg = AutoConfig.for_model(sibling, **{**d, "intermediate_size": width})
+        cfg._attn_implementation = arch.config._attn_implementation
     cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = ["full_attention"] * num_layers

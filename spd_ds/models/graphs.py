@@ -5,6 +5,8 @@ At batch 1 a decode step is bound by kernel launches, not by bytes (``DESIGN.md`
 stages run over a *static* :class:`~spd_ds.models.kv_cache.StageKVCache`: the token position lives in a device tensor,
 keys/values are written there with ``index_copy_`` and attention is masked to positions ``<= p``. A rollback then
 needs no work on the device at all: the next token is written at its own position and everything after it is masked.
+Linear-attention layers (Qwen3.5) read and write their states in position-indexed snapshot rings
+(:class:`~spd_ds.models.linear_cache.HybridStageCache`), so the same holds for them.
 
 :class:`GraphedStage` wraps one stage, or several consecutive stages captured as one graph (an AR baseline runs the
 whole target this way), behind two calls: ``prefill`` (eager, any length) and ``step`` (one token, replayed). Both use
@@ -28,7 +30,9 @@ from spd_ds.models.kv_cache import StageKVCache
 
 
 def make_static_cache(stage: TargetStage, max_len: int, dtype: torch.dtype | None = None, device=None) -> StageKVCache:
-    """A static-mode :class:`StageKVCache` ``[1, kv_heads, max_len, head_dim]`` per layer of ``stage``.
+    """A static-mode :class:`StageKVCache` ``[1, kv_heads, max_len, head_dim]`` per layer of ``stage`` (a
+    :class:`~spd_ds.models.linear_cache.HybridStageCache` when the stage has linear-attention layers: its snapshot
+    rings are indexed by position on the device, ``arch.max_rollback + 1`` states per layer).
 
     Args:
         stage: the :class:`~spd_ds.models.adapter.TargetStage` whose layers the cache serves.
@@ -36,9 +40,8 @@ def make_static_cache(stage: TargetStage, max_len: int, dtype: torch.dtype | Non
         dtype, device: default to the stage's parameters'.
     """
     p = next(stage.parameters())
-    arch = stage.arch
-    return StageKVCache(stage.layer_ids, arch.num_kv_heads, arch.head_dim, max_len, dtype or p.dtype,
-                        device if device is not None else p.device, static=True)
+    return stage.arch.new_cache(stage.layer_ids, max_len, dtype or p.dtype, device if device is not None else p.device,
+                                static=True)
 
 
 def static_stage_forward(stages: Sequence[TargetStage], caches: Sequence[StageKVCache], hidden: torch.Tensor,
@@ -62,7 +65,8 @@ def static_stage_forward(stages: Sequence[TargetStage], caches: Sequence[StageKV
         pos_emb = stage.rotary(hidden, pos2)
         kw = {stage.arch.cache_kwarg: cache}
         for i, layer in zip(stage.layer_ids, stage.layers):
-            hidden = layer(hidden, attention_mask=mask, position_ids=pos2, position_embeddings=pos_emb, **kw)
+            m = None if stage.arch.is_linear(i) else mask
+            hidden = layer(hidden, attention_mask=m, position_ids=pos2, position_embeddings=pos_emb, **kw)
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
             if i in stage.capture:

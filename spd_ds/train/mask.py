@@ -219,6 +219,31 @@ def segment_positions(segments: torch.Tensor) -> torch.Tensor:
     return torch.where(segments > 0, idx - first, torch.zeros_like(idx))
 
 
+def document_gather(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Documents of packed rows as a right-padded batch, for layers that must see one document at a time
+    (linear attention carries a state along the row that a mask cannot cut).
+
+    Args:
+        segments: ``[B, S]`` int64 document ids (0 = padding); a document is a run of one nonzero id.
+    Returns:
+        ``(gather [D, Lmax] int64, valid [D, Lmax] bool)``: ``gather[d, t]`` is the flat index (into ``B * S``) of
+        position ``t`` of document ``d``, or ``B * S`` (an extra zero row) beyond the document's end.
+    """
+    B, S = segments.shape
+    flat = segments.reshape(-1)
+    start = torch.ones_like(segments, dtype=torch.bool)
+    start[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    start = (start & (segments > 0)).reshape(-1)
+    real = flat > 0
+    D = int(start.sum())
+    pos = segment_positions(segments).reshape(-1)
+    L = int(pos[real].max()) + 1 if D else 0
+    doc = torch.cumsum(start.long(), 0) - 1
+    gather = torch.full((D, L), B * S, dtype=torch.long, device=segments.device)
+    gather[doc[real], pos[real]] = torch.arange(B * S, device=segments.device)[real]
+    return gather, gather < B * S
+
+
 def packed_causal_mask(segments: torch.Tensor) -> torch.Tensor:
     """Causal, document-local mask ``[B, 1, S, S]`` bool for the target's own forward (padding sees itself)."""
     B, S = segments.shape

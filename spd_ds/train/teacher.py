@@ -15,7 +15,9 @@ returns the features the head trains on and the distillation targets at the loss
 
 ``feats[..., k, :]`` is the raw (pre-final-norm) hidden state at anchor ``b_k`` — exactly what
 ``spd_ds.decoding.reference.prefill`` and the stage forwards give the head at inference. Documents packed into one
-row attend only within themselves and restart their positions.
+row attend only within themselves and restart their positions; linear-attention layers (Qwen3.5), whose state would
+run on from one document into the next, see each document on its own from a zero state (the documents of a
+micro-batch as one right-padded batch, :func:`~spd_ds.train.mask.document_gather`), as a prompt's prefill does.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 from spd_ds.models.adapter import TargetArch
 from spd_ds.partition import StagePartition
 from spd_ds.train.loss import TeacherTargets
-from spd_ds.train.mask import packed_causal_mask, segment_positions
+from spd_ds.train.mask import document_gather, packed_causal_mask, segment_positions
 
 
 class TeacherStage(nn.Module):
@@ -98,8 +100,12 @@ class TeacherStage(nn.Module):
         pos = segment_positions(segments)
         mask = packed_causal_mask(segments)
         pos_emb = self.rotary(h, pos)
+        docs = document_gather(segments) if any(self.arch.is_linear(i) for i in self.layer_ids) else None
         for i, layer in zip(self.layer_ids, self.layers):
-            h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=pos_emb)
+            if docs is not None and self.arch.is_linear(i):
+                h = _per_document(layer, h, *docs)
+            else:
+                h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=pos_emb)
             if isinstance(h, tuple):
                 h = h[0]
             if i in self.capture:
@@ -133,6 +139,20 @@ class TeacherStage(nn.Module):
             return TeacherTargets(rows.new_zeros(0, Vd, dtype=torch.float32), rows.new_zeros(0, dtype=torch.float32),
                                   torch.zeros(0, dtype=torch.long, device=rows.device))
         return TeacherTargets(torch.cat(ld), torch.cat(lse), torch.cat(am))
+
+
+def _per_document(layer: nn.Module, h: torch.Tensor, gather: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """A linear-attention decoder layer over each document of the packed rows ``h [B, S, H]`` separately (from a
+    zero state; right padding cannot reach earlier positions of a causal layer). Padding positions pass unchanged."""
+    B, S, H = h.shape
+    flat = h.reshape(B * S, H)
+    docs = torch.cat([flat, flat.new_zeros(1, H)])[gather]  # [D, Lmax, H]
+    out = layer(docs, attention_mask=None, position_embeddings=None)
+    if isinstance(out, tuple):
+        out = out[0]
+    res = flat.clone()
+    res[gather[valid]] = out[valid]
+    return res.view(B, S, H)
 
 
 def build_teacher_module(arch: TargetArch, partition: StagePartition, dtype: torch.dtype, pipe_degree: int,
