@@ -108,7 +108,8 @@ class SelfDistillConfig:
         wave_conversations: conversations prepared (tokenised) and sorted by length together; waves run in a
             deterministic shuffled order so that a time budget keeps a sample of all lengths.
         cache: ``"static"`` (compiled + CUDA graphs by transformers on CUDA) or ``"dynamic"``.
-        compile: let transformers compile the decode step (CUDA + static cache only).
+        compile: let transformers compile the decode step (CUDA + static cache only; ``CompileConfig(dynamic=
+            True)``: one compile for all batch and cache sizes, CUDA graphs recorded per size).
         attention: ``"gqa-decode"`` (:func:`gqa_decode_attention`) or transformers' ``"sdpa"``; used when
             :func:`run_selfdistill` loads the model.
         cache_quantum: the static cache holds the call's longest prompt rounded up to a power of two up to this,
@@ -459,6 +460,10 @@ class AnswerGenerator:
             kw.update(cache_implementation="static", max_cache_len=cache_len)
         if not self.cfg.compile:
             kw["disable_compile"] = True
+        elif self.cfg.cache == "static" and self.device.type == "cuda":  # one compile for all batch / cache sizes
+            from transformers import CompileConfig
+
+            kw["compile_config"] = CompileConfig(dynamic=True)
         return GenerationConfig(**kw)
 
     @torch.no_grad()
@@ -472,6 +477,9 @@ class AnswerGenerator:
 
         cfg = self.cfg
         t0 = time.perf_counter()
+        real = len(rows)
+        if real == 1:  # a batch of one would make torch.compile specialise (and compile) once more: add a copy
+            rows = [rows[0], rows[0]]
         B = len(rows)
         ctx = [np.concatenate([r.prompt, np.asarray(r.answer, dtype=np.int64)]) if r.answer else r.prompt
                for r in rows]
@@ -497,10 +505,10 @@ class AnswerGenerator:
         out = self.model.generate(input_ids=torch.from_numpy(ids).to(dev), attention_mask=torch.from_numpy(att).to(dev),
                                   generation_config=self._generation_config(new_tokens, cache_len),
                                   logits_processor=procs, stopping_criteria=stop)
-        new = out[:, width:].cpu().numpy()
+        new = out[:real, width:].cpu().numpy()
         finished, tokens = [], 0
         eos = set(self.eos_ids)
-        for r, g, b in zip(rows, new, budgets):
+        for r, g, b in zip(rows[:real], new, budgets):
             g = g[:b].tolist()
             ended = False
             for j, t in enumerate(g):
@@ -512,7 +520,7 @@ class AnswerGenerator:
             tokens += len(g)
             finished.append(ended or len(r.answer) >= cfg.max_new_tokens)
         t1 = time.perf_counter()
-        self.calls.append(CallStats(B, width, cache_len, int(new.shape[1]), tokens, t1 - t0, sum(finished), t1))
+        self.calls.append(CallStats(real, width, cache_len, int(new.shape[1]), tokens, t1 - t0, sum(finished), t1))
         return finished
 
 
