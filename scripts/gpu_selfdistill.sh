@@ -3,8 +3,9 @@
 # sees the target's own answers to turns < r), greedy + sampled at T=1, with `launch/prepare_train_data.py
 # selfdistill` (spd_ds/train/selfdistill.py: HF generate, static cache, compiled decode, length-sorted batches).
 #
-#   1. selfdistill into $SD_DIR (default runs/sd, inside the checkout: on a warm machine a rerun resumes it; the time
-#      budget stops starting generate calls, finished answers are flushed to shards as they complete);
+#   1. selfdistill into $SD_DIR (default runs/sd, inside the checkout: on a warm machine a rerun resumes it, and
+#      reuses the compile cache; the time budget stops starting generate calls, finished answers are flushed to shards
+#      as they complete);
 #   2. the throughput table (printed by the command) and per-call lines in log.txt;
 #   3. back in $OUT (at most 8 files of <= 15 MB): log.txt, manifest.json and the shards as sd.tar.part-NN (first
 #      $MAX_PARTS parts; unpack with `cat sd.tar.part-* | tar x -C runs/sd`); the log says how to fetch further parts.
@@ -13,12 +14,13 @@
 # git-ignored folder, made here beforehand with (6.9 MB):
 #   python launch/prepare_train_data.py export-prompts --out runs/train_data/sharegpt_prompts.jsonl.gz
 # Usage (repo root):  source .devkit/on_device.sh && OUT=$OUT bash scripts/gpu_selfdistill.sh
-# Knobs (env): TIME_BUDGET=200 (s of generation calls started), SD_MODEL=smollm2-135m-instruct,
+# Knobs (env): TIME_BUDGET=420 (s from the command's start after which no generate call starts; with the last
+#   call and the tar this fits one 600-s device call; a rerun on the warm machine resumes), SD_MODEL=smollm2-135m-instruct,
 #   SD_DATA=runs/train_data/sharegpt_prompts.jsonl.gz, SD_DIR=runs/sd, BATCH=1024, MAX_NEW=768, CHUNK=256,
 #   MIN_ALIVE=0.25, MAX_PROMPT=2048, GREEDY=1, SAMPLES=2, ATTENTION=gqa-decode (or sdpa), CACHE=static (or dynamic),
 #   COMPILE=1, MAX_PARTS=6, EXTRA_ARGS (more selfdistill flags), PYTHON.
 source "$(dirname "$0")/gpu_common.sh"
-TIME_BUDGET=${TIME_BUDGET:-200}
+TIME_BUDGET=${TIME_BUDGET:-420}
 MODEL=${SD_MODEL:-smollm2-135m-instruct}
 DATA=${SD_DATA:-runs/train_data/sharegpt_prompts.jsonl.gz}
 SD_DIR=${SD_DIR:-runs/sd}
@@ -33,7 +35,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv 2>&1 | tee -a 
 
 set +e
 t0=$SECONDS
-timeout --signal=TERM --kill-after=30 $((TIME_BUDGET + 300)) "$PY" launch/prepare_train_data.py selfdistill \
+timeout --signal=TERM --kill-after=20 $((TIME_BUDGET + 120)) "$PY" launch/prepare_train_data.py selfdistill \
   --model "$MODEL" --data "$DATA" --out "$SD_DIR" --time-budget "$TIME_BUDGET" \
   --batch-size "${BATCH:-1024}" --max-new-tokens "${MAX_NEW:-768}" --chunk-new-tokens "${CHUNK:-256}" \
   --min-alive "${MIN_ALIVE:-0.25}" --max-prompt-tokens "${MAX_PROMPT:-2048}" \

@@ -301,7 +301,8 @@ def test_shard_round_trip_exact(tmp_path):
     assert stats["items"] == 20 and stats["tokens"] == sum(len(i.tokens) for i in items)
     back = list(sd.read_items(tmp_path / "shard-r01-00001.npz"))
     for a, b in zip(items, back):
-        assert (a.uid, a.variant, a.round, a.prompt_len, a.finish) == (b.uid, b.variant, b.round, b.prompt_len, b.finish)
+        fields = ("uid", "variant", "round", "prompt_len", "finish")
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
         assert np.array_equal(a.tokens, b.tokens)
     with np.load(tmp_path / "shard-r01-00001.npz") as z:
         assert z["ids"].dtype == np.uint16
@@ -444,7 +445,8 @@ def test_smollm2_template_prompts_and_glue(smollm2_dir):
     convs = [sd.conversation_rounds(r) for r in (
         {"id": "a", "messages": [{"role": "user", "content": "Write a haiku about rain."}]},
         {"id": "b", "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Why?"},
-                                 {"role": "assistant", "content": "x"}, {"role": "user", "content": "Explain  more.\n"}]})]
+                                 {"role": "assistant", "content": "x"},
+                                 {"role": "user", "content": "Explain  more.\n"}]})]
     enc = sd._encode_texts(tok, [sd._render(tok, c.rounds[0], True) for c in convs])
     assert [e.tolist() for e in enc] == [prompt_ids(tok, c.rounds[0]) for c in convs]
     hist = convs[1].rounds[0] + [{"role": "assistant", "content": "Because."}]

@@ -13,8 +13,8 @@ at an answer cut by ``max_new_tokens`` (no end-of-turn: no later turn is asked),
 ``max_prompt_tokens``, or at a template that rewrites earlier turns (the prefix property fails).
 
 **Generation** is transformers' own ``generate`` (left padding, prompts sorted by length, ``cache_implementation=
-"static"`` so that on CUDA the decode step is compiled and CUDA-graphed by transformers), with two small additions
-passed through its public hooks:
+"static"`` so that on CUDA the decode step is compiled and CUDA-graphed by transformers, ``CompileConfig(dynamic=
+True)``), with three small additions passed through its public hooks:
 
 * :class:`StopWhenFewAlive` (a ``StoppingCriteria``) ends a call after ``chunk_new_tokens`` new tokens or once fewer
   than ``min_alive`` of its rows are still generating; the unfinished rows are *continued* in a later call (prompt +
@@ -50,7 +50,8 @@ generated, as :mod:`spd_ds.train.chat` marks conversations). ``data.train_files`
 
 **Resume**: items already in a shard are skipped, so a rerun with the same ``--out`` continues; a time budget stops
 starting new ``generate`` calls, and finished answers are flushed to a shard at least every ``flush_every_s`` and on
-exit (including SIGTERM from ``timeout``); answers in flight are redone by the next run.
+exit (including SIGTERM from ``timeout``); in the last 10 % of the budget only answers already begun are continued;
+answers still in flight at the end are redone by the next run.
 
 **Held-out split**: :func:`split_records` (by a hash of the conversation id; see there).
 """
@@ -833,11 +834,10 @@ class _Store:
         for s in self.shards:
             for r, c in s["rounds"].items():
                 rounds[r] += c
-        m = dict(self.manifest, shards=self.shards,
-                 counts=dict(tot, records=len(ch), record_tokens=int(sum(len(it.tokens) for c in ch.values()
-                                                                          for it in c)),
-                             conversations=len({k[0] for k in ch}), answers_by_round=dict(sorted(rounds.items(),
-                                                                                                 key=lambda x: int(x[0])))))
+        counts = dict(tot, records=len(ch), record_tokens=int(sum(len(it.tokens) for c in ch.values() for it in c)),
+                      conversations=len({k[0] for k in ch}),
+                      answers_by_round=dict(sorted(rounds.items(), key=lambda x: int(x[0]))))
+        m = dict(self.manifest, shards=self.shards, counts=counts)
         if run is not None:
             m["runs"] = m["runs"] + [run]
             self.manifest["runs"] = m["runs"]
