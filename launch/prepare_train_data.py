@@ -27,6 +27,7 @@ writes pre-tokenised ``{"input_ids", "assistant_mask"}`` lines; ``selfdistill`` 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -126,13 +127,14 @@ def _selfdistill(args) -> int:
 
     t0 = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: flush the finished answers on the way out
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"  # prompts are batch-encoded here; nothing forks afterwards
     cfg = SelfDistillConfig(
         greedy=args.greedy, samples=args.samples, temperature=args.temperature, seed=args.seed,
         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, max_rounds=args.max_rounds,
         batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, chunk_new_tokens=args.chunk_new_tokens,
         min_alive=args.min_alive, wave_conversations=args.wave_conversations, cache=args.cache,
-        compile=not args.no_compile, time_budget_s=args.time_budget, shard_bytes=args.shard_bytes,
-        flush_every_s=args.flush_every)
+        compile=not args.no_compile, attention=args.attention, cache_quantum=args.cache_quantum,
+        time_budget_s=args.time_budget, shard_bytes=args.shard_bytes, flush_every_s=args.flush_every)
     model_dir = resolve_model(args.model)
     tok = load_tokenizer(model_dir)
     set_chat_template(tok, args.chat_template)
@@ -205,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="conversations tokenised and length-sorted together")
     sd.add_argument("--cache", choices=["static", "dynamic"], default="static")
     sd.add_argument("--no-compile", action="store_true", help="no torch.compile of the decode step (static cache)")
+    sd.add_argument("--attention", choices=["gqa-decode", "sdpa"], default="gqa-decode",
+                    help="gqa-decode: SDPA without repeat_kv for the decode step (default); sdpa: transformers' own")
+    sd.add_argument("--cache-quantum", type=int, default=128,
+                    help="static cache = longest prompt rounded to a power of two up to this, a multiple above")
     sd.add_argument("--time-budget", type=float, default=None, help="stop starting generate calls after this many s")
     sd.add_argument("--shard-bytes", type=int, default=12_000_000, help="uncompressed bytes per shard at most")
     sd.add_argument("--flush-every", type=float, default=60.0, help="write finished answers at least this often (s)")

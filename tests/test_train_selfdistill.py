@@ -47,9 +47,19 @@ def ending_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(ending_model):
+    """The target as run_selfdistill loads it (gqa-decode attention) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(ending_model).eval(), AutoTokenizer.from_pretrained(ending_model)
+    model = AutoModelForCausalLM.from_pretrained(ending_model, attn_implementation=sd.register_gqa_decode_attention())
+    return model.eval(), AutoTokenizer.from_pretrained(ending_model)
+
+
+@pytest.fixture(scope="module")
+def plain_target(ending_model):
+    """The same target with transformers' own SDPA: the reference for "its own greedy decoding"."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ending_model, attn_implementation="sdpa").eval()
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +174,36 @@ def test_stop_when_few_alive():
     assert never(torch.zeros(2, 6, dtype=torch.long)).tolist() == [False, False]
 
 
+def test_gqa_decode_attention_equals_sdpa(tiny_root):
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    mod = torch.nn.Module()
+    mod.num_key_value_groups = 3
+    q, k, v = torch.randn(4, 6, 1, 8), torch.randn(4, 2, 10, 8), torch.randn(4, 2, 10, 8)
+    mask = torch.rand(4, 1, 1, 10) > 0.3
+    mask[:, :, :, 0] = True
+    for m in (mask, None, torch.where(mask, 0.0, float("-inf"))):
+        got, _ = sd.gqa_decode_attention(mod, q, k, v, m, scaling=0.3)
+        want, _ = sdpa_attention_forward(mod, q, k, v, m, scaling=0.3)
+        assert got.shape == want.shape == (4, 1, 6, 8) and torch.allclose(got, want, atol=1e-6)
+    # a whole left-padded, static-cache generate: same logits, same tokens
+    d = make_tiny_model(tiny_root, "llama", num_layers=2)
+    name = sd.register_gqa_decode_attention()
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    att = (ids > 0).long()
+    outs = []
+    for attn in ("sdpa", name):
+        model = AutoModelForCausalLM.from_pretrained(d, attn_implementation=attn).eval()
+        assert model.config._attn_implementation == attn
+        outs.append(model.generate(input_ids=ids, attention_mask=att, max_new_tokens=6, do_sample=False,
+                                   cache_implementation="static", pad_token_id=0, eos_token_id=None,
+                                   return_dict_in_generate=True, output_logits=True))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(outs[0].logits, outs[1].logits))
+
+
 # ---------------------------------------------------------------------------------------------------- generation
 def test_round_one_prompt_tokens_equal_the_chat_template(loaded, convs):
     _, tok = loaded
@@ -172,8 +212,8 @@ def test_round_one_prompt_tokens_equal_the_chat_template(loaded, convs):
         assert ids.tolist() == prompt_ids(tok, c.rounds[0])
 
 
-def test_greedy_answers_equal_the_targets_own_greedy_decoding(loaded, reference_run):
-    model, _ = loaded
+def test_greedy_answers_equal_the_targets_own_greedy_decoding(plain_target, reference_run):
+    model = plain_target
     out, _, recs = reference_run
     items = {it.key: it for f in sd.shard_files(out) for it in sd.read_items(f)}
     greedy = [it for it in items.values() if it.variant == 0]
@@ -245,7 +285,7 @@ def test_assistant_mask_is_exactly_the_generated_tokens(loaded, reference_run, c
 def test_same_answers_whatever_the_batching(loaded, ending_model, convs, reference_run, tmp_path):
     _, _, recs = reference_run
     run = _run(loaded, ending_model, convs, tmp_path / "b", batch_size=5, chunk_new_tokens=7, min_alive=0.0,
-               wave_conversations=3)
+               wave_conversations=3, cache="dynamic")
     assert list(sd.iter_records(tmp_path / "b")) == recs
     assert run["calls"] > 0 and run["generated_tokens"] == sum(sum(r["assistant_mask"]) for r in recs)
 
@@ -261,7 +301,8 @@ def test_shard_round_trip_exact(tmp_path):
     assert stats["items"] == 20 and stats["tokens"] == sum(len(i.tokens) for i in items)
     back = list(sd.read_items(tmp_path / "shard-r01-00001.npz"))
     for a, b in zip(items, back):
-        assert (a.uid, a.variant, a.round, a.prompt_len, a.finish) == (b.uid, b.variant, b.round, b.prompt_len, b.finish)
+        fields = ("uid", "variant", "round", "prompt_len", "finish")
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
         assert np.array_equal(a.tokens, b.tokens)
     with np.load(tmp_path / "shard-r01-00001.npz") as z:
         assert z["ids"].dtype == np.uint16
@@ -395,6 +436,26 @@ def test_cli_export_prompts_and_selfdistill(ending_model, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------- SmolLM2
+def test_smollm2_template_prompts_and_glue(smollm2_dir):
+    """SmolLM2's ChatML (which adds a default system prompt): round-1 prompts batch-encode to apply_chat_template's
+    ids, and the glue after an answer is the next user turn plus the generation prompt."""
+    from spd_ds.builder import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    convs = [sd.conversation_rounds(r) for r in (
+        {"id": "a", "messages": [{"role": "user", "content": "Write a haiku about rain."}]},
+        {"id": "b", "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Why?"},
+                                 {"role": "assistant", "content": "x"},
+                                 {"role": "user", "content": "Explain  more.\n"}]})]
+    enc = sd._encode_texts(tok, [sd._render(tok, c.rounds[0], True) for c in convs])
+    assert [e.tolist() for e in enc] == [prompt_ids(tok, c.rounds[0]) for c in convs]
+    hist = convs[1].rounds[0] + [{"role": "assistant", "content": "Because."}]
+    glue = sd.turn_glue(tok, hist, convs[1].rounds[1], tok.decode([tok.eos_token_id]))
+    assert glue == "\n<|im_start|>user\nExplain  more.\n<|im_end|>\n<|im_start|>assistant\n"
+    assert sd.turn_glue(tok, hist, convs[1].rounds[1], "<|endoftext|>") is None  # not the template's end of turn
+
+
+@pytest.mark.slow
 def test_smollm2_two_turns(smollm2_dir, tmp_path):
     """The real target and template (default system prompt): turn 2 continues from its own greedy turn-1 answer, and
     equals its own greedy decoding of that prompt."""

@@ -13,13 +13,17 @@ at an answer cut by ``max_new_tokens`` (no end-of-turn: no later turn is asked),
 ``max_prompt_tokens``, or at a template that rewrites earlier turns (the prefix property fails).
 
 **Generation** is transformers' own ``generate`` (left padding, prompts sorted by length, ``cache_implementation=
-"static"`` so that on CUDA the decode step is compiled and CUDA-graphed by transformers), with two small additions
-passed through its public hooks:
+"static"`` so that on CUDA the decode step is compiled and CUDA-graphed by transformers, ``CompileConfig(dynamic=
+True)``), with three small additions passed through its public hooks:
 
 * :class:`StopWhenFewAlive` (a ``StoppingCriteria``) ends a call after ``chunk_new_tokens`` new tokens or once fewer
   than ``min_alive`` of its rows are still generating; the unfinished rows are *continued* in a later call (prompt +
   answer so far as the new prompt, prefilled again). A static batch otherwise decodes for its longest answer while
   most rows idle, and a static cache sized for the longest answer makes every step attend over it;
+* :func:`gqa_decode_attention` (registered through ``AttentionInterface``, transformers' hook for custom attention)
+  is SDPA that, for one query token, folds the query heads of each key/value head into the query length instead of
+  copying keys and values per query head (``repeat_kv``): with left padding SDPA gets a mask, and transformers
+  then materialises the repeated cache on every decode step (3x the cache for SmolLM2, the largest cost of a step);
 * :class:`KeyedSampler` (a ``LogitsProcessor``) makes sampling a pure function of ``(seed, conversation, variant,
   round, answer position)``: one 32-bit uniform per row from an integer hash, inverted through the row's CDF
   (float64), the chosen token then taken by ``generate``'s greedy argmax. So greedy and sampled rows share a batch,
@@ -46,7 +50,8 @@ generated, as :mod:`spd_ds.train.chat` marks conversations). ``data.train_files`
 
 **Resume**: items already in a shard are skipped, so a rerun with the same ``--out`` continues; a time budget stops
 starting new ``generate`` calls, and finished answers are flushed to a shard at least every ``flush_every_s`` and on
-exit (including SIGTERM from ``timeout``); answers in flight are redone by the next run.
+exit (including SIGTERM from ``timeout``); in the last 10 % of the budget only answers already begun are continued;
+answers still in flight at the end are redone by the next run.
 
 **Held-out split**: :func:`split_records` (by a hash of the conversation id; see there).
 """
@@ -104,8 +109,15 @@ class SelfDistillConfig:
         wave_conversations: conversations prepared (tokenised) and sorted by length together; waves run in a
             deterministic shuffled order so that a time budget keeps a sample of all lengths.
         cache: ``"static"`` (compiled + CUDA graphs by transformers on CUDA) or ``"dynamic"``.
-        compile: let transformers compile the decode step (CUDA + static cache only).
-        time_budget_s: stop starting ``generate`` calls after this many seconds since the run started.
+        compile: let transformers compile the decode step (CUDA + static cache only; ``CompileConfig(dynamic=
+            True)``: one compile for all batch and cache sizes, CUDA graphs recorded per size).
+        attention: ``"gqa-decode"`` (:func:`gqa_decode_attention`) or transformers' ``"sdpa"``; used when
+            :func:`run_selfdistill` loads the model.
+        cache_quantum: the static cache holds the call's longest prompt rounded up to a power of two up to this,
+            to a multiple of it above (0 = powers of two only), plus ``chunk_new_tokens``: few distinct shapes for
+            the compiled step, little padding to attend over.
+        time_budget_s: stop starting ``generate`` calls after this many seconds since the run started; in its
+            last 10 % only answers already begun are continued (no new prompts, no new round).
         shard_bytes: flush finished answers into a shard once they hold this many (uncompressed) bytes.
         flush_every_s: ... or this many seconds after the last flush.
     """
@@ -124,6 +136,8 @@ class SelfDistillConfig:
     wave_conversations: int = 4096
     cache: str = "static"
     compile: bool = True
+    attention: str = "gqa-decode"
+    cache_quantum: int = 128
     time_budget_s: float | None = None
     shard_bytes: int = 12_000_000
     flush_every_s: float = 60.0
@@ -139,6 +153,8 @@ class SelfDistillConfig:
             raise SelfDistillError("--max-new-tokens, --chunk-new-tokens and --batch-size must be >= 1")
         if not 0.0 <= self.min_alive < 1.0:
             raise SelfDistillError(f"--min-alive must be in [0, 1), got {self.min_alive}")
+        if self.attention not in ("gqa-decode", "sdpa"):
+            raise SelfDistillError(f"--attention must be 'gqa-decode' or 'sdpa', got {self.attention!r}")
         if self.cache not in ("static", "dynamic"):
             raise SelfDistillError(f"--cache must be 'static' or 'dynamic', got {self.cache!r}")
         if self.shard_bytes > 15_000_000:
@@ -331,6 +347,49 @@ class StopWhenFewAlive(StoppingCriteria):
         return done | few
 
 
+# ---------------------------------------------------------------------------------------------------- attention
+GQA_DECODE = "spd_gqa_decode_sdpa"
+
+
+def gqa_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         is_causal: bool | None = None, **kwargs):
+    """transformers attention function: SDPA without ``repeat_kv`` for a single query token.
+
+    Args:
+        query: ``[B, H, q, D]``; key, value: ``[B, Hkv, L, D]`` (``H = Hkv * n_rep``); attention_mask: ``[B, 1, q,
+            L]`` (bool or additive) or ``None``, as transformers' ``sdpa_mask`` makes it.
+
+    Returns:
+        ``([B, q, H, D], None)`` like ``sdpa_attention_forward``. For ``q == 1`` the query is viewed as ``[B, Hkv,
+        n_rep, D]`` (query head ``h`` reads key/value head ``h // n_rep``, as ``repeat_kv`` pairs them) and the mask
+        broadcasts over the ``n_rep`` rows; anything else (prefill, extras such as ``position_bias``) goes to
+        transformers' own ``sdpa_attention_forward``.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    n_rep = int(getattr(module, "num_key_value_groups", 1))
+    if (query.shape[2] != 1 or n_rep == 1 or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or (attention_mask is not None and attention_mask.shape[1] != 1)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    B, H, _, D = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(B, H // n_rep, n_rep, D), key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling)
+    return out.reshape(B, H, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def register_gqa_decode_attention() -> str:
+    """Register :func:`gqa_decode_attention` (and transformers' SDPA mask for it); returns its
+    ``attn_implementation`` name."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(GQA_DECODE, gqa_decode_attention)
+    AttentionMaskInterface.register(GQA_DECODE, sdpa_mask)
+    return GQA_DECODE
+
+
 # ---------------------------------------------------------------------------------------------------- generation
 @dataclasses.dataclass
 class Row:
@@ -356,11 +415,14 @@ class CallStats:
     tokens: int
     seconds: float
     finished: int
+    t_end: float = 0.0
 
 
-def _bucket(n: int) -> int:
-    """Static-cache prompt part: the next power of two >= n (at least 64), so calls share a few shapes."""
-    return max(64, 1 << max(0, n - 1).bit_length())
+def _bucket(n: int, quantum: int = 0) -> int:
+    """Static-cache room for a prompt of ``n`` tokens: the next power of two >= n (at least 64), or above
+    ``quantum`` the next multiple of ``quantum`` (so that calls share a few shapes)."""
+    p2 = max(64, 1 << max(0, n - 1).bit_length())
+    return p2 if quantum <= 0 or p2 <= quantum else -(-n // quantum) * quantum
 
 
 class AnswerGenerator:
@@ -386,7 +448,7 @@ class AnswerGenerator:
 
     def rows_for(self, width: int, new_tokens: int) -> int:
         """Rows allowed in one call whose longest prompt has ``width`` tokens (a multiple of 64 when capped)."""
-        cache_len = _bucket(width) + new_tokens
+        cache_len = _bucket(width, self.cfg.cache_quantum) + new_tokens
         n = min(self.cfg.batch_size, max(1, self.cfg.max_batch_tokens // cache_len))
         return n if n == self.cfg.batch_size or n < 64 else n // 64 * 64
 
@@ -399,6 +461,10 @@ class AnswerGenerator:
             kw.update(cache_implementation="static", max_cache_len=cache_len)
         if not self.cfg.compile:
             kw["disable_compile"] = True
+        elif self.cfg.cache == "static" and self.device.type == "cuda":  # one compile for all batch / cache sizes
+            from transformers import CompileConfig
+
+            kw["compile_config"] = CompileConfig(dynamic=True)
         return GenerationConfig(**kw)
 
     @torch.no_grad()
@@ -412,6 +478,9 @@ class AnswerGenerator:
 
         cfg = self.cfg
         t0 = time.perf_counter()
+        real = len(rows)
+        if real == 1:  # a batch of one would make torch.compile specialise (and compile) once more: add a copy
+            rows = [rows[0], rows[0]]
         B = len(rows)
         ctx = [np.concatenate([r.prompt, np.asarray(r.answer, dtype=np.int64)]) if r.answer else r.prompt
                for r in rows]
@@ -423,7 +492,7 @@ class AnswerGenerator:
             att[i, width - len(c):] = 1
         budgets = [min(cfg.chunk_new_tokens, cfg.max_new_tokens - len(r.answer)) for r in rows]
         new_tokens = max(budgets)
-        cache_len = _bucket(width) + new_tokens
+        cache_len = _bucket(width, cfg.cache_quantum) + cfg.chunk_new_tokens  # shape independent of the budgets
         dev = self.device
         procs = LogitsProcessorList()
         temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
@@ -437,10 +506,10 @@ class AnswerGenerator:
         out = self.model.generate(input_ids=torch.from_numpy(ids).to(dev), attention_mask=torch.from_numpy(att).to(dev),
                                   generation_config=self._generation_config(new_tokens, cache_len),
                                   logits_processor=procs, stopping_criteria=stop)
-        new = out[:, width:].cpu().numpy()
+        new = out[:real, width:].cpu().numpy()
         finished, tokens = [], 0
         eos = set(self.eos_ids)
-        for r, g, b in zip(rows, new, budgets):
+        for r, g, b in zip(rows[:real], new, budgets):
             g = g[:b].tolist()
             ended = False
             for j, t in enumerate(g):
@@ -451,8 +520,8 @@ class AnswerGenerator:
             r.calls += 1
             tokens += len(g)
             finished.append(ended or len(r.answer) >= cfg.max_new_tokens)
-        self.calls.append(CallStats(B, width, cache_len, int(new.shape[1]), tokens, time.perf_counter() - t0,
-                                    sum(finished)))
+        t1 = time.perf_counter()
+        self.calls.append(CallStats(real, width, cache_len, int(new.shape[1]), tokens, t1 - t0, sum(finished), t1))
         return finished
 
 
@@ -765,11 +834,10 @@ class _Store:
         for s in self.shards:
             for r, c in s["rounds"].items():
                 rounds[r] += c
-        m = dict(self.manifest, shards=self.shards,
-                 counts=dict(tot, records=len(ch), record_tokens=int(sum(len(it.tokens) for c in ch.values()
-                                                                          for it in c)),
-                             conversations=len({k[0] for k in ch}), answers_by_round=dict(sorted(rounds.items(),
-                                                                                                 key=lambda x: int(x[0])))))
+        counts = dict(tot, records=len(ch), record_tokens=int(sum(len(it.tokens) for c in ch.values() for it in c)),
+                      conversations=len({k[0] for k in ch}),
+                      answers_by_round=dict(sorted(rounds.items(), key=lambda x: int(x[0]))))
+        m = dict(self.manifest, shards=self.shards, counts=counts)
         if run is not None:
             m["runs"] = m["runs"] + [run]
             self.manifest["runs"] = m["runs"]
@@ -817,7 +885,8 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
     if model is None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+        attn = register_gqa_decode_attention() if cfg.attention == "gqa-decode" else "sdpa"
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=attn)
         model = model.to(device).eval()
     eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -847,6 +916,7 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
     run = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(gen.device),
            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__,
+           "attention": getattr(model.config, "_attn_implementation", None),
            "settings": {k: v for k, v in dataclasses.asdict(cfg).items()}, "resumed_answers": store.resumed}
     per_round: dict[int, dict] = {}
     new_answers = new_tokens = 0
@@ -855,6 +925,9 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
 
     def budget_left() -> bool:
         return cfg.time_budget_s is None or time.perf_counter() - t_start < cfg.time_budget_s
+
+    def draining() -> bool:  # the last 10 % of the budget: finish answers in flight, start no new ones
+        return cfg.time_budget_s is not None and time.perf_counter() - t_start >= 0.9 * cfg.time_budget_s
 
     def finish(row: Row) -> None:
         nonlocal new_answers, new_tokens
@@ -878,51 +951,43 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
                 break
             todo = [c for c in convs if len(c.rounds) >= rnd]
             todo.sort(key=lambda c: held_out_score(c.uid, cfg.seed + 7919 * rnd))  # deterministic shuffle
+            waves = iter(range(0, len(todo), cfg.wave_conversations))
+            rows: list[Row] = []
             cont: list[Row] = []
+            i = 0
             calls0 = len(gen.calls)
-            for w in range(0, len(todo), cfg.wave_conversations):
+            while True:
                 if not budget_left():
                     stopped = True
                     break
-                rows = _wave_rows(todo[w: w + cfg.wave_conversations], rnd, store.items, tokenizer, cfg, eot_text,
-                                  chains_stopped)
-                rows.sort(key=lambda r: len(r.prompt))
-                i = 0
-                while i < len(rows) or len(cont) >= cfg.batch_size:
-                    if not budget_left():
-                        stopped = True
-                        break
-                    if len(cont) >= cfg.batch_size or i >= len(rows):
-                        cont.sort(key=lambda r: len(r.prompt) + len(r.answer))
-                        batch = _take(cont, gen, cfg)
-                        cont = cont[len(batch):]
-                    else:
-                        batch = _take(rows[i:], gen, cfg)
-                        i += len(batch)
-                    done = gen.step(batch)
-                    for r, d in zip(batch, done):
-                        if d:
-                            finish(r)
-                        else:
-                            cont.append(r)
-                    _log_call(log, rnd, gen.calls[-1], len(rows) - i, len(cont), t_start, new_tokens)
-                    store.maybe_flush()
-                if stopped:
-                    break
-            while cont and not stopped:  # drain the continuations of this round
-                if not budget_left():
-                    stopped = True
-                    break
-                cont.sort(key=lambda r: len(r.prompt) + len(r.answer))
-                batch = _take(cont, gen, cfg)
-                cont = cont[len(batch):]
+                fresh_ok = not draining()
+                if fresh_ok and i >= len(rows):
+                    w = next(waves, None)
+                    if w is not None:  # tokenise the next wave
+                        rows = _wave_rows(todo[w: w + cfg.wave_conversations], rnd, store.items, tokenizer, cfg,
+                                          eot_text, chains_stopped)
+                        rows.sort(key=lambda r: len(r.prompt))
+                        i = 0
+                        continue
+                fresh_left = fresh_ok and i < len(rows)
+                if cont and (len(cont) >= cfg.batch_size or not fresh_left):
+                    cont.sort(key=lambda r: len(r.prompt) + len(r.answer))
+                    batch = _take(cont, gen, cfg)
+                    cont = cont[len(batch):]
+                elif fresh_left:
+                    batch = _take(rows[i:], gen, cfg)
+                    i += len(batch)
+                else:
+                    break  # the round is done (or, near the budget, its continuations are)
                 for r, d in zip(batch, gen.step(batch)):
                     if d:
                         finish(r)
                     else:
                         cont.append(r)
-                _log_call(log, rnd, gen.calls[-1], 0, len(cont), t_start, new_tokens)
+                _log_call(log, rnd, gen.calls[-1], len(rows) - i, len(cont), t_start, new_tokens)
                 store.maybe_flush()
+            if draining():
+                stopped = True  # no new round near the end of the budget
             if rnd in per_round:
                 per_round[rnd]["calls"] = len(gen.calls) - calls0
     finally:
@@ -938,6 +1003,11 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
             "chains_stopped": dict(chains_stopped),
             "by_round": {str(k): v for k, v in sorted(per_round.items())},
         })
+        if len(gen.calls) > 1:  # after the first call, which pays the compile
+            later = gen.calls[1:]
+            run["decode_tokens_per_s_after_first_call"] = round(
+                sum(c.tokens for c in later) / max(later[-1].t_end - gen.calls[0].t_end, 1e-9), 1)
+            run["first_call_s"] = round(gen.calls[0].seconds, 2)
         run["row_utilisation"] = round(sum(c.tokens for c in gen.calls) / max(run["rows_x_steps"], 1), 3)
         run["discarded_in_flight_tokens"] = int(sum(c.tokens for c in gen.calls) - new_tokens)
         store.write_manifest(run)
@@ -1029,7 +1099,9 @@ def throughput_table(run: dict) -> str:
     lines.append(f"all | {run['answers']} | {run['generated_tokens']} | | {run['calls']}")
     lines.append(f"generated tokens/s: {run['generated_tokens_per_s']:.0f} over {run['wall_s']:.0f} s wall "
                  f"(load, prompt encoding, compile included); {run['generated_tokens_per_generate_s']:.0f} inside "
-                 f"generate ({run['generate_s']:.0f} s); row utilisation {run['row_utilisation']:.0%}; discarded "
+                 f"generate ({run['generate_s']:.0f} s); after the first call (compile, "
+                 f"{run.get('first_call_s', 0):.0f} s): {run.get('decode_tokens_per_s_after_first_call', 0):.0f} "
+                 f"tok/s; row utilisation {run['row_utilisation']:.0%}; discarded "
                  f"in-flight tokens {run['discarded_in_flight_tokens']}; stopped by time budget: "
                  f"{run['stopped_by_time_budget']}")
     return "\n".join(lines)
