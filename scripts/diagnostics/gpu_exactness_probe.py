@@ -56,7 +56,8 @@ def main() -> None:
 
     from spd_ds.decoding.ar_graph import ARGraphDecoder
     from spd_ds.eval.runner import first_divergence
-    from spd_ds.pipe.runner import init_process_group, init_timeout_s, run_distributed_inference
+    from spd_ds.dist import init_process_group, init_timeout_s
+    from spd_ds.pipe.runner import run_distributed_inference
 
     base = ["model.dtype=bfloat16", "partition.num_stages=2", "decoding.temperature=0",
             f"decoding.max_new_tokens={args.max_new_tokens}", f"decoding.max_length={args.max_length}",

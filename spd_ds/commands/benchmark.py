@@ -127,7 +127,7 @@ def _main(argv=None) -> int:
         import torch.distributed as dist
 
         c0 = cfgs[piped[0]]
-        from spd_ds.pipe.runner import init_process_group, init_timeout_s
+        from spd_ds.dist import init_process_group, init_timeout_s
 
         init_process_group(c0.deepspeed.backend, init_timeout_s(c0))
         head = dist.get_rank() == 0

@@ -658,7 +658,7 @@ def _run_distributed(cfg, arch, part, prompts, variants, methods, progress: bool
     run_distributed_inference = _import_engine()
     created = False
     if not dist.is_initialized():  # one process group for every session of this run
-        from spd_ds.pipe.runner import init_process_group, init_timeout_s
+        from spd_ds.dist import init_process_group, init_timeout_s
 
         created = init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
     head_rank = dist.get_rank() == 0
