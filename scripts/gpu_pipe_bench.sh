@@ -6,7 +6,7 @@
 # Env knobs: MAX_NEW (128), NUM_PROMPTS (5), DTYPE (bfloat16), NGPU (2).
 #
 # What it runs (each a `deepspeed --num_gpus 2` launch; logs and JSON under $OUT):
-#   1. spd_ds.pipe.bench: SPD vs AR through the *same* pipeline (same graphed stage code and kernels) for the
+#   1. spd_ds.commands.pipe_bench: SPD vs AR through the *same* pipeline (same graphed stage code and kernels) for the
 #      oracle drafter at alpha 1.0 and 0.6 and for the untrained head; at T=0 the tokens must be equal (exit 1
 #      otherwise). --single-ar also reports the first divergence from the single-process eager AR decoder.
 #   2. the same with static caches and CUDA graphs off (eager stages), for the time split.
@@ -48,7 +48,7 @@ sets() { for x in "$@"; do printf -- '--set\n%s\n' "$x"; done; }
 bench() {  # name, extra overrides...
   local name=$1; shift
   local args; mapfile -t args < <(sets "${COMMON[@]}" "$@")
-  local cmd=(deepspeed --num_gpus "$NGPU" --master_port "$(free_port)" --module spd_ds.pipe.bench
+  local cmd=(deepspeed --num_gpus "$NGPU" --master_port "$(free_port)" --module spd_ds.commands.pipe_bench
              --config launch/configs/smollm2_spd.yaml "${args[@]}" --max-new-tokens "$MAX_NEW"
              --num-prompts "$NUM_PROMPTS" --warmup 1 --single-ar --out "$OUT/bench_$name")
   echo "${cmd[*]}" > "$OUT/bench_$name.cmd"
