@@ -35,15 +35,7 @@ run() { "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
 
 say "gpu_train_heads: stages [$STAGES], data $DATA, regen ${REGEN_SECONDS}s, train ${TRAIN_SECONDS}s/head, work $WORK"
 [[ -f "$DATA" ]] || { say "error: $DATA not found; carry runs/train_data (made by launch/prepare_train_data.py export)"; exit 2; }
-run "$PY" - <<'EOF' || { say "error: missing dependencies (see the header of this script)"; exit 2; }
-import importlib.util, torch
-missing = [m for m in ("deepspeed", "datasets", "omegaconf", "transformers", "gguf") if importlib.util.find_spec(m) is None]
-if missing:
-    raise SystemExit(f"missing Python packages: {missing}")
-import deepspeed, transformers
-print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "gpus", torch.cuda.device_count(),
-      "transformers", transformers.__version__, "deepspeed", deepspeed.__version__)
-EOF
+run "$PY" -m spd_ds.eval.collect env --deps || { say "error: missing dependencies (see the header of this script)"; exit 2; }
 NUM_GPUS=${NUM_GPUS:-$("$PY" -c 'import torch; print(max(1, torch.cuda.device_count()))')}
 run nvidia-smi --query-gpu=name,memory.total --format=csv || true
 t0=$SECONDS
