@@ -65,3 +65,26 @@ def test_env_reports_missing_packages_first(monkeypatch, capsys):
     assert "missing Python packages: ['nope']" in capsys.readouterr().err
     env = collect.environment()
     assert {"torch", "transformers", "deepspeed", "gpus", "git"} <= set(env) and "model_dir" not in env
+
+
+def test_heads_report_with_quick_eval(tmp_path, smollm2_dir, capsys):
+    import shutil
+    from pathlib import Path
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    run = work / "heads" / "smollm2_n2"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "spd_ds" / "assets" / "heads" / "smollm2-135m-instruct-n2",
+                    run / "head")
+    (run / "train_summary.json").write_text(json.dumps({"steps": 5, "partition": {"stage_layers": [15, 15]}}))
+    (run / "train_log.jsonl").write_text("\n".join(json.dumps({"tokens_per_s": t}) for t in (1.0, 10.0, 20.0)))
+    out.mkdir()
+    report = collect.heads_report(str(smollm2_dir), work, out, [2, 3], run_quick_eval=True, max_new_tokens=4)
+    assert json.loads((out / "report.json").read_text()) == report
+    two = report["stages"]["2"]
+    assert two["steps"] == 5 and two["mean_tokens_per_s"] == 15.0 and len(two["train_log"]) == 3
+    q = two["quick_eval_T0"]
+    assert q["prompts"] == len(collect.QUICK_EVAL_PROMPTS) + 5 and q["num_new_tokens"] == 4 * q["prompts"]
+    assert q["equivalent_accept_length"] == 2 * q["num_new_tokens"] / q["num_cycles"]
+    assert report["stages"]["3"] == {} and report["regenerated"] is False
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("n=2: ") and "train_log" not in lines[0] and lines[1] == "n=3: {}"

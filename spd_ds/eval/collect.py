@@ -8,6 +8,9 @@ a heads sweep, the summary of ``spd_ds.commands.pipe_bench`` runs. The shell scr
 * ``suite-c WORK OUT STAGES...``: ``OUT/suite_c.{json,md}`` from ``WORK/eval/<variant>_n<n>/summary.json`` and
   ``WORK/heads/<variant>_n<n>/train_summary.json``; prints the table.
 * ``pipe-bench OUT``: the markdown summary of ``OUT/bench_*/pipe_bench.json`` and ``OUT/infer_*.log``.
+* ``heads-report MODEL WORK OUT STAGES... [--quick-eval] [--regenerated]``: ``OUT/report.json`` of
+  ``scripts/gpu_train_heads.sh`` (training summary, log and throughput per head; with ``--quick-eval`` each head's
+  draft acceptance through the reference decoder at T = 0 on a few prompts).
 """
 
 from __future__ import annotations
@@ -124,6 +127,74 @@ def pipe_bench_summary(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+QUICK_EVAL_PROMPTS = ("Give me three tips for writing clear emails.",)
+
+
+def quick_eval(model: str, head_dir: Path, num_stages: int, max_new_tokens: int = 96) -> dict:
+    """Draft acceptance of the head in ``head_dir`` through the reference decoder at T = 0 (bf16 on a GPU, else fp32
+    on CPU) on the demo prompts and :data:`QUICK_EVAL_PROMPTS`: totals of the metrics, the equivalent accept length
+    ``n * new tokens / cycles`` and the seconds taken."""
+    import time
+
+    import torch
+
+    from spd_ds import builder
+    from spd_ds.config import load_config
+    from spd_ds.decoding.reference import SPDReferenceDecoder
+    from spd_ds.eval.prompts import DEMO_PROMPTS
+
+    gpu = torch.cuda.is_available()
+    cfg = load_config(None, [f"model.name={model}", f"model.dtype={'bfloat16' if gpu else 'float32'}",
+                             f"model.device={'cuda' if gpu else 'cpu'}", f"head.checkpoint={head_dir}",
+                             f"partition.num_stages={num_stages}"])
+    arch = builder.build_arch(cfg)
+    tok = builder.load_tokenizer(arch)
+    part = builder.build_partition(cfg, arch)
+    head = builder.build_head(cfg, arch, part)
+    target = builder.build_target(cfg, arch, part)
+    drafter = builder.build_drafter(cfg, head, arch, target.device)
+    dec = SPDReferenceDecoder(target, drafter, builder.sampling_params(cfg), builder.eos_token_ids(cfg, arch, tok),
+                              max_len=1024)
+    prompts, tot = list(DEMO_PROMPTS) + list(QUICK_EVAL_PROMPTS), None
+    t0 = time.perf_counter()
+    for p in prompts:
+        m = dec.generate(builder.encode_prompt(tok, p), max_new_tokens).metrics
+        tot = m if tot is None else tot + m
+    return {"prompts": len(prompts), "num_new_tokens": tot.num_new_tokens, "num_cycles": tot.num_cycles,
+            "num_drafts": tot.num_drafts, "num_accepted_tokens": tot.num_accepted_tokens,
+            "draft_acceptance_rate": tot.draft_acceptance_rate,
+            "equivalent_accept_length": num_stages * tot.num_new_tokens / max(tot.num_cycles, 1),
+            "seconds": time.perf_counter() - t0}
+
+
+def heads_report(model: str, work: Path, out: Path, stages: Sequence[int], *, run_quick_eval: bool = False,
+                 regenerated: bool = False, max_new_tokens: int = 96) -> dict:
+    """``out/report.json`` of ``scripts/gpu_train_heads.sh``: per n, ``work/heads/smollm2_n<n>``'s
+    ``train_summary.json``, its ``train_log.jsonl`` with the mean tokens/s (the first record, warm-up, left out when
+    there are others) and with ``run_quick_eval`` :func:`quick_eval` as ``quick_eval_T0``. The file is rewritten after
+    each head (a timeout keeps the heads done) and one line per head is printed. Returns the report."""
+    work, out = Path(work), Path(out)
+    report = {"stages": {}, "regenerated": regenerated}
+    for n in stages:
+        run, entry = work / "heads" / f"smollm2_n{n}", {}
+        if (run / "train_summary.json").exists():
+            entry.update(json.loads((run / "train_summary.json").read_text()))
+        log = run / "train_log.jsonl"
+        logs = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+        if logs:
+            entry["train_log"] = logs
+            steady = logs[1:] or logs
+            entry["mean_tokens_per_s"] = sum(r["tokens_per_s"] for r in steady) / len(steady)
+        report["stages"][str(n)] = entry
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        if run_quick_eval and (run / "head" / "head_config.json").exists():
+            entry["quick_eval_T0"] = quick_eval(model, run / "head", int(n), max_new_tokens)
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        print(f"n={n}: {json.dumps({k: v for k, v in entry.items() if k not in ('partition', 'train_log')})}",
+              flush=True)
+    return report
+
+
 def main(argv=None) -> int:
     """``python -m spd_ds.eval.collect <command>`` (module docstring). Exit status 0; 1 when ``env --deps`` finds
     packages missing."""
@@ -142,6 +213,13 @@ def main(argv=None) -> int:
     p.add_argument("stages", nargs="+", type=int)
     p = sub.add_parser("pipe-bench", help="summary of gpu_pipe_bench.sh runs")
     p.add_argument("out", type=Path)
+    p = sub.add_parser("heads-report", help="report.json of gpu_train_heads.sh")
+    p.add_argument("model")
+    p.add_argument("work", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("stages", nargs="+", type=int)
+    p.add_argument("--quick-eval", action="store_true", help="draft acceptance of each head (reference decoder)")
+    p.add_argument("--regenerated", action="store_true", help="the training data includes regenerated answers")
     args = ap.parse_args(argv)
     if args.command == "env":
         if args.deps and missing_packages():
@@ -156,8 +234,11 @@ def main(argv=None) -> int:
         (args.out / "suite_c.json").write_text(json.dumps(rows, indent=2))
         (args.out / "suite_c.md").write_text(md)
         print(md, end="")
-    else:
+    elif args.command == "pipe-bench":
         print(pipe_bench_summary(args.out), end="")
+    else:
+        heads_report(args.model, args.work, args.out, args.stages, run_quick_eval=args.quick_eval,
+                     regenerated=args.regenerated)
     return 0
 
 
