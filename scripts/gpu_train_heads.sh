@@ -13,7 +13,7 @@
 #      `cat heads.tgz.part-* | tar xz`, which gives heads/smollm2_n<n>/{head/,config.yaml,train_log.jsonl,...}).
 #
 # Needs, on the GPU machine (no network): this repository; its dependencies (deepspeed, datasets, gguf: the wheels of
-# ../shared/device/prepare.sh; omegaconf + antlr4-python3-runtime as wheels if the image lacks them); the SmolLM2
+# the device image; omegaconf + antlr4-python3-runtime as wheels if the image lacks them); the SmolLM2
 # GGUF at $SPD_GGUF; the training conversations carried in a git-ignored folder, made here beforehand with
 #   python launch/prepare_train_data.py export --limit 6000 --out runs/train_data/sharegpt6k.jsonl.gz   (9 MB)
 # Usage (repo root):  source .devkit/on_device.sh && OUT=$OUT bash scripts/gpu_train_heads.sh

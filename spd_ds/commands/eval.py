@@ -13,9 +13,9 @@ Useful overrides: ``eval.prompt_sets=[mt_bench,humaneval,gsm8k]`` (names or json
 PPSD head beside the SPD head), ``decoding.drafter=oracle eval.oracle_alphas=[1,0.8,0.6]`` (oracle drafts),
 ``model.name=random:qwen3-4b model.dtype=bfloat16 eval.prompt_sets=[random]`` (random weights of a real shape).
 
-Writes ``eval.output_dir``/``per_prompt.jsonl``, ``summary.json`` (metrics of DESIGN.md, per prompt set and pooled),
-``acceptance_by_depth.png`` and ``cycle_time_split.png``, and prints the table and the exactness check (T=0: SPD's
-tokens against every AR baseline's, first divergence per prompt).
+Writes ``eval.output_dir``/``per_prompt.jsonl``, ``summary.json`` (the metrics of spd_ds.decoding.metrics.SPDMetrics,
+per prompt set and pooled), ``acceptance_by_depth.png`` and ``cycle_time_split.png``, and prints the table and the
+exactness check (T=0: SPD's tokens against every AR baseline's, first divergence per prompt).
 """
 
 from __future__ import annotations
