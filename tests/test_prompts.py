@@ -155,7 +155,7 @@ def test_default_prompt_sets_skip_an_unavailable_set_explicit_ones_fail(smollm2_
     from transformers import AutoTokenizer
 
     from spd_ds.config import load_config
-    from spd_ds.eval.runner import load_eval_prompts
+    from spd_ds.eval.inputs import load_eval_prompts
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     eval_dir = tmp_path / "eval_data"
