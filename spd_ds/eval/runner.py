@@ -426,9 +426,8 @@ def _import_engine():
 
 def _oracle_factory(variants: list[_Variant], prompts: list[list[int]], arch):
     """One drafter factory serving several oracle alphas in one pipeline session: generation ``g`` (in call order)
-    belongs to variant ``g // len(prompts)``; the AR reference of each prompt (and request) is computed once."""
-    from spd_ds.decoding.drafters import OracleDrafter
-
+    belongs to variant ``g // len(prompts)``; the AR reference of each prompt (and request) is computed once. The
+    drafter itself is :func:`spd_ds.builder.build_drafter` with the variant's config (its ``decoding.oracle_alpha``)."""
     state = {"g": 0}
     refs: dict[int, list[int]] = {}
 
@@ -442,7 +441,7 @@ def _oracle_factory(variants: list[_Variant], prompts: list[list[int]], arch):
         key = g % len(prompts)  # same prompt, same request: same AR reference
         if key not in refs:
             refs[key] = list(ar_reference())
-        return OracleDrafter(refs[key], v.alpha, None, arch.vocab_size, seed=v.cfg.decoding.seed + 7)
+        return builder.build_drafter(v.cfg, None, arch, None, reference=refs[key])
 
     return make
 
