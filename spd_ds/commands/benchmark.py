@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The parsed command line (``argv``: default ``sys.argv[1:]``; ``--help`` documents every option)."""
     return build_parser().parse_args(argv)
 
 

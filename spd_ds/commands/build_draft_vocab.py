@@ -21,6 +21,8 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Count the assistant tokens of the corpus and write the draft vocabulary (module docstring). Exit status 0
+    on success."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="zoo name, local HF directory or hub id")
     ap.add_argument("--data", action="append", required=True,

@@ -34,6 +34,7 @@ log = logging.getLogger("spd_ds.eval")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The parsed command line (``argv``: default ``sys.argv[1:]``; ``--help`` documents every option)."""
     ap = experiment_parser(__doc__, overrides_help="section.key=value overrides, e.g. data.num_prompts=10",
                            engine_help="auto: DeepSpeed engine when launched with WORLD_SIZE > 1, else the reference "
                                        "decoder")

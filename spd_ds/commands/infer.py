@@ -35,6 +35,7 @@ log = logging.getLogger("spd_ds.infer")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The parsed command line (``argv``: default ``sys.argv[1:]``; ``--help`` documents every option)."""
     ap = experiment_parser(__doc__, overrides_help="section.key=value overrides, e.g. partition.num_stages=3",
                            engine_help="auto: DeepSpeed engine when launched with WORLD_SIZE > 1, else the reference "
                                        "decoder")

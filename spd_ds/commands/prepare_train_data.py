@@ -151,6 +151,7 @@ def _selfdistill(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand (module docstring; ``--help`` documents each). Exit status 0 on success."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export", help="normalise conversations into one gzipped JSON-lines file")
