@@ -88,3 +88,20 @@ def test_heads_report_with_quick_eval(tmp_path, smollm2_dir, capsys):
     assert report["stages"]["3"] == {} and report["regenerated"] is False
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("n=2: ") and "train_log" not in lines[0] and lines[1] == "n=3: {}"
+
+
+def test_scripts_call_known_commands():
+    """Every ``spd_ds.eval.collect <command>`` in scripts/*.sh is one the module knows (``--help`` of each parses)."""
+    import re
+    from pathlib import Path
+
+    import pytest
+
+    used = set()
+    for sh in (Path(__file__).resolve().parents[1] / "scripts").glob("*.sh"):
+        used |= set(re.findall(r"spd_ds\.eval\.collect (\S+)", sh.read_text()))
+    assert used == {"env", "first-stage-layers", "suite-c", "pipe-bench", "heads-report"}
+    for cmd in used:
+        with pytest.raises(SystemExit) as e:
+            collect.main([cmd, "--help"])
+        assert e.value.code == 0
