@@ -1,70 +1,7 @@
 #!/usr/bin/env python
-"""Build a draft vocabulary: the top-K token ids by frequency over the assistant tokens of a corpus.
-
-Examples::
-
-    python launch/build_draft_vocab.py --model smollm2-135m-instruct --data sharegpt --size 16384 \\
-        --out draft_vocab/smollm2-135m-instruct_sharegpt_16k.json
-    python launch/build_draft_vocab.py --model /models/Qwen3-4B --data chats.jsonl --data more/ --size 32000 \\
-        --out d.json
-
-The output is the reference project's JSON format (token_ids, draft_vocab_size, vocab_size,
-total_positions_counted, topk_selected_token_count_sum, topk_mass_ratio, tokenizer_name, data_paths,
-mask_assistant); the model's EOS ids are always included. Use it with head.draft_vocab=<file>.
-"""
-
-from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's spd_ds, even if another is installed
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="zoo name, local HF directory or hub id")
-    ap.add_argument("--data", action="append", required=True,
-                    help="data source (file, directory, 'sharegpt', hub id); repeatable")
-    ap.add_argument("--size", type=int, default=16384, help="draft vocabulary size K (default: %(default)s)")
-    ap.add_argument("--out", required=True, help="output JSON path")
-    ap.add_argument("--max-conversations", type=int, default=None, help="use at most this many conversations")
-    ap.add_argument("--max-seq-length", type=int, default=4096, help="truncate conversations to this many tokens")
-    ap.add_argument("--chat-template", default=None, help="Jinja template (file or string) replacing the tokenizer's")
-    ap.add_argument("--num-workers", type=int, default=0, help="tokenising processes")
-    ap.add_argument("--name", default=None, help="tokenizer_name recorded in the file (default: --model)")
-    args = ap.parse_args(argv)
-
-    from spd_ds.builder import load_tokenizer
-    from spd_ds.train.chat import set_chat_template
-    from spd_ds.train.data import load_records, tokenize_records
-    from spd_ds.train.vocab import count_assistant_tokens, draft_vocab_record, select_draft_vocab, write_draft_vocab
-    from spd_ds.zoo import resolve_model
-
-    model_dir = resolve_model(args.model)
-    tok = load_tokenizer(model_dir)
-    set_chat_template(tok, args.chat_template)
-    records = load_records(args.data, limit=args.max_conversations)
-    data = tokenize_records(records, tok, args.max_seq_length, 1, "truncate", args.num_workers)
-    print(f"build_draft_vocab: {data.summary()}", file=sys.stderr)
-    import json
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    V = max(int(cfg.get("vocab_size", 0)), len(tok))
-    counts = count_assistant_tokens(data.input_ids, data.assistant_mask, V)
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.exists():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        eos |= set([e] if isinstance(e, int) else (e or []))
-    ids = select_draft_vocab(counts, args.size, sorted(eos))
-    rec = draft_vocab_record(counts, ids, args.name or str(args.model), args.data, tok.vocab_size)
-    path = write_draft_vocab(rec, args.out)
-    print(f"build_draft_vocab: {len(ids)} ids covering {rec['topk_mass_ratio']:.4f} of "
-          f"{rec['total_positions_counted']} assistant tokens (EOS {sorted(eos)}) -> {path}", file=sys.stderr)
-    return 0
-
+"""Runs spd_ds/commands/build_draft_vocab.py (its docstring and `--help` document it) from this checkout."""
+import _checkout  # noqa: F401  this checkout's spd_ds first (launch/_checkout.py)
+from spd_ds.commands.build_draft_vocab import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

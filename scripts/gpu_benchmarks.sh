@@ -6,7 +6,7 @@
 #   - this repository with its dependencies installed (pip install -e ".[eval]");
 #   - the SmolLM2-135M-Instruct GGUF at $SPD_GGUF (spd_ds.zoo.resolve_model converts it once);
 #   - the prompt sets in $SPD_EVAL_DIR (default eval_data/, materialised beforehand, e.g.
-#     `python launch/prepare_eval_data.py --source-dir ../shared/data/eval_data`, and carried along: eval_data/*/
+#     `python launch/prepare_eval_data.py --source-dir <a copy of the prompt sets>`, and carried along: eval_data/*/
 #     is gitignored); the sets found there are used;
 #   - optionally an n=2 SmolLM2 head at $SPD_HEAD (default: the shipped spd_ds/assets/heads/smollm2-135m-instruct-n2).
 # Usage (repo root): source .devkit/on_device.sh && OUT=$OUT bash scripts/gpu_benchmarks.sh

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The open bf16 exactness question of docs/benchmarks.md (a) in one device call on 2 GPUs (about 6 minutes): the CUDA
-# engine test (tests/test_pipe_engine.py -k cuda), then scripts/gpu_exactness_probe.py three times: bf16, bf16 under
+# engine test (tests/test_pipe_engine.py -k cuda), then scripts/diagnostics/gpu_exactness_probe.py three times: bf16, bf16 under
 # CUBLAS_WORKSPACE_CONFIG=:4096:8, and fp32. Results into $OUT: log.txt, pytest.log, divergence_<variant>.md (the
 # probe's table) and tokens.tgz (every method's tokens per prompt).
 #
@@ -23,7 +23,7 @@ for v in ${VARIANTS:-bf16 det fp32}; do
   [[ $v == det ]] && vars+=(CUBLAS_WORKSPACE_CONFIG=:4096:8)
   [[ $v == fp32 ]] && extra=(model.dtype=float32)
   env "${vars[@]}" timeout 300 "$PY" -m deepspeed.launcher.runner --num_gpus "${NUM_GPUS:-2}" \
-    --master_port $((29500 + RANDOM % 1000)) scripts/gpu_exactness_probe.py "${extra[@]}" ${PROBE_OVERRIDES:-} \
+    --master_port $((29500 + RANDOM % 1000)) scripts/diagnostics/gpu_exactness_probe.py "${extra[@]}" ${PROBE_OVERRIDES:-} \
     --out "$WORK/$v" --eval-dir "$EVAL_DIR" ${PROBE_ARGS:-} > "$WORK/$v.log" 2>&1  # overrides first: --sets takes a list
   rc=$?
   say "probe $v: exit $rc"

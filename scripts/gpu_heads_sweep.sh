@@ -44,10 +44,7 @@ say "gpu_heads_sweep: phases [$PHASES], stages [$STAGES], gpus $NUM_GPUS, work $
 "$PY" -c "from spd_ds.zoo import resolve_model; print('model dir', resolve_model('$MODEL'))" >> "$LOG" 2>&1
 
 # e_1 (layers of the first stage) for a uniform n-stage split of the target
-e1() { "$PY" -c "
-import json; from spd_ds.zoo import resolve_model; from spd_ds.partition import StagePartition
-L = json.load(open(resolve_model('$MODEL') / 'config.json'))['num_hidden_layers']
-print(StagePartition.build(L, $1).stage_layers[0])" | tail -1; }
+e1() { "$PY" -m spd_ds.eval.collect first-stage-layers "$MODEL" "$1" | tail -1; }
 
 REGEN=${REGEN_FILE:-$WORK/regen.jsonl.gz}
 if has regen && [[ ! -f "$REGEN" ]]; then
@@ -119,40 +116,7 @@ if has eval; then
     done
   done
   wait
-  WORK="$WORK" OUT="$OUT" STAGES="$STAGES" TRAIN_SECONDS="$TRAIN_SECONDS" "$PY" - <<'EOF' 2>&1 | tee -a "$LOG"
-import json, os
-from pathlib import Path
-
-work, out = Path(os.environ["WORK"]), Path(os.environ["OUT"])
-rows, md = [], ["| n | head | anchors | train steps | eq. accept len | draft acc. | tok/cycle | acceptance by fill 1..n | "
-                "MT-Bench | HumanEval | GSM8K |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-for n in os.environ["STAGES"].split():
-    for variant in ("spd", "ppsd"):
-        s = work / "eval" / f"{variant}_n{n}" / "summary.json"
-        if not s.exists():
-            continue
-        summ = json.loads(s.read_text())
-        res = summ["results"]["spd"]
-        b = res["overall"]
-        ts = work / "heads" / f"{variant}_n{n}" / "train_summary.json"
-        steps = json.loads(ts.read_text()).get("steps") if ts.exists() else None
-        sets = {k: v["equivalent_accept_length"] for k, v in res["by_set"].items()}
-        fills = [r["rate"] for r in b["acceptance_by_depth"]]
-        row = {"n": int(n), "head": variant, "anchors": summ["partition"]["anchors"], "train_steps": steps,
-               "equivalent_accept_length": b["equivalent_accept_length"],
-               "draft_acceptance_rate": b["draft_acceptance_rate"], "tokens_per_cycle": b["tokens_per_cycle"],
-               "acceptance_by_fill": fills, "eq_accept_len_by_set": sets,
-               "num_prompts": b.get("num_prompts"), "num_new_tokens": b.get("num_new_tokens"),
-               "device": summ.get("device")}
-        rows.append(row)
-        f = " ".join("-" if r is None else f"{r:.2f}" for r in fills)
-        md.append(f"| {n} | {variant.upper()} | {row['anchors']} | {steps} | {b['equivalent_accept_length']:.3f} | "
-                  f"{b['draft_acceptance_rate']:.3f} | {b['tokens_per_cycle']:.3f} | {f} | "
-                  + " | ".join(f"{sets.get(k, float('nan')):.3f}" for k in ("mt_bench", "humaneval", "gsm8k")) + " |")
-(out / "suite_c.json").write_text(json.dumps(rows, indent=2))
-(out / "suite_c.md").write_text("\n".join(md) + "\n")
-print("\n".join(md))
-EOF
+  "$PY" -m spd_ds.eval.collect suite-c "$WORK" "$OUT" $STAGES 2>&1 | tee -a "$LOG"
 fi
 
 if [[ -n "${COLLECT:-}" ]]; then

@@ -6,7 +6,7 @@
 # Env knobs: MAX_NEW (128), NUM_PROMPTS (5), DTYPE (bfloat16), NGPU (2).
 #
 # What it runs (each a `deepspeed --num_gpus 2` launch; logs and JSON under $OUT):
-#   1. spd_ds.pipe.bench: SPD vs AR through the *same* pipeline (same graphed stage code and kernels) for the
+#   1. spd_ds.commands.pipe_bench: SPD vs AR through the *same* pipeline (same graphed stage code and kernels) for the
 #      oracle drafter at alpha 1.0 and 0.6 and for the untrained head; at T=0 the tokens must be equal (exit 1
 #      otherwise). --single-ar also reports the first divergence from the single-process eager AR decoder.
 #   2. the same with static caches and CUDA graphs off (eager stages), for the time split.
@@ -31,14 +31,8 @@ status=0
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 # Convert the GGUF once before any launch (the ranks would otherwise race to do it), and record the environment.
-python3 - > "$OUT/env.json" <<'EOF' || { echo "model/environment setup failed" >&2; exit 2; }
-import json, subprocess, torch, transformers, deepspeed
-from spd_ds.zoo import resolve_model
-print(json.dumps({"model_dir": str(resolve_model("smollm2-135m-instruct")), "torch": torch.__version__,
-                  "transformers": transformers.__version__, "deepspeed": deepspeed.__version__,
-                  "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-                  "git": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}))
-EOF
+python3 -m spd_ds.eval.collect env --model smollm2-135m-instruct > "$OUT/env.json" \
+  || { echo "model/environment setup failed" >&2; exit 2; }
 cat "$OUT/env.json"
 
 COMMON=(partition.num_stages=2 head.placement=colocated "model.dtype=$DTYPE" decoding.max_length=1024
@@ -48,7 +42,7 @@ sets() { for x in "$@"; do printf -- '--set\n%s\n' "$x"; done; }
 bench() {  # name, extra overrides...
   local name=$1; shift
   local args; mapfile -t args < <(sets "${COMMON[@]}" "$@")
-  local cmd=(deepspeed --num_gpus "$NGPU" --master_port "$(free_port)" --module spd_ds.pipe.bench
+  local cmd=(deepspeed --num_gpus "$NGPU" --master_port "$(free_port)" --module spd_ds.commands.pipe_bench
              --config launch/configs/smollm2_spd.yaml "${args[@]}" --max-new-tokens "$MAX_NEW"
              --num-prompts "$NUM_PROMPTS" --warmup 1 --single-ar --out "$OUT/bench_$name")
   echo "${cmd[*]}" > "$OUT/bench_$name.cmd"
@@ -90,27 +84,6 @@ echo "== CUDA graph unit test"
 python3 -m pytest -q tests/test_pipe_graphs.py > "$OUT/pytest_graphs.log" 2>&1 || { echo "   FAILED"; status=1; }
 tail -n 1 "$OUT/pytest_graphs.log"
 
-python3 - "$OUT" > "$OUT/summary.md" <<'EOF'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-print("# Distributed SPD on 2 GPUs (SmolLM2-135M-Instruct, n=2, co-located head)\n")
-print("| run | equal to pipeline AR | first divergence vs eager AR | SPD tok/s | AR tok/s (same pipeline) | speedup | "
-      "L'acc | ms/cycle: stage0 / stage1 / head / verify / comm / control |")
-print("|---|---|---|---|---|---|---|---|")
-for d in sorted(out.glob("bench_*/pipe_bench.json")):
-    j = json.loads(d.read_text()); s = j["summary"]; recs = j["prompts"]
-    cyc = sum(r["spd"]["num_cycles"] for r in recs) or 1
-    ms = lambda x: 1e3 * x / cyc
-    t = s["time_split_s"]
-    split = " / ".join(f"{ms(x):.3f}" for x in s["stage_forward_s"] + [t["head_s"], t["verify_s"], t["comm_s"], t["control_s"]])
-    div = [r.get("first_divergence_vs_single_ar") for r in recs]
-    print(f"| {d.parent.name[6:]} | {s['all_equal_to_pipeline_ar']} | {div} | {s['spd_decode_tok_s']:.1f} | "
-          f"{s['ar_decode_tok_s']:.1f} | {s['speedup_vs_pipeline_ar']:.2f} | {s['equivalent_accept_length']:.2f} | {split} |")
-for f in sorted(out.glob("infer_*.log")):
-    line = [l for l in f.read_text().splitlines() if l.startswith(("identical to AR", "speed: "))]
-    print(f"\n`launch/infer.py` ({f.stem[6:]}): {'; '.join(line) if line else 'no AR comparison line (see log)'}")
-print("\nCommands: see `*.cmd` in this directory.")
-EOF
+python3 -m spd_ds.eval.collect pipe-bench "$OUT" > "$OUT/summary.md"
 cat "$OUT/summary.md"
 exit $status

@@ -13,7 +13,7 @@
 #      `cat heads.tgz.part-* | tar xz`, which gives heads/smollm2_n<n>/{head/,config.yaml,train_log.jsonl,...}).
 #
 # Needs, on the GPU machine (no network): this repository; its dependencies (deepspeed, datasets, gguf: the wheels of
-# ../shared/device/prepare.sh; omegaconf + antlr4-python3-runtime as wheels if the image lacks them); the SmolLM2
+# the device image; omegaconf + antlr4-python3-runtime as wheels if the image lacks them); the SmolLM2
 # GGUF at $SPD_GGUF; the training conversations carried in a git-ignored folder, made here beforehand with
 #   python launch/prepare_train_data.py export --limit 6000 --out runs/train_data/sharegpt6k.jsonl.gz   (9 MB)
 # Usage (repo root):  source .devkit/on_device.sh && OUT=$OUT bash scripts/gpu_train_heads.sh
@@ -35,15 +35,7 @@ run() { "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
 
 say "gpu_train_heads: stages [$STAGES], data $DATA, regen ${REGEN_SECONDS}s, train ${TRAIN_SECONDS}s/head, work $WORK"
 [[ -f "$DATA" ]] || { say "error: $DATA not found; carry runs/train_data (made by launch/prepare_train_data.py export)"; exit 2; }
-run "$PY" - <<'EOF' || { say "error: missing dependencies (see the header of this script)"; exit 2; }
-import importlib.util, torch
-missing = [m for m in ("deepspeed", "datasets", "omegaconf", "transformers", "gguf") if importlib.util.find_spec(m) is None]
-if missing:
-    raise SystemExit(f"missing Python packages: {missing}")
-import deepspeed, transformers
-print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "gpus", torch.cuda.device_count(),
-      "transformers", transformers.__version__, "deepspeed", deepspeed.__version__)
-EOF
+run "$PY" -m spd_ds.eval.collect env --deps || { say "error: missing dependencies (see the header of this script)"; exit 2; }
 NUM_GPUS=${NUM_GPUS:-$("$PY" -c 'import torch; print(max(1, torch.cuda.device_count()))')}
 run nvidia-smi --query-gpu=name,memory.total --format=csv || true
 t0=$SECONDS
@@ -87,61 +79,9 @@ done
 
 # 3. quick acceptance check (reference decoder, T=0) and the report
 set +e
-QUICK_EVAL=${QUICK_EVAL:-1} MODEL="$MODEL" WORK="$WORK" STAGES="$STAGES" OUT="$OUT" REGEN="$REGEN" \
-  run timeout 180 "$PY" - <<'EOF'
-import json, os, time
-from pathlib import Path
-
-import torch
-
-from spd_ds import builder
-from spd_ds.config import load_config
-from spd_ds.decoding.reference import SPDReferenceDecoder
-from spd_ds.eval.prompts import DEMO_PROMPTS
-
-work, out = Path(os.environ["WORK"]), Path(os.environ["OUT"])
-report = {"stages": {}, "regenerated": bool(os.environ.get("REGEN"))}
-prompts_text = list(DEMO_PROMPTS) + ["Give me three tips for writing clear emails."]
-for n in os.environ["STAGES"].split():
-    run = work / "heads" / f"smollm2_n{n}"
-    entry = {}
-    for name in ("train_summary.json",):
-        if (run / name).exists():
-            entry.update(json.loads((run / name).read_text()))
-    logs = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()] if (run / "train_log.jsonl").exists() else []
-    if logs:
-        entry["train_log"] = logs
-        entry["mean_tokens_per_s"] = sum(r["tokens_per_s"] for r in logs[1:] or logs) / len(logs[1:] or logs)
-    report["stages"][n] = entry
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    if os.environ.get("QUICK_EVAL") == "1" and (run / "head" / "head_config.json").exists():
-        gpu = torch.cuda.is_available()
-        cfg = load_config(None, [f"model.name={os.environ['MODEL']}", f"model.dtype={'bfloat16' if gpu else 'float32'}",
-                                 f"model.device={'cuda' if gpu else 'cpu'}", f"head.checkpoint={run / 'head'}",
-                                 f"partition.num_stages={n}"])
-        arch = builder.build_arch(cfg)
-        tok = builder.load_tokenizer(arch)
-        part = builder.build_partition(cfg, arch)
-        head = builder.build_head(cfg, arch, part)
-        target = builder.build_target(cfg, arch, part)
-        drafter = builder.build_drafter(cfg, head, arch, target.device)
-        dec = SPDReferenceDecoder(target, drafter, builder.sampling_params(cfg), builder.eos_token_ids(cfg, arch, tok),
-                                  max_len=1024)
-        tot = None
-        t0 = time.perf_counter()
-        for p in prompts_text:
-            m = dec.generate(builder.encode_prompt(tok, p), 96).metrics
-            tot = m if tot is None else tot + m
-        entry["quick_eval_T0"] = {"prompts": len(prompts_text), "num_new_tokens": tot.num_new_tokens,
-                                  "num_cycles": tot.num_cycles, "num_drafts": tot.num_drafts,
-                                  "num_accepted_tokens": tot.num_accepted_tokens,
-                                  "draft_acceptance_rate": tot.draft_acceptance_rate,
-                                  "equivalent_accept_length": int(n) * tot.num_new_tokens / max(tot.num_cycles, 1),
-                                  "seconds": time.perf_counter() - t0}
-    report["stages"][n] = entry
-    (out / "report.json").write_text(json.dumps(report, indent=2))  # after each head: a timeout keeps the rest
-    print(f"n={n}: {json.dumps({k: v for k, v in entry.items() if k not in ('partition', 'train_log')})}", flush=True)
-EOF
+quick=(); [[ ${QUICK_EVAL:-1} == 1 ]] && quick=(--quick-eval)
+regen=(); [[ -n "$REGEN" ]] && regen=(--regenerated)
+run timeout 180 "$PY" -m spd_ds.eval.collect heads-report "$MODEL" "$WORK" "$OUT" $STAGES "${quick[@]}" "${regen[@]}"
 say "quick check: exit $?"
 set -e
 

@@ -1,4 +1,4 @@
-"""SpeculationHead (the paper's PDM, v11 semantics; ``SPD_REFERENCE_NOTES.md`` §1).
+"""SpeculationHead (the paper's PDM, with the reference implementation's v11 semantics).
 
 Aggregation type ``k`` (paper §3.2 "multi-depth feature aggregation")::
 

@@ -1,6 +1,6 @@
 """StagePartition: the single source of truth for how the target is split and what the head sees.
 
-Notation (paper / ``SPD_REFERENCE_NOTES.md`` §0-§1):
+Notation (the SPD paper's):
 
 * ``L`` decoder layers, ``n`` pipeline stages; stage ``s`` owns layers ``[starts[s], ends[s])``.
 * Hidden-state index ``j``: ``j = 0`` is the token embedding, ``1 <= j <= L`` is the **raw (pre-final-norm)**

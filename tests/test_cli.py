@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +18,8 @@ CONFIG = ROOT / "launch" / "configs" / "smollm2_spd.yaml"
 
 
 def launcher_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"launch_{name}", ROOT / "launch" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The command behind ``launch/<name>.py`` (``spd_ds.commands.<name>``)."""
+    return importlib.import_module(f"spd_ds.commands.{name}")
 
 
 # ---------------------------------------------------------------------------------------------- item 11
@@ -166,3 +164,35 @@ def test_localhost_hostfile_with_the_documented_flags(tmp_path, tiny_root):
     results, rc, log = launch(cmd, {"tiny_root": str(tiny_root), "jobs": [job]}, tmp_path, timeout=600)
     assert rc == 0, log[-3000:]
     assert results["hostfile"]["spd"] == results["hostfile"]["reference"]
+
+
+# ---------------------------------------------------------------------------------------------- issue 13 item 5
+def test_console_scripts_are_declared_and_resolve_to_the_launchers_main():
+    """setup.cfg declares the pip console scripts; each names a callable ``main`` in spd_ds.commands, and
+    ``launch/<name>.py`` is a thin wrapper around that same ``main``."""
+    import configparser
+
+    cp = configparser.ConfigParser()
+    cp.read(ROOT / "setup.cfg")
+    scripts = dict(line.split(" = ") for line in cp["options.entry_points"]["console_scripts"].strip().splitlines())
+    for name in ("spd-infer", "spd-train", "spd-eval", "spd-bench", "spd-prepare-data"):
+        assert name in scripts, name
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        assert module.startswith("spd_ds.commands.") and func == "main", (name, target)
+        assert callable(getattr(importlib.import_module(module), func)), name
+        wrapper = ROOT / "launch" / f"{module.rsplit('.', 1)[1]}.py"
+        assert f"from {module} import main" in wrapper.read_text(), wrapper
+
+
+def test_no_sys_path_insert_outside_launch_checkout():
+    """Only launch/_checkout.py puts the checkout on sys.path (for ``python launch/<name>.py`` without an install)."""
+    hits = [p.relative_to(ROOT).as_posix() for d in ("spd_ds", "launch", "scripts", "tests") for p in (ROOT / d).rglob("*.py")
+            if "sys.path.insert(" in p.read_text() and p.name != "test_cli.py"]
+    assert hits == ["launch/_checkout.py"]
+
+
+def test_launch_wrapper_runs_this_checkout():
+    r = subprocess.run([sys.executable, "launch/eval.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "--strict-exact" in r.stdout

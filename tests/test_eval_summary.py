@@ -10,7 +10,8 @@ import torch
 
 from spd_ds.config import ConfigError, load_config
 from spd_ds.eval.report import check_summary_schema, per_prompt_rows, summarize, write_reports
-from spd_ds.eval.runner import first_divergence, random_prompt_ids, run_eval
+from spd_ds.eval.inputs import random_prompt_ids
+from spd_ds.eval.runner import first_divergence, run_eval
 from tests.test_eval_random_weights import make_random_shape, one_thread  # noqa: F401 (autouse)
 
 

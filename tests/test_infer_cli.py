@@ -1,6 +1,5 @@
 """The main job as a user runs it: launch/infer.py on SmolLM2 (one process, plain python and under deepspeed)."""
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -64,10 +63,9 @@ def test_head_for_another_partition_is_refused(smollm2_dir):
 
 
 def _infer_module():
-    spec = importlib.util.spec_from_file_location("infer_cli", ROOT / "launch" / "infer.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from spd_ds.commands import infer
+
+    return infer
 
 
 @pytest.mark.parametrize("prompts", ["empty_file", "blank_lines"])

@@ -1,6 +1,6 @@
 """``spd_ds.pipe.comm.Link`` between two gloo processes: in-order delivery, and send bookkeeping that stays bounded
 (a gloo send never reports completion before ``wait()``, so a scan of every pending send would grow each cycle);
-``spd_ds.pipe.runner.init_process_group`` with a process group the caller started, and its backend check."""
+``spd_ds.dist.init_process_group`` with a process group the caller started, and its backend check."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _init_worker(rank: int, port: int, out) -> None:
     usable, as train() needs) and reports that it did not create it."""
     import deepspeed.comm as ds_comm
 
-    from spd_ds.pipe.runner import init_process_group
+    from spd_ds.dist import init_process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), LOCAL_SIZE="2")
@@ -103,7 +103,7 @@ def test_nccl_without_cuda_is_a_one_line_error_before_any_collective(monkeypatch
     import torch.distributed as tdist
 
     from spd_ds.config import ConfigError
-    from spd_ds.pipe.runner import init_process_group
+    from spd_ds.dist import init_process_group
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="deepspeed.backend=gloo"):

@@ -24,8 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # on PYTHONPATH of every worker (worker_env)
 
 import torch  # noqa: E402
 

@@ -128,11 +128,8 @@ def test_load_prompts_normalises_plain_jsonl(tmp_path):
 
 
 def test_prepare_eval_data_cli(tmp_path, source_dir, capsys):
-    import importlib.util
+    from spd_ds.commands import prepare_eval_data as mod
 
-    spec = importlib.util.spec_from_file_location("prepare_eval_data", REPO / "launch" / "prepare_eval_data.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     out = tmp_path / "ed"
     assert mod.main(["--out-dir", str(out), "--source-dir", str(source_dir)]) == 0
     assert {p.parent.name for p in out.glob("*/question.jsonl")} == {"mt_bench", "humaneval", "gsm8k"}
@@ -158,7 +155,7 @@ def test_default_prompt_sets_skip_an_unavailable_set_explicit_ones_fail(smollm2_
     from transformers import AutoTokenizer
 
     from spd_ds.config import load_config
-    from spd_ds.eval.runner import load_eval_prompts
+    from spd_ds.eval.inputs import load_eval_prompts
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     eval_dir = tmp_path / "eval_data"

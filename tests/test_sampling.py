@@ -152,16 +152,10 @@ def test_requests_key_independent_uniforms():
 def test_two_equal_length_prompts_draw_different_uniforms(tiny_root, monkeypatch):
     """launch/infer.py's reference path at T > 0: two prompts of equal length are requests 0 and 1, so the same
     (position, decision) draws different uniforms for each, and each prompt's tokens equal a decoder keyed alone."""
-    import importlib.util
-    from pathlib import Path
-
     from spd_ds.builder import build_arch
+    from spd_ds.commands import infer
     from spd_ds.config import load_config
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("infer_cli", root / "launch" / "infer.py")
-    infer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(infer)
     model = make_tiny_model(tiny_root, "qwen3", 4)
     cfg = load_config(None, [f"model.name={model}", "decoding.temperature=1.0", "decoding.seed=4",
                              "decoding.max_new_tokens=8", "decoding.max_length=64", "decoding.eos_token_ids=[]"])

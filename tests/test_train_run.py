@@ -212,8 +212,7 @@ def test_qwen3_5_teacher_lowers_the_loss(tmp_path):
 
 
 def test_bad_config_fails_fast_with_one_line(tmp_path):
-    sys.path.insert(0, str(REPO / "launch"))
-    import train as train_launcher
+    from spd_ds.commands import train as train_launcher
 
     assert train_launcher.main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert train_launcher.main(["train.no_such_key=1"]) == 2

@@ -39,10 +39,7 @@ def test_counts_selection_and_file_round_trip(tmp_path):
 
 
 def test_build_draft_vocab_launcher(tmp_path):
-    import sys
-
-    sys.path.insert(0, str(REPO / "launch"))
-    import build_draft_vocab
+    from spd_ds.commands import build_draft_vocab
 
     model = make_chat_model(tmp_path)
     data = make_chats(tmp_path / "chats.jsonl", 50)

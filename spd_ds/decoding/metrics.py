@@ -1,4 +1,5 @@
-"""SPD metrics (names of ``DESIGN.md``), one dataclass filled by every decoder through its ``observe_*`` methods.
+"""SPD metrics (the names docs/benchmarks.md uses), one dataclass filled by every decoder through its ``observe_*``
+methods.
 
 Decoders never bump a counter themselves (vLLM's ``SpecDecodingStats.observe_draft`` idea): a verification is
 :meth:`SPDMetrics.observe_verify`, a rollback :meth:`SPDMetrics.observe_rollback`, a decode cycle

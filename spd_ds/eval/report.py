@@ -1,5 +1,5 @@
-"""Reports of an evaluation: per-prompt JSONL, the summary JSON (metrics of ``DESIGN.md``, per prompt set and pooled),
-text tables and the plots.
+"""Reports of an evaluation: per-prompt JSONL, the summary JSON (the metrics of
+:class:`~spd_ds.decoding.metrics.SPDMetrics`, per prompt set and pooled), text tables and the plots.
 
 Summary schema (``schema_version`` 1)::
 

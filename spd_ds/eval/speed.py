@@ -17,9 +17,9 @@ import torch
 
 # Memory bandwidth of known GPUs in GB/s (1e9 bytes/s): (regular expression on torch.cuda.get_device_name, GB/s,
 # where the figure comes from); the first match wins. The H200's is the copy bandwidth measured on the project's
-# machine (DESIGN.md), the others are NVIDIA's datasheet peaks.
+# machine (a device-to-device copy), the others are NVIDIA's datasheet peaks.
 GPU_BANDWIDTH_GBPS: tuple[tuple[str, float, str], ...] = (
-    (r"\bH200\b", 4270.0, "copy bandwidth measured on one H200 (DESIGN.md; datasheet 4800)"),
+    (r"\bH200\b", 4270.0, "copy bandwidth measured on one H200 (device-to-device copy; datasheet 4800)"),
     (r"\bH100\b.*\bPCIe\b", 2000.0, "NVIDIA datasheet, H100 PCIe"),
     (r"\bH100\b.*\bNVL\b", 3900.0, "NVIDIA datasheet, H100 NVL"),
     (r"\bH100\b", 3350.0, "NVIDIA datasheet, H100 SXM"),

@@ -1,6 +1,6 @@
 """Static-cache stage forwards and their CUDA-graph runner (GPU speed path).
 
-At batch 1 a decode step is bound by kernel launches, not by bytes (``DESIGN.md`` "Speed"): 15 SmolLM2 layers take
+At batch 1 a decode step is bound by kernel launches, not by bytes: 15 SmolLM2 layers take
 10.8 ms eagerly and 1.28 ms as a CUDA graph on one H200. A graph needs fixed addresses and no host decisions, so the
 stages run over a *static* :class:`~spd_ds.models.kv_cache.StageKVCache`: the token position lives in a device tensor,
 keys/values are written there with ``index_copy_`` and attention is masked to positions ``<= p``. A rollback then

@@ -12,7 +12,6 @@
 * :mod:`~spd_ds.pipe.links` and :mod:`~spd_ds.pipe.comm` — a rank's links; headers, payloads, buffers, deadlines.
 * :mod:`~spd_ds.pipe.watchdog` — a stalled rank ends its process.
 * :mod:`~spd_ds.pipe.runner` — ``run_distributed_inference`` and ``SPDSession``.
-* :mod:`~spd_ds.pipe.bench` — SPD against AR through the same pipeline (equality and speed).
 
 Nothing is imported here: DeepSpeed is heavy to import.
 """

@@ -15,11 +15,9 @@ destroyed.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -28,6 +26,7 @@ import torch
 from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.decoding.drafters import Drafter
 from spd_ds.decoding.cycle import GenerationResult, check_prompt
+from spd_ds.dist import init_process_group, init_timeout_s
 from spd_ds.pipe.topology import PipePlan, WorldSizeError, detect_world_size
 
 logger = logging.getLogger(__name__)
@@ -77,67 +76,6 @@ def load_ds_config(cfg: ExperimentConfig) -> dict:
     ds.setdefault("gradient_accumulation_steps", 1)
     ds.pop("train_batch_size", None)  # derived: micro * accumulation * data-parallel (1)
     return ds
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_timeout_s(cfg: ExperimentConfig) -> float:
-    """Timeout of the default process group: start-up collectives (model loading may skew ranks by minutes) get at
-    least 10 minutes; SPD's own waits use ``deepspeed.timeout_s`` explicitly."""
-    return max(float(cfg.deepspeed.timeout_s), 600.0)
-
-
-def init_process_group(backend: str | None, timeout_s: float) -> bool:
-    """Initialise ``torch.distributed`` through ``deepspeed.init_distributed`` (every spd-ds launcher goes through
-    here: infer, eval, benchmark, train). A process group the caller started is wrapped by DeepSpeed, not replaced.
-
-    A plain single-process run (no launcher variables) gets a local rendezvous on a free port. On the CPU
-    accelerator DeepSpeed maps a shared-memory all-reduce workspace per rank (``/dev/shm/deepspeed_allreduce_buffer_*``,
-    69 MB each) and never unlinks it, so every run on one machine used to leave ``world`` files behind until
-    ``/dev/shm`` filled up (seen here as OOM kills after a day of test runs). After a barrier (every rank has opened
-    its peers' workspaces by then) each rank unlinks its own file; the mappings stay valid.
-
-    Args:
-        backend: ``deepspeed.backend`` (None = the accelerator's default: NCCL on GPU, gloo/ccl on CPU).
-        timeout_s: timeout of the default process group in seconds.
-    Returns:
-        Whether this call initialised it.
-    Raises:
-        ConfigError: ``nccl`` without a visible CUDA device (raised on every rank before any collective).
-    """
-    import deepspeed
-    import deepspeed.comm as ds_comm
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-
-    if backend == "nccl" and not torch.cuda.is_available():  # every rank, before any collective
-        raise ConfigError("deepspeed.backend=nccl needs CUDA GPUs and none is visible; use deepspeed.backend=gloo "
-                          "on CPU (or leave it unset)")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if dist.is_available() and dist.is_initialized():
-        if ds_comm.is_initialized():
-            return False
-        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)  # wraps the caller's group
-        created = False
-    else:
-        launched = any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"))
-        if not launched:  # python launch/infer.py ... --engine deepspeed
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-        port = int(os.environ.get("MASTER_PORT", "29500"))  # MPI discovery would otherwise force 29500
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=True, verbose=False,
-                                   distributed_port=port, timeout=timeout)
-        created = True
-    if get_accelerator().device_name() == "cpu":  # the same on every rank, so the barrier cannot hang
-        dist.barrier()  # not in a finally: unlinking before a slow peer opened the file would leave it spinning
-        shm = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-                                  f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
-        shm.unlink(missing_ok=True)
-    return created
 
 
 def init_distributed(cfg: ExperimentConfig, plan: PipePlan) -> bool:

@@ -13,7 +13,7 @@ The head is distilled on assistant tokens only (the text a deployed model genera
 
 A conversation whose template breaks the prefix property for some assistant turn (e.g. templates that rewrite past
 turns) loses only that turn; :class:`EmptyMaskError` is raised where nothing is left to train on — the reference
-implementation silently trained on an all-zero mask (``SPD_REFERENCE_NOTES.md`` §7.4).
+implementation silently trained on an all-zero mask.
 """
 
 from __future__ import annotations

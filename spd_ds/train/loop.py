@@ -222,7 +222,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
     from spd_ds.builder import build_arch, build_head, build_partition, eos_token_ids, load_tokenizer
     from spd_ds.models.adapter import resolve_dtype
-    from spd_ds.pipe.runner import init_process_group, init_timeout_s
+    from spd_ds.dist import init_process_group, init_timeout_s
     from spd_ds.train.student import HeadTrainModule, WorldDataParallel, resolve_attention
     from spd_ds.train.teacher import Teacher, build_teacher_module
 

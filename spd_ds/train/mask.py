@@ -32,11 +32,11 @@ COMPLETE block holds ``g_{m-1}``. The loss reads only block 0.
 This is exact for any number of tower layers, for non-injective ``f`` (two depths of one type are two kinds with
 different attention) and for partial fill (the threshold is ``d + δ >= F``, measured from the query's own depth).
 The reference implementation lays out one block per *type* with ``ρ(k, δ) = f(min(n, μ(k)+δ))`` and a threshold
-``δ >= F`` from every query, which is wrong for both (``SPD_REFERENCE_NOTES.md`` §7.8; tests show the difference).
+``δ >= F`` from every query, which is wrong for both (tests show the difference).
 
 Packing: several documents share a row of ``S`` tokens; ``segments [B, S]`` (1, 2, ... per document, 0 = padding)
 keeps attention inside a document. The mask is built per batch on the batch's device and never cached, so its
-memory does not depend on how many distinct sequence lengths a run has seen (``SPD_REFERENCE_NOTES.md`` §7.5).
+memory does not depend on how many distinct sequence lengths a run has seen.
 """
 
 from __future__ import annotations

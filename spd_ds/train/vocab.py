@@ -1,7 +1,7 @@
 """Draft vocabularies: the ``K`` most frequent assistant tokens of a corpus (reference-compatible JSON).
 
 A draft vocabulary ``D`` shrinks the head's LM head from ``V`` to ``K`` rows; the head can only draft tokens in
-``D``. The file format is the reference project's (``SPD_REFERENCE_NOTES.md`` §6)::
+``D``. The file format is the reference SPD implementation's::
 
     {"tokenizer_name", "data_paths", "mask_assistant": true, "vocab_size", "draft_vocab_size",
      "token_ids": [sorted ascending, unique], "total_positions_counted", "topk_selected_token_count_sum",

@@ -2,7 +2,7 @@
 
 Run on every rank, like ``launch/infer.py``::
 
-    deepspeed --num_gpus 2 --module spd_ds.pipe.bench --config EXP.yaml --set partition.num_stages=2 \\
+    deepspeed --num_gpus 2 --module spd_ds.commands.pipe_bench --config EXP.yaml --set partition.num_stages=2 \\
         --set model.dtype=bfloat16 --max-new-tokens 128 --out runs/pipe_bench
 
 For each prompt the head rank runs AR through the pipeline (every token crosses all stages: same stage code, same
@@ -22,14 +22,7 @@ import time
 from pathlib import Path
 
 from spd_ds.eval.prompts import DEMO_PROMPTS as PROMPTS
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or of the end of the shorter list); ``None`` when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+from spd_ds.eval.runner import first_divergence
 
 
 def main(argv=None) -> int:
@@ -50,7 +43,6 @@ def main(argv=None) -> int:
 
     from spd_ds.builder import build_arch, encode_prompt, load_tokenizer, resolve_path
     from spd_ds.config import load_config
-    from spd_ds.decoding.drafters import OracleDrafter
     from spd_ds.pipe.runner import SPDSession
 
     cfg = load_config(args.config, args.set)
@@ -68,11 +60,10 @@ def main(argv=None) -> int:
     ar_runs: dict[int, list[int]] = {}
 
     def factory(head, prompt, ar_reference):
-        from spd_ds.builder import build_head_drafter
+        from spd_ds.builder import build_drafter, build_head_drafter
 
-        if cfg.decoding.drafter == "oracle":
-            ref = list(prompt) + ar_runs[len(ar_runs) - 1]
-            return OracleDrafter(ref, cfg.decoding.oracle_alpha, None, arch.vocab_size, seed=cfg.decoding.seed + 7)
+        if cfg.decoding.drafter == "oracle":  # the AR run just made through the pipeline is the oracle's reference
+            return build_drafter(cfg, None, arch, session.device, reference=list(prompt) + ar_runs[len(ar_runs) - 1])
         if not hasattr(factory, "head_drafter"):
             factory.head_drafter = build_head_drafter(cfg, head, session.max_len, session.device)
         return factory.head_drafter

@@ -16,27 +16,24 @@ same ``decoding.max_length`` (static caches of one length everywhere):
 Writes ``tokens.json`` (every method's tokens per prompt) and ``divergence.md`` (first divergence of every method
 from ``ar_graph#0`` and from ``pipe_ar[eager]``) to ``--out`` and prints the table.
 
-Usage (GPU machine, repo root)::
+Usage (GPU machine, repo root, ``export PYTHONPATH=$PWD`` as scripts/gpu_common.sh does)::
 
-    deepspeed --num_gpus 2 scripts/gpu_exactness_probe.py --out $OUT/probe [--eval-dir eval_data] [overrides]
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 deepspeed --num_gpus 2 scripts/gpu_exactness_probe.py --out $OUT/det
-    deepspeed --num_gpus 2 scripts/gpu_exactness_probe.py --out $OUT/fp32 model.dtype=float32
+    deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/probe [--eval-dir eval_data] [overrides]
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/det
+    deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/fp32 model.dtype=float32
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from spd_ds import builder  # noqa: E402
-from spd_ds.config import load_config  # noqa: E402
-from spd_ds.eval.prompts import load_prompts  # noqa: E402
+from spd_ds import builder
+from spd_ds.config import load_config
+from spd_ds.eval.prompts import load_prompts
 
 MODES = {"eager": ["head.cuda_graph=false"], "graph": ["head.cuda_graph=true"], "graph2": ["head.cuda_graph=true"],
          "graph_serial": ["head.cuda_graph=true", "head.overlap=false"]}
@@ -59,7 +56,8 @@ def main() -> None:
 
     from spd_ds.decoding.ar_graph import ARGraphDecoder
     from spd_ds.eval.runner import first_divergence
-    from spd_ds.pipe.runner import init_process_group, init_timeout_s, run_distributed_inference
+    from spd_ds.dist import init_process_group, init_timeout_s
+    from spd_ds.pipe.runner import run_distributed_inference
 
     base = ["model.dtype=bfloat16", "partition.num_stages=2", "decoding.temperature=0",
             f"decoding.max_new_tokens={args.max_new_tokens}", f"decoding.max_length={args.max_length}",

@@ -1,20 +1,18 @@
-"""GPU smoke test of the core (reference decoder, AR on the stage code, HF generate) in bf16 on one GPU.
+"""Do the core paths (reference decoder, AR on the stage code, HF generate) run on one GPU in bf16?
 
-Usage (GPU machine, SmolLM2 GGUF at $SPD_GGUF): python scripts/gpu_smoke.py  -> prints a JSON line per check.
+Usage (GPU machine, repo root, SmolLM2 GGUF at $SPD_GGUF): ``PYTHONPATH=. python scripts/diagnostics/gpu_smoke.py``
+-> prints a JSON line per check.
 """
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spd_ds import builder  # noqa: E402
-from spd_ds.config import load_config  # noqa: E402
-from spd_ds.decoding.ar import ARDecoder  # noqa: E402
-from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter  # noqa: E402
-from spd_ds.decoding.reference import SPDReferenceDecoder  # noqa: E402
+from spd_ds import builder
+from spd_ds.config import load_config
+from spd_ds.decoding.ar import ARDecoder
+from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+from spd_ds.decoding.reference import SPDReferenceDecoder
 
 
 def main():

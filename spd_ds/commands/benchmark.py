@@ -1,0 +1,175 @@
+"""SPD benchmarks: one table of speed and acceptance against AR baselines measured in the same run.
+
+Suites (``spd_ds/eval/benchmark.py``; method and commands in ``docs/benchmarks.md``):
+
+  a  SmolLM2-135M-Instruct, SPD n=2 vs ar_graph / hf_generate / ar (acceptance, decode tok/s). CPU (fp32) or GPU
+     (bf16); a speedup needs the pipeline engine on one GPU per stage.
+  b  Qwen3-4B-shaped random weights, n=2, oracle alpha in {1, 0.8, 0.6} (speedup, cycle vs slowest stage, GB/s).
+     Needs a GPU: its 4B parameters take ~16 GB in fp32 on CPU. On CPU run it small with
+     ``--suite b --model-b random:smollm2-135m``.
+  c  CPU: equivalent accept length of SPD and PPSD heads on SmolLM2, n = 2, 3, 5, 6 (untrained heads where
+     ``--spd-head``/``--ppsd-head`` name no checkpoint for that n).
+
+Default suites: a b c on a GPU machine, a c on CPU (b is skipped there, with a note).
+
+One process (reference decoder, CPU or one GPU), with the shipped n=2 head::
+
+    python launch/benchmark.py --suite a c --stages 2 --spd-head 'spd_ds/assets/heads/smollm2-135m-instruct-n{n}'
+
+Heads you trained (``launch/train.py``; ``train.output_dir``/head) are passed the same way, e.g.
+``--spd-head 'runs/heads/smollm2_n{n}/head'``.
+
+Pipeline engine (suites a and b through DeepSpeed; baselines on rank 0's GPU after the pipeline sessions), on a
+machine with 2 GPUs::
+
+    deepspeed --num_gpus 2 launch/benchmark.py --suite a b --out outputs/benchmark
+
+``section.key=value`` overrides apply to every suite (e.g. ``data.eval_dir=/data/eval``); put them before options
+that take several values (``--suite``, ``--alphas``, ``--stages``, ``--prompt-sets``), which would take them as
+values. Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json`` (rows + stage forward times) and each
+evaluation's reports under ``--out``/``<suite>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+
+from spd_ds.cli import chosen_engine, experiment_parser, run_cli, setup_process
+from spd_ds.pipe.topology import detect_world_size
+
+
+log = logging.getLogger("spd_ds.benchmark")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``--help`` documents every option)."""
+    ap = experiment_parser(__doc__, overrides_help="section.key=value overrides for every suite",
+                           config_help="base experiment YAML under the suites' overrides",
+                           engine_help="auto: DeepSpeed pipeline for suites a/b when WORLD_SIZE > 1, else the "
+                                       "reference decoder")
+    ap.add_argument("--suite", nargs="+", choices=["a", "b", "c"], default=None,
+                    help="suites to run (default: a b c with a GPU, a c on CPU; b needs a GPU, see above)")
+    ap.add_argument("--out", default="outputs/benchmark", help="output directory (default: %(default)s)")
+    ap.add_argument("--spd-head", help="SPD head checkpoint path pattern with {n}, e.g. "
+                    "'spd_ds/assets/heads/smollm2-135m-instruct-n{n}' (default: suite a uses that shipped n=2 head, "
+                    "suite c untrained heads)")
+    ap.add_argument("--ppsd-head", help="PPSD head checkpoint path pattern with {n} (suite c; default: no PPSD row)")
+    ap.add_argument("--model-b", default="random:qwen3-4b",
+                    help="random-weight shape of suite b (default: %(default)s; random:smollm2-135m fits a CPU)")
+    ap.add_argument("--alphas", nargs="+", type=float, default=[1.0, 0.8, 0.6],
+                    help="oracle alphas of suite b (default: %(default)s)")
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 5, 6], help="n values of suite c (default: "
+                    "%(default)s)")
+    ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"],
+                    help="prompt sets of suites a and c (names or jsonl paths; suite b uses random token prompts; "
+                         "gsm8k needs the hub and is skipped with a warning offline; default: %(default)s)")
+    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per prompt set (default: %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="new tokens per prompt, the prefill token included (default: %(default)s)")
+    ap.add_argument("--baseline-prompts", type=int, default=2,
+                    help="prompts per set for the baselines (0 = all; default: %(default)s)")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The parsed command line (``argv``: default ``sys.argv[1:]``; ``--help`` documents every option)."""
+    return build_parser().parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Run the suites. Exit status 0; 2 after a user error (one line); under a launcher 1 after any other error (one
+    rank-tagged line, traceback in a log file; ``SPD_DEBUG=1`` prints it)."""
+    from spd_ds.eval.runner import USER_ERRORS
+
+    return run_cli(_main, argv, user_errors=USER_ERRORS, prog="benchmark")
+
+
+def _main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_process()
+    import torch
+
+    from spd_ds.eval import benchmark as bm
+    from spd_ds.eval.report import summarize, write_reports
+    from spd_ds.eval.runner import run_baselines, run_eval
+
+    world = detect_world_size()
+    engine = chosen_engine(args.engine)
+    out = Path(args.out)
+    cuda = bm.is_cuda_run()
+    suites = args.suite or bm.default_suites(cuda)
+    if args.suite is None and not cuda:
+        log.info("no GPU: suites a and c; suite b needs a GPU (its default model is 4B parameters; on CPU run it small "
+                 "with --suite b --model-b random:smollm2-135m)")
+    runs = bm.suite_runs(suites, cuda=cuda, spd_head=args.spd_head, ppsd_head=args.ppsd_head,
+                         model_b=args.model_b, alphas=args.alphas, stages_c=args.stages, num_prompts=args.num_prompts,
+                         max_new_tokens=args.max_new_tokens, baseline_prompts=args.baseline_prompts or None,
+                         prompt_sets=args.prompt_sets, extra=args.overrides)
+    for sr in runs:
+        tag = sr.suite + (sr.label.rsplit("n=", 1)[-1] if sr.suite == "c" else "")
+        sr.overrides.append(f"eval.output_dir={out / tag}")
+    t0 = time.time()
+    cfgs = [bm.config_of(sr, args.config) for sr in runs]
+    piped = [k for k, sr in enumerate(runs) if engine == "deepspeed" and sr.suite in ("a", "b")]
+    head = int(os.environ.get("RANK", "0")) == 0
+    if not piped and not head:  # e.g. suite c under the launcher: the head rank alone runs it
+        return 0
+    if piped:  # phase 1, every rank: all pipeline sessions, one process group
+        import torch.distributed as dist
+
+        c0 = cfgs[piped[0]]
+        from spd_ds.dist import init_process_group, init_timeout_s
+
+        init_process_group(c0.deepspeed.backend, init_timeout_s(c0))
+        head = dist.get_rank() == 0
+        try:
+            for k in piped:
+                runs[k].run = run_eval(cfgs[k], engine="deepspeed", baselines=False)
+        finally:
+            dist.destroy_process_group()
+        if not head:
+            return 0
+    for k, sr in enumerate(runs):  # phase 2, head rank: baselines, stage timings, reports
+        if sr.run is None:
+            sr.run = run_eval(cfgs[k], engine="reference")
+        else:
+            run_baselines(sr.run)
+        if sr.suite in ("a", "b"):
+            bm.measure_stage_forwards(sr)
+        sr.summary = summarize(sr.run)
+        if sr.stage_forward_ms is not None:
+            sr.summary["stage_forward_ms_alone"] = sr.stage_forward_ms
+        write_reports(sr.run, sr.run.cfg.eval.output_dir, summary=sr.summary)
+        sr.run.target = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    table = bm.render(runs)
+    print("\n" + table)
+    out.mkdir(parents=True, exist_ok=True)
+    header = (f"# spd-ds benchmark ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+              f"engine {engine}, world {world}, {time.time() - t0:.0f} s)\n\n")
+    (out / "benchmark.md").write_text(header + table + "\n")
+    rows = {"speed": [r for sr in runs if sr.suite in ("a", "b") for r in bm.speed_rows(sr)],
+            "acceptance": [r for sr in runs if sr.suite == "c" for r in bm.accept_rows(sr)],
+            "speed_headers": bm.speed_headers(runs), "acceptance_headers": bm.ACCEPT_HEADERS,
+            "stage_forward_ms_alone": {f"{sr.suite} {sr.label}": sr.stage_forward_ms for sr in runs},
+            "summaries": {f"{sr.suite} {sr.label}": str(Path(sr.run.cfg.eval.output_dir) / "summary.json")
+                          for sr in runs}}
+    (out / "benchmark.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nwrote {out}/benchmark.md, benchmark.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

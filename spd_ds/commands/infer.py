@@ -1,0 +1,282 @@
+"""SPD generation: answer prompts with Speculative Pipeline Decoding and print the answers, SPD metrics and SPD's speed
+against autoregressive (AR) decoding measured in the same run.
+
+One process (reference decoder, CPU or one GPU; the stages run one after another, so no speedup is expected)::
+
+    python launch/infer.py --config launch/configs/smollm2_spd.yaml [section.key=value ...]
+
+Through DeepSpeed's pipeline engine (n stage ranks, one device per stage; several nodes with ``--hostfile``)::
+
+    deepspeed --num_gpus 2 launch/infer.py --config launch/configs/smollm2_spd.yaml
+
+``section.key=value`` overrides may stand before or after the options. Every prompt is also decoded
+autoregressively on the same stage code (through the same pipeline under DeepSpeed): its decode tok/s is printed
+beside SPD's, and at temperature 0 the answers are checked token for token against it (``--no-compare-ar`` skips
+AR). User errors (config, prompts, head, model) end the run with one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+from spd_ds import builder
+from spd_ds.cli import chosen_engine, experiment_parser, run_cli, setup_process
+from spd_ds.config import ConfigError, load_config
+from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_accept_length, pooled_decode_tok_s
+from spd_ds.pipe.topology import detect_world_size
+
+log = logging.getLogger("spd_ds.infer")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The parsed command line (``argv``: default ``sys.argv[1:]``; ``--help`` documents every option)."""
+    ap = experiment_parser(__doc__, overrides_help="section.key=value overrides, e.g. partition.num_stages=3",
+                           engine_help="auto: DeepSpeed engine when launched with WORLD_SIZE > 1, else the reference "
+                                       "decoder")
+    ap.add_argument("--prompt", action="append", help="a prompt text (repeatable); default: data.prompts")
+    ap.add_argument("--compare-ar", dest="compare_ar", action=argparse.BooleanOptionalAction, default=True,
+                    help="also decode every prompt autoregressively on the same stage code: its tok/s beside SPD's "
+                         "and, at T=0, a token-for-token check of SPD's answers")
+    ap.add_argument("--output", help="write per-prompt results as JSONL here")
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                    help="a progress line (prompts, tokens) on stderr while decoding")
+    return ap.parse_args(argv)
+
+
+def load_prompt_texts(cfg, args) -> list[tuple[str, str]]:
+    """(id, text) pairs: ``--prompt`` values, else the first turn of each record of ``data.prompts``.
+
+    Raises:
+        ConfigError: no prompt at all (an empty file or set), or malformed records; raised before any model loads.
+        FileNotFoundError / PromptSetUnavailableError: ``data.prompts`` is neither a file nor an obtainable set.
+    """
+    if args.prompt:
+        return [(f"prompt{i}", p) for i, p in enumerate(args.prompt)]
+    from spd_ds.eval.prompts import load_prompts
+
+    try:
+        recs = load_prompts(cfg.data.prompts, cfg.data.num_prompts, builder.resolve_path(cfg.data.eval_dir))
+    except ValueError as e:  # malformed records
+        raise ConfigError(f"data.prompts={cfg.data.prompts}: {e}") from None
+    if not recs:
+        raise ConfigError(f"data.prompts={cfg.data.prompts} holds no prompts; give a jsonl file with records "
+                          "(one {\"turns\": [\"...\"]} a line), a prompt-set name, or --prompt TEXT")
+    return [(str(r["question_id"]), r["turns"][0]) for r in recs]
+
+
+def main(argv=None) -> int:
+    """Run the job (see the module docstring). Exit status 0; 2 after a user error (one line); under a launcher 1
+    after any other error (one rank-tagged line, traceback in a log file; ``SPD_DEBUG=1`` prints it)."""
+    from spd_ds.eval.runner import USER_ERRORS
+
+    return run_cli(_main, argv, user_errors=USER_ERRORS, prog="infer")
+
+
+class _Progress:
+    """tqdm line on stderr: generations done (SPD, then AR) and tokens so far. It appears when the first generation
+    starts (after model loading); while it is open, log records (ours and DeepSpeed's) are written above it."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled and total > 0
+        self.bar, self.tokens, self._redirect = None, 0, None
+
+    def __call__(self, kind: str, index: int, result) -> None:
+        """Progress callback: ``result`` is ``None`` when generation ``index`` starts, its result when done."""
+        if self.enabled and self.bar is None:
+            from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._redirect = logging_redirect_tqdm([logging.getLogger(), logging.getLogger("DeepSpeed")])
+            self._redirect.__enter__()
+            self.bar = tqdm(total=self.total, desc=kind.upper(), unit="prompt", dynamic_ncols=True)
+        if self.bar is None or result is None:
+            return
+        self.tokens += len(result.tokens)
+        self.bar.set_description(kind.upper(), refresh=False)
+        self.bar.set_postfix_str(f"{self.tokens} tokens", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self._redirect.__exit__(None, None, None)
+            self.bar = None
+
+
+def _main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_process()
+    cfg = load_config(args.config, args.overrides)
+    prompts = load_prompt_texts(cfg, args)  # before any model is fetched or loaded: an empty set fails here
+    world = detect_world_size()
+    engine = chosen_engine(args.engine)
+
+    arch = builder.build_arch(cfg)
+    tok = builder.load_tokenizer(arch)
+    ids = [builder.encode_prompt(tok, text, cfg.decoding.chat_template) for _, text in prompts]
+    head_rank = int(os.environ.get("RANK", "0")) == 0
+    bar = _Progress(len(ids) * (2 if args.compare_ar else 1), args.progress and head_rank)
+    try:
+        if engine == "deepspeed":
+            from spd_ds.pipe.runner import run_distributed_inference
+
+            if head_rank:
+                log.info("engine deepspeed: %d rank(s), partition.num_stages=%d, head.placement=%s", world,
+                         cfg.partition.num_stages, cfg.head.placement)
+            out = run_distributed_inference(cfg, ids, cfg.decoding.max_new_tokens, with_ar=args.compare_ar,
+                                            on_generation=bar)
+            if out is None:  # not the verifying rank
+                return 0
+            results, ar = out if args.compare_ar else (out, None)
+            ar_name = "AR through the same pipeline"
+        else:
+            results, ar = run_reference(cfg, arch, tok, ids, args.compare_ar, bar)
+            ar_name = "AR decoding"
+    finally:
+        bar.close()
+    report(cfg, tok, prompts, results, args, ar, ar_name, one_process=(engine == "reference" or world == 1))
+    return 0
+
+
+def run_reference(cfg, arch, tok, ids, with_ar: bool = False, on_generation=None):
+    """Generate every prompt with the single-process reference decoder, then (``with_ar``) with the AR decoder on the
+    same target. Prompt ``i`` is request ``i`` of the run (its sampling key, ``spd_ds.decoding.sampling``).
+
+    ``on_generation(kind, index, result)``: progress callback, ``kind`` ``spd`` or ``ar``, ``result`` ``None`` when a
+    generation starts.
+
+    Returns:
+        ``(spd results, ar results or None)``, lists of :class:`~spd_ds.decoding.reference.GenerationResult`.
+    """
+    from spd_ds.decoding.ar import ARDecoder
+    from spd_ds.decoding.reference import SPDReferenceDecoder
+
+    part = builder.build_partition(cfg, arch)
+    target = builder.build_target(cfg, arch, part)
+    head = builder.build_head(cfg, arch, part)
+    eos = builder.eos_token_ids(cfg, arch, tok)
+    log.info("target %s: %d layers in %d stages %s, anchors %s, device %s", arch.model_dir.name, arch.num_layers,
+             part.num_stages, list(part.stage_layers), list(part.anchors), target.device)
+    results = []
+    oracle = cfg.decoding.drafter == "oracle"
+    drafter = None if oracle else builder.build_drafter(cfg, head, arch, target.device)  # one head drafter (graph)
+    for i, p in enumerate(ids):
+        sampling = builder.sampling_params(cfg, request=i)
+        if oracle:
+            ar = ARDecoder(target, sampling, eos, cfg.decoding.max_length)
+            reference = list(p) + ar.generate(p, cfg.decoding.max_new_tokens + part.num_stages).tokens
+            drafter = builder.build_drafter(cfg, head, arch, target.device, reference)
+        dec = SPDReferenceDecoder(target, drafter, sampling, eos, cfg.decoding.max_length)
+        if on_generation is not None:
+            on_generation("spd", i, None)
+        results.append(dec.generate(p, cfg.decoding.max_new_tokens))
+        if on_generation is not None:
+            on_generation("spd", i, results[-1])
+    if not with_ar:
+        return results, None
+    ar_results = []
+    ar = ARDecoder(target, builder.sampling_params(cfg), eos, cfg.decoding.max_length)
+    for i, p in enumerate(ids):
+        ar.sampling = builder.sampling_params(cfg, request=i)
+        if on_generation is not None:
+            on_generation("ar", i, None)
+        ar_results.append(ar.generate(p, cfg.decoding.max_new_tokens))
+        if on_generation is not None:
+            on_generation("ar", i, ar_results[-1])
+    return results, ar_results
+
+
+def speed_lines(cfg, results, ar_results=None, ar_name: str = "AR decoding", one_process: bool = True) -> list[str]:
+    """The speed verdict: SPD's and AR's decode tok/s from the same run and their ratio, what the acceptance metric
+    means, and (one process) why no speedup is expected there.
+
+    Args:
+        results: SPD's :class:`~spd_ds.decoding.reference.GenerationResult` per prompt.
+        ar_results: AR's, same prompts and run (``None``: AR did not run).
+        one_process: all stages ran in one process (the reference decoder, or a world of one rank).
+    Returns:
+        Lines to print.
+    """
+    metrics = [r.metrics for r in results]
+    n = metrics[0].num_stages if metrics else cfg.partition.num_stages
+    spd = pooled_decode_tok_s(metrics)
+    out = []
+    if ar_results is not None:
+        ar = pooled_decode_tok_s([r.metrics for r in ar_results])
+        ratio = f"SPD is {spd / ar:.2f}x AR" if ar > 0 else "no AR time measured"
+        out.append(f"speed: SPD {spd:.1f} tok/s, AR {ar:.1f} tok/s ({ar_name}, same run; decode tokens per second, "
+                   f"the prefill token excluded): {ratio}")
+    else:
+        out.append(f"speed: SPD {spd:.1f} tok/s (decode tokens per second); AR did not run (--no-compare-ar), so "
+                   "there is no speed comparison")
+    decode_len = pooled_decode_accept_length(metrics)
+    total_len = SPDMetrics.pooled(metrics).equivalent_accept_length
+    out.append(f"meaning: equivalent accept length = n*N/K = {decode_len:.2f} over decode tokens (the prefill token "
+               f"not counted): 1.00 = no gain over AR, {n} (= n) = every draft accepted. The totals' "
+               f"equivalent_accept_length {total_len:.2f} counts the prefill token in N, which lifts even a head that "
+               "accepts nothing above 1.00 on short answers.")
+    if one_process:
+        out.append(f"note: in one process the {n} stages run one after another, so SPD cannot beat AR here (expect "
+                   f"< 1x); the speedup needs one device per stage: deepspeed --num_gpus {n} launch/infer.py "
+                   "--config ... on a machine with GPUs (see README, docs/distributed.md).")
+    return out
+
+
+def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decoding", one_process=True) -> None:
+    """Print answers, per-prompt metrics, the AR comparison (T = 0), the totals and the speed lines; write
+    ``--output`` JSONL.
+
+    ``ar_results``: AR generations of the same prompts in the same run (under DeepSpeed through the same pipeline),
+    or ``None``.
+    """
+    greedy = cfg.decoding.temperature == 0
+    ar_tokens = [r.tokens for r in ar_results] if ar_results is not None and greedy else None
+    total = SPDMetrics.pooled([r.metrics for r in results])
+    rows = []
+    for i, ((qid, text), res) in enumerate(zip(prompts, results)):
+        m = res.metrics
+        print(f"\n=== [{qid}] {text[:200]}")
+        print(tok.decode(res.tokens, skip_special_tokens=True))
+        same = None if ar_tokens is None else ar_tokens[i] == res.tokens
+        print(f"--- {m.num_new_tokens} tokens in {m.num_cycles} cycles, draft acceptance "
+              f"{m.draft_acceptance_rate:.3f}, equivalent accept length {m.equivalent_accept_length:.2f}, "
+              f"{m.decode_tok_s:.1f} tok/s" + ("" if same is None else f", identical to AR: {'yes' if same else 'NO'}"))
+        row = {"question_id": qid, "tokens": res.tokens, "finish_reason": res.finish_reason,
+               "identical_to_ar": same, **m.to_dict()}
+        if ar_results is not None:
+            row["ar_decode_tok_s"] = ar_results[i].metrics.decode_tok_s
+        rows.append(row)
+    print("\n=== totals")
+    totals = {k: v for k, v in total.to_dict().items() if not isinstance(v, list)}
+    totals["decode_tok_s"] = pooled_decode_tok_s([r.metrics for r in results])  # prefill token excluded per prompt
+    totals["equivalent_accept_length_decode"] = pooled_decode_accept_length([r.metrics for r in results])
+    if ar_results is not None:
+        totals["ar_decode_tok_s"] = pooled_decode_tok_s([r.metrics for r in ar_results])
+        totals["speedup_vs_ar"] = (totals["decode_tok_s"] / totals["ar_decode_tok_s"]
+                                   if totals["ar_decode_tok_s"] > 0 else None)
+    print(json.dumps(totals, indent=1))
+    if ar_tokens is not None:
+        n_same = sum(r["identical_to_ar"] for r in rows)
+        print(f"identical to {ar_name}: {n_same}/{len(rows)} prompts")
+    elif ar_results is not None:
+        print(f"T={cfg.decoding.temperature:g} > 0: answers are samples (only distributions match AR's); AR ran for "
+              "its speed")
+    print()
+    for line in speed_lines(cfg, results, ar_results, ar_name, one_process):
+        print(line)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.output, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

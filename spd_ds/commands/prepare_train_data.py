@@ -1,0 +1,229 @@
+"""Prepare head-training data files: export conversations or prompts, regenerate or self-distil answers.
+
+Examples::
+
+    # the offline ShareGPT (registry package) -> the first 6000 usable conversations, small enough to carry
+    python launch/prepare_train_data.py export --data sharegpt --limit 6000 --out runs/train_data/sharegpt6k.jsonl.gz
+
+    # answer each conversation's first user turn with the target itself (GPU; batched generate)
+    python launch/prepare_train_data.py regenerate --model smollm2-135m-instruct \\
+        --data runs/train_data/sharegpt6k.jsonl.gz --out runs/train_data/regen.jsonl.gz --time-budget 150
+
+    # only what the GPU needs to self-distil: the system/user turns of every usable ShareGPT conversation
+    python launch/prepare_train_data.py export-prompts --out runs/train_data/sharegpt_prompts.jsonl.gz
+
+    # the target answers every user turn (rounds; its own earlier answers as context), greedy + 2 samples at T=1,
+    # into resumable .npz shards + manifest.json (GPU: batched HF generate with a static cache)
+    python launch/prepare_train_data.py selfdistill --model smollm2-135m-instruct \
+        --data runs/train_data/sharegpt_prompts.jsonl.gz --out runs/sd --greedy 1 --samples 2 --time-budget 200
+
+``export`` writes ``{"messages": [{role, content}, ...]}`` JSON lines (gzipped, deterministic bytes); ``regenerate``
+writes pre-tokenised ``{"input_ids", "assistant_mask"}`` lines; ``selfdistill`` writes a directory of shards
+(``spd_ds.train.selfdistill``). All are valid ``data.train_files`` entries; ``export-prompts`` writes
+``{"id", "rounds"}`` lines, input for ``selfdistill`` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+
+def _export(args) -> int:
+    from spd_ds.train.data import load_records, write_jsonl_gz
+
+    recs = load_records(args.data, limit=args.limit)
+    if args.max_chars:
+        recs = [_clip(r, args.max_chars) for r in recs]
+    n = write_jsonl_gz(recs, args.out)
+    print(f"prepare_train_data: {n} conversations -> {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)",
+          file=sys.stderr)
+    return 0
+
+
+def _clip(rec: dict, max_chars: int) -> dict:
+    """Keep whole turns while the conversation stays under ``max_chars`` characters (always the first exchange)."""
+    if "messages" not in rec:
+        return rec
+    out, total = [], 0
+    for m in rec["messages"]:
+        total += len(m["content"])
+        if total > max_chars and any(x["role"] == "assistant" for x in out):
+            break
+        out.append(m)
+    return {"messages": out}
+
+
+def _regenerate(args) -> int:
+    import torch
+
+    from spd_ds.builder import load_tokenizer
+    from spd_ds.train.chat import set_chat_template
+    from spd_ds.train.data import load_records, write_jsonl_gz
+    from spd_ds.train.regenerate import regenerate_records
+    from spd_ds.zoo import resolve_model
+
+    model_dir = resolve_model(args.model)
+    tok = load_tokenizer(model_dir)
+    set_chat_template(tok, args.chat_template)
+    recs = load_records(args.data, limit=args.limit)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[args.dtype]
+    eos = [tok.eos_token_id]
+    t0 = time.perf_counter()
+    out = regenerate_records(recs, model_dir, tok, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             sample_fraction=args.sample_fraction, batch_size=args.batch_size,
+                             max_prompt_tokens=args.max_prompt_tokens, dtype=dtype, time_budget_s=args.time_budget,
+                             seed=args.seed, eos_token_ids=eos)
+    dt = time.perf_counter() - t0
+    n = write_jsonl_gz(out, args.out)
+    gen = sum(sum(r["assistant_mask"]) for r in out)
+    ended = sum(r["input_ids"][-1] in eos for r in out)
+    print(f"prepare_train_data: regenerated {n} answers ({gen} tokens, {ended} ended with EOS) in {dt:.0f} s, "
+          f"{gen / max(dt, 1e-9):.0f} generated tokens/s -> {args.out}", file=sys.stderr)
+    return 0 if n else 1
+
+
+def _export_prompts(args) -> int:
+    from spd_ds.train.selfdistill import load_prompt_conversations, write_prompts
+
+    convs = load_prompt_conversations(args.data, limit=args.limit)
+    if args.max_turn_chars:
+        convs = [c for c in (_clip_rounds(c, args.max_turn_chars) for c in convs) if c.rounds]
+    n = write_prompts(convs, args.out)
+    turns = sum(len(c.rounds) for c in convs)
+    print(f"prepare_train_data: {n} conversations, {turns} user turns -> {args.out} "
+          f"({Path(args.out).stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
+    return 0
+
+
+def _clip_rounds(conv, max_chars: int):
+    """Keep the rounds before the first one whose text exceeds ``max_chars`` (it would not fit a prompt anyway)."""
+    keep = []
+    for r in conv.rounds:
+        if sum(len(m["content"]) for m in r) > max_chars:
+            break
+        keep.append(r)
+    conv.rounds = keep
+    return conv
+
+
+def _selfdistill(args) -> int:
+    import signal
+
+    import torch
+
+    from spd_ds.builder import load_tokenizer
+    from spd_ds.train.chat import set_chat_template
+    from spd_ds.train.selfdistill import (
+        SelfDistillConfig, load_prompt_conversations, run_selfdistill, throughput_table,
+    )
+    from spd_ds.zoo import resolve_model
+
+    t0 = time.perf_counter()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: flush the finished answers on the way out
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"  # prompts are batch-encoded here; nothing forks afterwards
+    cfg = SelfDistillConfig(
+        greedy=args.greedy, samples=args.samples, temperature=args.temperature, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, max_rounds=args.max_rounds,
+        batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, chunk_new_tokens=args.chunk_new_tokens,
+        min_alive=args.min_alive, wave_conversations=args.wave_conversations, cache=args.cache,
+        compile=not args.no_compile, attention=args.attention, cache_quantum=args.cache_quantum,
+        time_budget_s=args.time_budget, shard_bytes=args.shard_bytes, flush_every_s=args.flush_every)
+    model_dir = resolve_model(args.model)
+    tok = load_tokenizer(model_dir)
+    set_chat_template(tok, args.chat_template)
+    convs = load_prompt_conversations(args.data, limit=args.limit)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[args.dtype]
+    print(f"prepare_train_data: self-distilling {len(convs)} conversations "
+          f"({sum(len(c.rounds) for c in convs)} user turns) x {cfg.num_variants} answers with {args.model} "
+          f"-> {args.out}", file=sys.stderr)
+    run = run_selfdistill(convs, model_dir, tok, args.out, cfg, device=args.device, dtype=dtype, source=args.data,
+                          model_name=args.model, t_start=t0)
+    print(throughput_table(run), file=sys.stderr)
+    tot = run["totals"]
+    print(f"prepare_train_data: selfdistill generated {run['answers']} answers, {run['generated_tokens']} tokens in "
+          f"{run['wall_s']:.0f} s = {run['generated_tokens_per_s']:.0f} generated tokens/s; {args.out} now holds "
+          f"{tot['records']} records, {tot['tokens']} tokens ({tot['assistant_tokens']} answer tokens), "
+          f"{tot['bytes'] / 1e6:.1f} MB in shards", file=sys.stderr)
+    return 0 if tot["items"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand (module docstring; ``--help`` documents each). Exit status 0 on success."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="normalise conversations into one gzipped JSON-lines file")
+    ex.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
+    ex.add_argument("--limit", type=int, default=6000, help="conversations to keep (default: %(default)s)")
+    ex.add_argument("--max-chars", type=int, default=None, help="drop turns past this many characters")
+    ex.add_argument("--out", default="runs/train_data/sharegpt6k.jsonl.gz")
+    rg = sub.add_parser("regenerate", help="answer first user turns with the target (pre-tokenised output)")
+    rg.add_argument("--model", default="smollm2-135m-instruct")
+    rg.add_argument("--data", action="append", required=True, help="conversation source; repeatable")
+    rg.add_argument("--out", required=True)
+    rg.add_argument("--limit", type=int, default=None)
+    rg.add_argument("--max-new-tokens", type=int, default=512)
+    rg.add_argument("--max-prompt-tokens", type=int, default=512)
+    rg.add_argument("--batch-size", type=int, default=256)
+    rg.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    rg.add_argument("--sample-fraction", type=float, default=None,
+                    help="share of prompts sampled at --temperature (1.0 if 0); the rest greedy")
+    rg.add_argument("--time-budget", type=float, default=None, help="stop starting batches after this many seconds")
+    rg.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    rg.add_argument("--chat-template", default=None)
+    rg.add_argument("--seed", type=int, default=0)
+    ep = sub.add_parser("export-prompts", help="only the system/user turns, grouped in rounds (input of selfdistill)")
+    ep.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
+    ep.add_argument("--limit", type=int, default=None, help="conversations to keep (default: all)")
+    ep.add_argument("--max-turn-chars", type=int, default=32000,
+                    help="end a conversation before a turn longer than this (it would not fit a prompt)")
+    ep.add_argument("--out", default="runs/train_data/sharegpt_prompts.jsonl.gz")
+    sd = sub.add_parser("selfdistill", help="the target answers every user turn (rounds) into resumable shards")
+    sd.add_argument("--model", default="smollm2-135m-instruct")
+    sd.add_argument("--data", action="append", required=True,
+                    help="prompts (export-prompts output) or any conversation source; repeatable")
+    sd.add_argument("--out", required=True, help="output directory (shards + manifest.json); reruns resume it")
+    sd.add_argument("--limit", type=int, default=None, help="conversations (default: all)")
+    sd.add_argument("--greedy", type=int, default=1, help="1 = one greedy answer per turn, 0 = none")
+    sd.add_argument("--samples", type=int, default=2, help="sampled answers per turn (at --temperature)")
+    sd.add_argument("--temperature", type=float, default=1.0)
+    sd.add_argument("--seed", type=int, default=0)
+    sd.add_argument("--max-new-tokens", type=int, default=768, help="longest answer (cut answers end the chain)")
+    sd.add_argument("--max-prompt-tokens", type=int, default=2048, help="turns with a longer prompt are not asked")
+    sd.add_argument("--max-rounds", type=int, default=None, help="user turns per conversation at most")
+    sd.add_argument("--batch-size", type=int, default=1024, help="rows per generate call at most")
+    sd.add_argument("--max-batch-tokens", type=int, default=1024 * 1280,
+                    help="rows x static-cache length per call at most (long prompts get fewer rows)")
+    sd.add_argument("--chunk-new-tokens", type=int, default=256,
+                    help="new tokens per generate call; unfinished answers continue in a later call")
+    sd.add_argument("--min-alive", type=float, default=0.25,
+                    help="end a call once fewer than this share of its rows still generate (they continue later)")
+    sd.add_argument("--wave-conversations", type=int, default=4096,
+                    help="conversations tokenised and length-sorted together")
+    sd.add_argument("--cache", choices=["static", "dynamic"], default="static")
+    sd.add_argument("--no-compile", action="store_true", help="no torch.compile of the decode step (static cache)")
+    sd.add_argument("--attention", choices=["gqa-decode", "sdpa"], default="gqa-decode",
+                    help="gqa-decode: SDPA without repeat_kv for the decode step (default); sdpa: transformers' own")
+    sd.add_argument("--cache-quantum", type=int, default=128,
+                    help="static cache = longest prompt rounded to a power of two up to this, a multiple above")
+    sd.add_argument("--time-budget", type=float, default=None, help="stop starting generate calls after this many s")
+    sd.add_argument("--shard-bytes", type=int, default=12_000_000, help="uncompressed bytes per shard at most")
+    sd.add_argument("--flush-every", type=float, default=60.0, help="write finished answers at least this often (s)")
+    sd.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    sd.add_argument("--device", default=None, help="default: cuda if available")
+    sd.add_argument("--chat-template", default=None)
+    args = ap.parse_args(argv)
+    if args.cmd in ("export", "export-prompts"):
+        args.data = args.data or ["sharegpt"]
+        return _export(args) if args.cmd == "export" else _export_prompts(args)
+    if args.cmd == "selfdistill":
+        return _selfdistill(args)
+    return _regenerate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

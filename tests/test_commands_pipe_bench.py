@@ -1,0 +1,25 @@
+"""spd_ds.commands.pipe_bench (SPD against AR through the same pipeline) in one process on CPU, with the oracle
+drafter whose reference is the pipeline AR run just made."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pipe_bench_oracle_equals_pipeline_ar(smollm2_dir, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "spd_ds.commands.pipe_bench", "--config",
+                        "launch/configs/smollm2_spd.yaml", "--num-prompts", "1", "--max-new-tokens", "6",
+                        "--warmup", "0", "--set", "decoding.drafter=oracle", "--set", "decoding.oracle_alpha=1.0",
+                        "--set", "deepspeed.timeout_s=60", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((tmp_path / "pipe_bench.json").read_text())
+    assert out["summary"]["all_equal_to_pipeline_ar"] and out["summary"]["config"]["drafter"] == "oracle"
+    rec = out["prompts"][0]
+    assert rec["spd_tokens"] == rec["ar_tokens"] and len(rec["spd_tokens"]) == 6
+    assert rec["spd"]["draft_acceptance_rate"] == 1.0  # alpha 1: the oracle proposes the pipeline AR's tokens
