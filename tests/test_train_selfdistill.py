@@ -19,6 +19,7 @@ import torch
 from spd_ds.train import selfdistill as sd
 from spd_ds.train.chat import encode_conversation, prompt_ids
 from spd_ds.train.data import BatchPlanner, load_records, tokenize_records
+from spd_ds.train.split import conversation_key, split_held_out
 from tests.test_train_data import WORDS, make_chats, make_tokenizer
 from tests.tiny_models import make_tiny_model
 
@@ -388,7 +389,7 @@ def test_config_errors():
 
 
 # ---------------------------------------------------------------------------------------------------- held-out split
-def test_split_records_deterministic_disjoint_and_grouped():
+def test_split_held_out_deterministic_disjoint_and_grouped():
     rng = random.Random(0)
     recs = []
     for i in range(3000):
@@ -397,13 +398,13 @@ def test_split_records_deterministic_disjoint_and_grouped():
     recs += [{"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(6))},
                            {"role": "assistant", "content": "x"}]} for _ in range(200)]
     recs += [{"input_ids": [9, i, 7, 8], "assistant_mask": [0, 0, 1, 1]} for i in range(200)]
-    train, held = sd.split_records(recs, 0.1, seed=3)
+    train, held = split_held_out(recs, 0.1, seed=3)
     assert len(train) + len(held) == len(recs)
     assert not {id(r) for r in train} & {id(r) for r in held}
     assert 0.07 < len(held) / len(recs) < 0.13
     shuffled = recs[:]
     rng.shuffle(shuffled)
-    t2, h2 = sd.split_records(shuffled, 0.1, seed=3)
+    t2, h2 = split_held_out(shuffled, 0.1, seed=3)
     assert {id(r) for r in h2} == {id(r) for r in held}
     # the parts _0/_1 of a ShareGPT conversation (and its variants) stay on one side
     side = {}
@@ -411,10 +412,13 @@ def test_split_records_deterministic_disjoint_and_grouped():
         if "conv_id" in r:
             side[r["conv_id"].rsplit("_", 1)[0]] = "held"
     assert all(r["conv_id"].rsplit("_", 1)[0] not in side for r in train if "conv_id" in r)
-    assert {id(r) for r in sd.split_records(recs, 0.1, seed=4)[1]} != {id(r) for r in held}
-    assert sd.split_records(recs, 0.0)[1] == []
+    assert {id(r) for r in split_held_out(recs, 0.1, seed=4)[1]} != {id(r) for r in held}
+    assert split_held_out(recs, 0.0)[1] == []
     with pytest.raises(ValueError, match="held_out_fraction"):
-        sd.split_records(recs, 1.0)
+        split_held_out(recs, 1.0)
+    # no conversation id and no first prompt: the whole record is the key (such records are not lumped together)
+    bare = [{"input_ids": [i, 5], "assistant_mask": [1, 1]} for i in range(3)]
+    assert len({conversation_key(r) for r in bare}) == 3
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

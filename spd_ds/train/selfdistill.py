@@ -53,7 +53,7 @@ starting new ``generate`` calls, and finished answers are flushed to a shard at 
 exit (including SIGTERM from ``timeout``); in the last 10 % of the budget only answers already begun are continued;
 answers still in flight at the end are redone by the next run.
 
-**Held-out split**: :func:`split_records` (by a hash of the conversation id; see there).
+**Held-out split**: :func:`spd_ds.train.split.split_held_out` (by a hash of the conversation id; see there).
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 from transformers import LogitsProcessor, StoppingCriteria
+
+from spd_ds.train.split import held_out_score
 
 FORMAT = "spd-ds/selfdistill-v1"
 MANIFEST = "manifest.json"
@@ -705,61 +707,6 @@ def iter_records(path: str | os.PathLike) -> Iterator[dict]:
         yield chain_record(ch[key])
 
 
-# ---------------------------------------------------------------------------------------------------- held-out split
-def conversation_key(rec: dict) -> str:
-    """The key that :func:`split_records` hashes: the conversation id (``conv_id`` / ``id``, a ShareGPT part suffix
-    ``_<n>`` removed so that the parts of one long conversation stay together), else the first prompt (messages
-    before the first assistant turn, or token ids before the first assistant token)."""
-    cid = rec.get("conv_id", rec.get("id"))
-    if isinstance(cid, (str, int)) and str(cid):
-        return re.sub(r"_\d+$", "", str(cid))
-    if "messages" in rec:
-        first = []
-        for m in rec["messages"]:
-            if m.get("role") == "assistant":
-                break
-            first.append([m.get("role"), m.get("content")])
-        return "m" + json.dumps(first)
-    ids, mask = rec.get("input_ids") or [], rec.get("assistant_mask") or []
-    n = next((i for i, m in enumerate(mask) if m), len(ids))
-    return "t" + ",".join(str(int(x)) for x in ids[:n])
-
-
-def held_out_score(key: str, seed: int = 0) -> float:
-    """A deterministic uniform in [0, 1) of ``(seed, key)`` (blake2b)."""
-    d = hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(d, "little") / 2.0 ** 64
-
-
-def split_records(records: Sequence[dict], held_out_fraction: float, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Deterministic train / held-out split by conversation.
-
-    A record is held out iff ``held_out_score(conversation_key(record), seed) < held_out_fraction``: all answers
-    (variants, rounds, and the original conversation when it carries the same id) of one conversation fall on the
-    same side; the split depends only on the records' keys and ``seed`` (not on order, count or machine), so it is
-    stable when data are added and the two sides are disjoint. About ``held_out_fraction`` of the conversations are
-    held out (e.g. 0.02).
-
-    Args:
-        records: normalised records (``load_records`` output: conversations or pre-tokenised, ideally with
-            ``conv_id``; self-distilled records carry it).
-        held_out_fraction: in [0, 1).
-        seed: split seed.
-
-    Returns:
-        ``(train, held_out)`` in input order.
-
-    Raises:
-        ValueError: ``held_out_fraction`` outside [0, 1).
-    """
-    if not 0.0 <= held_out_fraction < 1.0:
-        raise ValueError(f"held_out_fraction must be in [0, 1), got {held_out_fraction}")
-    train, held = [], []
-    for r in records:
-        (held if held_out_score(conversation_key(r), seed) < held_out_fraction else train).append(r)
-    return train, held
-
-
 # ---------------------------------------------------------------------------------------------------- the run
 def model_fingerprint(model_dir: str | os.PathLike) -> str:
     """Short id of the target's weights (:meth:`TargetArch.fingerprint`, else a hash of ``config.json``)."""
@@ -909,7 +856,7 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
             "source": [str(s) for s in source], "num_conversations": len(convs),
             "max_prompt_tokens": cfg.max_prompt_tokens, "max_rounds": cfg.max_rounds,
             "assistant_mask": "answer tokens incl. the EOS id that ended them (the template's end-of-turn)",
-            "split": "spd_ds.train.selfdistill.split_records(records, fraction, seed): by blake2b of conv_id"}
+            "split": "spd_ds.train.split.split_held_out(records, fraction, seed): by blake2b of conv_id"}
     store = _Store(out_dir, base, id_dtype, cfg, log)
     gen = AnswerGenerator(model, eos, pad, cfg)
     eot_text = {e: tokenizer.decode([e], skip_special_tokens=False) for e in eos}
