@@ -92,14 +92,14 @@ def test_partition_must_match_model(tiny_root):
 def test_composite_checkpoint_stage_reads_only_its_language_model_layers(tiny_root, monkeypatch):
     """A composite Qwen3.5 checkpoint (text model + vision tower): the text config drives the stages, and a stage
     reads only its own layers' tensors (never the vision tower's)."""
-    from spd_ds.models import adapter
+    from spd_ds.models import weights
     from spd_ds.models.adapter import TargetStage
 
     arch = TargetArch(make_tiny_model(tiny_root, "qwen3_5", 8))
     assert arch.composite and arch.config.model_type == "qwen3_5_text" and arch.hybrid
     seen = []
-    orig = adapter._SafetensorsIndex.get
-    monkeypatch.setattr(adapter._SafetensorsIndex, "get", lambda self, n: seen.append(n) or orig(self, n))
+    orig = weights.SafetensorsIndex.get
+    monkeypatch.setattr(weights.SafetensorsIndex, "get", lambda self, n: seen.append(n) or orig(self, n))
     TargetStage(arch, range(4, 8), torch.float32, "cpu")
     assert seen and all(n.startswith("model.language_model.layers.") for n in seen)
     assert {int(n.split(".")[3]) for n in seen} == {4, 5, 6, 7}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from spd_ds.decoding.sampling import SamplingParams
-from spd_ds.models.adapter import (RandomWeights, Target, TargetArch, is_random_model_dir, random_model_dir,
-                                   random_shapes)
+from spd_ds.models.adapter import RandomWeights, Target, TargetArch, is_random_model_dir, random_model_dir
+from spd_ds.models.weights import random_shapes
 from spd_ds.partition import StagePartition
 
 @pytest.fixture(autouse=True)

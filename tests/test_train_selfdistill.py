@@ -19,6 +19,9 @@ import torch
 from spd_ds.train import selfdistill as sd
 from spd_ds.train.chat import encode_conversation, prompt_ids
 from spd_ds.train.data import BatchPlanner, load_records, tokenize_records
+from spd_ds.train.selfdistill.generation import _signed64
+from spd_ds.train.selfdistill.prompts import _encode_texts, _render
+from spd_ds.train.split import conversation_key, split_held_out
 from tests.test_train_data import WORDS, make_chats, make_tokenizer
 from tests.tiny_models import make_tiny_model
 
@@ -129,7 +132,7 @@ def _keyed_uniform_py(key: int, pos: int) -> float:
 def test_keyed_uniform_matches_plain_integer_hash():
     keys = [sd.item_key(0, "conv", v, r) for v in range(3) for r in (1, 2)] + [0, 2 ** 64 - 1, 2 ** 63]
     pos = [0, 1, 767, 2 ** 31 + 5] * 3
-    got = sd.keyed_uniform(torch.tensor([sd._signed64(k) for k in keys]), torch.tensor(pos[: len(keys)]))
+    got = sd.keyed_uniform(torch.tensor([_signed64(k) for k in keys]), torch.tensor(pos[: len(keys)]))
     want = [_keyed_uniform_py(k, p) for k, p in zip(keys, pos)]
     assert got.tolist() == want
     assert all(0 < u < 1 for u in want)
@@ -139,7 +142,7 @@ def test_keyed_sampler_draws_the_tempered_distribution_and_ignores_the_batch():
     torch.manual_seed(0)
     V, N, T = 6, 6000, 0.7
     logits = torch.randn(V) * 2
-    keys = torch.tensor([sd._signed64(sd.item_key(1, f"c{i}", 1, 1)) for i in range(N)])
+    keys = torch.tensor([_signed64(sd.item_key(1, f"c{i}", 1, 1)) for i in range(N)])
     scores = logits.expand(N, V).clone()
     ids = torch.zeros(N, 5, dtype=torch.long)
     temps = torch.full((N,), T)
@@ -207,8 +210,8 @@ def test_gqa_decode_attention_equals_sdpa(tiny_root):
 # ---------------------------------------------------------------------------------------------------- generation
 def test_round_one_prompt_tokens_equal_the_chat_template(loaded, convs):
     _, tok = loaded
-    texts = [sd._render(tok, c.rounds[0], True) for c in convs]
-    for c, ids in zip(convs, sd._encode_texts(tok, texts)):
+    texts = [_render(tok, c.rounds[0], True) for c in convs]
+    for c, ids in zip(convs, _encode_texts(tok, texts)):
         assert ids.tolist() == prompt_ids(tok, c.rounds[0])
 
 
@@ -248,7 +251,7 @@ def test_multi_turn_prompts_hold_the_targets_own_earlier_answers(loaded, referen
         ctx = first.tokens.tolist() + second.tokens[: second.prompt_len].tolist()
         # text level: that prompt is the chat template of [turn 1, the target's answer, turn 2]
         hist = c.rounds[0] + [{"role": "assistant", "content": tok.decode(ans1[:-1])}] + c.rounds[1]
-        assert tok.decode(ctx) == sd._render(tok, hist, True)
+        assert tok.decode(ctx) == _render(tok, hist, True)
         # ... and not the source's own answer to turn 1
         assert originals[c.uid] not in tok.decode(ctx)
     assert run["by_round"]["2"]["answers"] == len([k for k in items if k[2] == 2])
@@ -388,7 +391,7 @@ def test_config_errors():
 
 
 # ---------------------------------------------------------------------------------------------------- held-out split
-def test_split_records_deterministic_disjoint_and_grouped():
+def test_split_held_out_deterministic_disjoint_and_grouped():
     rng = random.Random(0)
     recs = []
     for i in range(3000):
@@ -397,13 +400,13 @@ def test_split_records_deterministic_disjoint_and_grouped():
     recs += [{"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(6))},
                            {"role": "assistant", "content": "x"}]} for _ in range(200)]
     recs += [{"input_ids": [9, i, 7, 8], "assistant_mask": [0, 0, 1, 1]} for i in range(200)]
-    train, held = sd.split_records(recs, 0.1, seed=3)
+    train, held = split_held_out(recs, 0.1, seed=3)
     assert len(train) + len(held) == len(recs)
     assert not {id(r) for r in train} & {id(r) for r in held}
     assert 0.07 < len(held) / len(recs) < 0.13
     shuffled = recs[:]
     rng.shuffle(shuffled)
-    t2, h2 = sd.split_records(shuffled, 0.1, seed=3)
+    t2, h2 = split_held_out(shuffled, 0.1, seed=3)
     assert {id(r) for r in h2} == {id(r) for r in held}
     # the parts _0/_1 of a ShareGPT conversation (and its variants) stay on one side
     side = {}
@@ -411,10 +414,13 @@ def test_split_records_deterministic_disjoint_and_grouped():
         if "conv_id" in r:
             side[r["conv_id"].rsplit("_", 1)[0]] = "held"
     assert all(r["conv_id"].rsplit("_", 1)[0] not in side for r in train if "conv_id" in r)
-    assert {id(r) for r in sd.split_records(recs, 0.1, seed=4)[1]} != {id(r) for r in held}
-    assert sd.split_records(recs, 0.0)[1] == []
+    assert {id(r) for r in split_held_out(recs, 0.1, seed=4)[1]} != {id(r) for r in held}
+    assert split_held_out(recs, 0.0)[1] == []
     with pytest.raises(ValueError, match="held_out_fraction"):
-        sd.split_records(recs, 1.0)
+        split_held_out(recs, 1.0)
+    # no conversation id and no first prompt: the whole record is the key (such records are not lumped together)
+    bare = [{"input_ids": [i, 5], "assistant_mask": [1, 1]} for i in range(3)]
+    assert len({conversation_key(r) for r in bare}) == 3
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -447,7 +453,7 @@ def test_smollm2_template_prompts_and_glue(smollm2_dir):
         {"id": "b", "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Why?"},
                                  {"role": "assistant", "content": "x"},
                                  {"role": "user", "content": "Explain  more.\n"}]})]
-    enc = sd._encode_texts(tok, [sd._render(tok, c.rounds[0], True) for c in convs])
+    enc = _encode_texts(tok, [_render(tok, c.rounds[0], True) for c in convs])
     assert [e.tolist() for e in enc] == [prompt_ids(tok, c.rounds[0]) for c in convs]
     hist = convs[1].rounds[0] + [{"role": "assistant", "content": "Because."}]
     glue = sd.turn_glue(tok, hist, convs[1].rounds[1], tok.decode([tok.eos_token_id]))

@@ -12,7 +12,8 @@ states live in a :class:`~spd_ds.models.linear_cache.HybridStageCache` (snapshot
 
 Random weights of real shapes (systems benchmarks): ``TargetArch("random:qwen3-4b")``, or any directory holding
 ``config.json`` + ``random_weights.json`` and no ``*.safetensors``, generates its weights tensor by tensor
-(:class:`RandomWeights`); the committed shapes live in ``spd_ds/models/shapes/``.
+(:class:`~spd_ds.models.weights.RandomWeights`); the committed shapes live in ``spd_ds/models/shapes/``.
+The weight sources (checkpoint, composite checkpoint, random) are in :mod:`spd_ds.models.weights`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from torch import nn
 
 from spd_ds.models.kv_cache import StageKVCache
 from spd_ds.models.linear_cache import HybridStageCache, LinearStateShape
+from spd_ds.models.weights import (
+    RANDOM_PREFIX, PrefixedWeights, RandomWeights, SafetensorsIndex, is_random_model_dir, random_model_dir,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral",
                          "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
@@ -119,9 +123,9 @@ class TargetArch:
         if is_random_model_dir(self.model_dir):
             self._weights = RandomWeights.from_skeleton(skeleton, self.model_dir, cfg)
         else:
-            self._weights = _SafetensorsIndex(self.model_dir)
+            self._weights = SafetensorsIndex(self.model_dir)
             if self.composite:
-                self._weights = _PrefixedWeights(self._weights, "model.", COMPOSITE_MODEL_TYPES[top.model_type])
+                self._weights = PrefixedWeights(self._weights, "model.", COMPOSITE_MODEL_TYPES[top.model_type])
 
     # ---- geometry -----------------------------------------------------------------------------------
     @property
@@ -309,58 +313,6 @@ def fingerprint_rows(num_rows: int, count: int = FINGERPRINT_ROWS) -> list[int]:
     return sorted({round(i * (num_rows - 1) / (count - 1)) for i in range(count)})
 
 
-class _SafetensorsIndex:
-    """Lazy name -> tensor access over one or several ``*.safetensors`` files."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from safetensors import safe_open
-
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {model_dir}; save the model with save_pretrained first")
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {k: h for h in self._handles for k in h.keys()}
-
-    def has(self, name: str) -> bool:
-        return name in self._where
-
-    def get(self, name: str) -> torch.Tensor:
-        try:
-            return self._where[name].get_tensor(name)
-        except KeyError:
-            raise KeyError(f"tensor {name!r} not found in the checkpoint") from None
-
-    def rows(self, name: str, idx: Sequence[int]) -> torch.Tensor:
-        """Rows ``idx`` of the 2-D tensor ``name``, read one by one (not the whole tensor)."""
-        try:
-            sl = self._where[name].get_slice(name)
-        except KeyError:
-            raise KeyError(f"tensor {name!r} not found in the checkpoint") from None
-        return torch.cat([sl[i:i + 1] for i in idx])
-
-
-class _PrefixedWeights:
-    """A composite checkpoint's language model seen under the text model's names (``model.X`` is read from
-    ``model.language_model.X`` when the checkpoint has no ``model.X``; ``lm_head.weight`` as is)."""
-
-    def __init__(self, inner, prefix: str, stored_prefix: str) -> None:
-        self._inner, self._prefix, self._stored = inner, prefix, stored_prefix
-
-    def _name(self, name: str) -> str:
-        if not self._inner.has(name) and name.startswith(self._prefix):
-            return self._stored + name[len(self._prefix):]
-        return name
-
-    def has(self, name: str) -> bool:
-        return self._inner.has(self._name(name))
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._inner.get(self._name(name))
-
-    def rows(self, name: str, idx: Sequence[int]) -> torch.Tensor:
-        return self._inner.rows(self._name(name), idx)
-
-
 def _load_config(model_dir: Path):
     """``AutoConfig`` of ``model_dir``; a Qwen3.5 checkpoint with a transformers that does not know it is an
     :class:`UnsupportedModelError` naming the version needed."""
@@ -403,128 +355,6 @@ class TextPositionRotary(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
         """``x [B, q, *]`` (dtype/device only), ``position_ids [B, q]`` int64 -> ``(cos, sin)`` in ``x``'s dtype."""
         return self.inner(x, position_ids[None].expand(3, *position_ids.shape))
-
-
-# ---- random weights of real shapes (systems benchmarks; no checkpoint, no tokenizer) ----------------------------
-RANDOM_PREFIX = "random:"
-RANDOM_WEIGHTS_FILE = "random_weights.json"
-SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
-
-
-def random_shapes() -> list[str]:
-    """Names of the committed shape configs (``spd_ds/models/shapes/<name>/config.json``)."""
-    return sorted(p.parent.name for p in SHAPES_DIR.glob(f"*/{RANDOM_WEIGHTS_FILE}"))
-
-
-def random_model_dir(name: str) -> Path:
-    """Directory of a committed random-weight shape: ``"random:qwen3-4b"`` (or ``"qwen3-4b"``) -> ``shapes/qwen3-4b``.
-
-    Raises:
-        ValueError: unknown shape (the message lists the known ones).
-    """
-    key = name[len(RANDOM_PREFIX):] if name.startswith(RANDOM_PREFIX) else name
-    d = SHAPES_DIR / key.strip().lower()
-    if not (d / RANDOM_WEIGHTS_FILE).is_file():
-        known = ", ".join(RANDOM_PREFIX + n for n in random_shapes())
-        raise ValueError(f"unknown random model shape {key!r}; known: {known}")
-    return d
-
-
-def is_random_model_dir(path: str | os.PathLike) -> bool:
-    """A directory with ``config.json`` and ``random_weights.json`` but no ``*.safetensors`` (weights are generated)."""
-    p = Path(path)
-    return (p / RANDOM_WEIGHTS_FILE).is_file() and not any(p.glob("*.safetensors"))
-
-
-class RandomWeights:
-    """Seeded random weights of a real architecture, generated tensor by tensor on request (same interface as the
-    safetensors index: :meth:`has`, :meth:`get`).
-
-    Every tensor comes from its own CPU ``torch.Generator`` seeded by ``sha256(seed, name)``, so its values depend only
-    on ``(seed, std, name, shape)``: a stage process generates only its own layers and still gets the same weights as
-    any other process. Values: ``normal(0, std)`` (``std`` defaults to the config's ``initializer_range``, else
-    0.02) in fp32; parameters whose name contains ``norm`` are their class's identity value (ones, or zeros for
-    zero-centred norms that scale by ``1 + weight``, as Qwen3.5's); biases are zeros.
-
-    Args:
-        shapes: HF parameter name -> shape (from a meta-device skeleton of the model).
-        seed: generator seed.
-        std: standard deviation of the weight matrices.
-        zero_norms: names of norm weights whose identity value is zero.
-    """
-
-    GENERATOR = "torch-cpu-normal-per-tensor-v1"
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0, std: float = 0.02,
-                 zero_norms: Iterable[str] = ()) -> None:
-        self.shapes, self.seed, self.std = dict(shapes), int(seed), float(std)
-        self.zero_norms = frozenset(zero_norms)
-
-    @classmethod
-    def from_skeleton(cls, skeleton: nn.Module, model_dir: Path, config) -> "RandomWeights":
-        """Names/shapes of ``skeleton``'s (deduplicated, so tied weights appear once) parameters; seed and std from
-        ``model_dir/random_weights.json`` (``{"seed": int, "std": float | null}``)."""
-        spec = json.loads((Path(model_dir) / RANDOM_WEIGHTS_FILE).read_text())
-        std = spec.get("std") or getattr(config, "initializer_range", None) or 0.02
-        shapes = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
-        return cls(shapes, int(spec.get("seed", 0)), float(std), _zero_centred_norms(skeleton, shapes))
-
-    def has(self, name: str) -> bool:
-        """Whether ``name`` is a parameter of the architecture (a tied LM head is not)."""
-        return name in self.shapes
-
-    def get(self, name: str) -> torch.Tensor:
-        """The fp32 tensor ``name`` (generated now; a few hundred MB/s on one CPU core).
-
-        Raises:
-            KeyError: not a parameter of this architecture.
-        """
-        if name not in self.shapes:
-            raise KeyError(f"tensor {name!r} is not a parameter of this random-weight model")
-        shape = self.shapes[name]
-        leaf = name.rsplit(".", 2)
-        if name in self.zero_norms:
-            return torch.zeros(shape)
-        if "norm" in name:
-            return torch.ones(shape)
-        if leaf[-1] == "bias":
-            return torch.zeros(shape)
-        key = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
-        g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & ((1 << 63) - 1))
-        return torch.empty(shape).normal_(0.0, self.std, generator=g)
-
-    def rows(self, name: str, idx: Sequence[int]) -> torch.Tensor:
-        """Rows ``idx`` of tensor ``name`` (the whole tensor is generated)."""
-        return self.get(name)[list(idx)]
-
-    def identity(self) -> bytes:
-        """What the weights are a function of (for :meth:`TargetArch.fingerprint`)."""
-        ident = [self.GENERATOR, self.seed, self.std, sorted(self.shapes.items())]
-        if self.zero_norms:  # only hybrid shapes have them: the other shapes keep their fingerprints
-            ident.append(sorted(self.zero_norms))
-        return json.dumps(ident).encode()
-
-
-def _zero_centred_norms(skeleton: nn.Module, shapes: dict) -> list[str]:
-    """Names of the norm weights in ``shapes`` whose module class initialises them to zeros (``(1 + w) x`` norms),
-    found by building one small instance of each norm class on the CPU."""
-    init_zero: dict[type, bool] = {}
-    out = []
-    for mname, mod in skeleton.named_modules():
-        name = f"{mname}.weight" if mname else "weight"
-        if "norm" not in name or name not in shapes or not isinstance(getattr(mod, "weight", None), nn.Parameter):
-            continue
-        kind = type(mod)
-        if kind not in init_zero:
-            try:
-                with torch.device("cpu"):
-                    probe = kind(4)
-                init_zero[kind] = bool(torch.all(probe.weight == 0))
-            except Exception:  # noqa: BLE001 - a norm class with another constructor: keep the ones default
-                init_zero[kind] = False
-        if init_zero[kind]:
-            out.append(name)
-    return out
 
 
 def causal_mask(q: int, past: int, device) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ Sources (``data.train_files``; several are concatenated):
 * a hub dataset id ``org/name`` (optionally ``org/name:split``) when online, through ``datasets.load_dataset``.
 
 Records keep a ``conv_id`` (the source's ``id`` / ``conv_id``) when they have one, for the held-out split
-(:func:`spd_ds.train.selfdistill.split_records`).
+(:func:`spd_ds.train.split.split_held_out`).
 
 Batches: examples are packed first-fit-decreasing (within windows of the shuffled order) into rows of
 ``data.max_seq_length`` tokens; ``segments`` keeps documents apart, ``positions`` restart per document. With

@@ -38,7 +38,8 @@ from spd_ds.train.chat import EmptyMaskError, set_chat_template
 from spd_ds.train.data import BatchPlanner, iterate, load_records, tokenize_records
 from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.mask import sample_fill
-from spd_ds.train.validate import Validator, split_held_out
+from spd_ds.train.split import split_held_out
+from spd_ds.train.validate import Validator
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "train_log.jsonl"

@@ -11,14 +11,13 @@ agreement by fill ``a_F`` (:func:`spd_ds.train.loss.top1_agreement`: what T = 0 
 ``val_positions``, ``val_s``) and the progress bar; the head with the best predicted ``L'`` so far is written to
 ``<output_dir>/best_head/`` (:meth:`SpeculationHead.save` + ``best.json``).
 
-The held-out split (:func:`split_held_out`) is a pure function of each record's content and ``train.seed``, so every
-rank, every resume and every world size holds out the same records.
+The held-out split (:func:`spd_ds.train.split.split_held_out`, by conversation) is a pure function of each record's
+conversation key and ``train.seed``, so every rank, every resume and every world size holds out the same records.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import shutil
@@ -34,43 +33,6 @@ from spd_ds.train.loss import TeacherTargets, top1_agreement
 
 BEST_DIR = "best_head"
 BEST_FILE = "best.json"
-
-
-# ---------------------------------------------------------------------------------------------------- the split
-def held_out_key(record: dict, seed: int) -> float:
-    """A uniform number in ``[0, 1)`` from the record's content (canonical JSON) and ``seed`` (blake2b): equal
-    records get equal keys on every machine and process."""
-    h = hashlib.blake2b(json.dumps(record, sort_keys=True, ensure_ascii=False).encode("utf-8"), digest_size=8,
-                        key=int(seed).to_bytes(8, "little", signed=True))
-    return int.from_bytes(h.digest(), "little") / 2.0 ** 64
-
-
-def split_held_out(records: Sequence[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
-    """``(train, held_out)``: record ``r`` is held out when ``held_out_key(r, seed) < fraction`` (about ``fraction``
-    of them; at least one when ``fraction > 0``); the order within each part is kept.
-
-    Args:
-        records: normalised records (``spd_ds.train.data.load_records``).
-        fraction: ``data.held_out_fraction`` in ``[0, 1)``; 0 = nothing held out.
-        seed: ``train.seed``.
-    Raises:
-        DataError: ``fraction`` outside ``[0, 1)``, or a split that leaves no training record (a ``ValueError``).
-    """
-    from spd_ds.train.data import DataError
-
-    if not 0.0 <= fraction < 1.0:
-        raise DataError(f"data.held_out_fraction must be in [0, 1), got {fraction}")
-    if fraction == 0.0 or not records:
-        return list(records), []
-    keys = [held_out_key(r, seed) for r in records]
-    out = [k < fraction for k in keys]
-    if not any(out):
-        out[min(range(len(keys)), key=keys.__getitem__)] = True
-    train = [r for r, o in zip(records, out) if not o]
-    if not train:
-        raise DataError(f"data.held_out_fraction={fraction} holds out all {len(records)} records; lower it or add "
-                         "data")
-    return train, [r for r, o in zip(records, out) if o]
 
 
 def held_out_batches(lengths: Sequence[int], seq_len: int, rows_per_batch: int, pack: bool, dp_rank: int,
@@ -288,5 +250,4 @@ class Validator:
         return {"best": best, "last_validation": self.last}
 
 
-__all__ = ["BEST_DIR", "BEST_FILE", "held_out_key", "split_held_out", "held_out_batches", "agreement_table",
-           "evaluate", "Validator"]
+__all__ = ["BEST_DIR", "BEST_FILE", "held_out_batches", "agreement_table", "evaluate", "Validator"]
