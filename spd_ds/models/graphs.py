@@ -208,13 +208,13 @@ def capture_graph(step: Callable[[], Any], device, *, warmup: int = 3, warmup_st
     current = torch.cuda.current_stream(device)
     side = stream if stream is not None else torch.cuda.Stream(device)
     side.wait_stream(current)
-    with torch.cuda.stream(side):
+    with torch.no_grad(), torch.cuda.stream(side):  # inference graphs: no autograd state recorded
         for _ in range(max(1, warmup)):
             (warmup_step or step)()
     if stream is None:
         current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+    with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
         outputs = step()
     if stream is not None:
         current.wait_stream(side)

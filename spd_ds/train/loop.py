@@ -356,7 +356,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     profiler = _profiler(tc.profile_steps, device) if (tc.profile_steps and is_logger) else None
 
     host_group = torch.distributed.new_group(backend="gloo")  # a collective: every rank, same point
-    # 8. the loop (no device-to-host read per step: counts come from the host batch, sums stay on the device)
+    # 8. the loop (teacher pipe degree 1: no device-to-host read per step; counts come from the host batch, sums
+    # stay on the device)
     head.train()
     batches = batches_on_device(planner, epoch, index, tc.prefetch)
     while step < total_steps and not stop:
@@ -406,7 +407,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         if validator is not None and validator.due(step, step == total_steps or (stop and not paused)):
             val = validator.run(engine.module, teacher, device, step, None)  # every rank; the module autocasts
             t_log += val["val_s"]  # tokens/s counts training time only
-        if step % tc.log_every == 0 or step == total_steps or stop or val:
+        # a log step also before every checkpoint, so that an empty micro-batch is an error before it can be saved
+        if step % tc.log_every == 0 or step % tc.save_every == 0 or step == total_steps or stop or val:
             m = meter.reduce(device)
             if m.empty or m.zero_weight:  # every rank sees the same reduced counts: all raise together, no hang
                 raise EmptyMaskError(f"{m.empty} micro-batch(es) without a loss position and {int(m.zero_weight)} "

@@ -142,8 +142,8 @@ class HeadTrainModule(nn.Module):
                 with _attention_implementation(head.config, FLEX_ATTENTION):
                     h = head.tower(rows, positions, mask=structural_block_mask(segments, fill))
             except Exception as e:  # noqa: BLE001 - only with train.attention=auto, on the first forward
-                if not self._fallback:
-                    raise
+                if not self._fallback or isinstance(e, torch.cuda.OutOfMemoryError):
+                    raise  # out of memory is not a FlexAttention failure: the dense path needs more
                 import warnings
 
                 warnings.warn(f"train.attention=auto: FlexAttention failed ({type(e).__name__}: {str(e)[:200]}); "
