@@ -203,32 +203,29 @@ class HybridStageCache(StageKVCache):
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The conv window ``[1, conv_dim, K]`` this forward starts from (a working copy: the single-token update
         writes into it), or ``None`` at length 0 (eager mode)."""
-        w = self._conv.get(layer_idx)
-        if w is not None:
-            return w
-        if self.static:
-            w = self.conv_ring[layer_idx].index_select(0, self._ridx)[0]
-        elif self.length == 0:
-            return None
-        else:
-            w = self.conv_ring[layer_idx][self._read_slot()].clone()
-        self._conv[layer_idx] = w
-        return w
+        return self._start_state(self.conv_ring, self._conv, layer_idx, copy=True)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The recurrent state ``[1, value_heads, key_dim, value_dim]`` fp32 this forward starts from (read only),
         or ``None`` at length 0 (eager mode)."""
-        r = self._rec_in.get(layer_idx)
-        if r is not None:
-            return r
+        return self._start_state(self.rec_ring, self._rec_in, layer_idx, copy=False)
+
+    def _start_state(self, rings: dict, memo: dict, layer_idx: int, copy: bool) -> torch.Tensor | None:
+        """The state layer ``layer_idx`` starts this forward from: read once per forward from its ring (the slot of
+        the current length; on the device from the position in static mode), a copy when ``copy``; memoised in
+        ``memo``. ``None`` at length 0 in eager mode."""
+        x = memo.get(layer_idx)
+        if x is not None:
+            return x
         if self.static:
-            r = self.rec_ring[layer_idx].index_select(0, self._ridx)[0]
+            x = rings[layer_idx].index_select(0, self._ridx)[0]
         elif self.length == 0:
             return None
         else:
-            r = self.rec_ring[layer_idx][self._read_slot()]
-        self._rec_in[layer_idx] = r
-        return r
+            x = rings[layer_idx][self._read_slot()]
+            x = x.clone() if copy else x
+        memo[layer_idx] = x
+        return x
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:

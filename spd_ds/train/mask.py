@@ -104,6 +104,13 @@ def key_kind(query_kind: int, delta: int, fill: int) -> int:
     return d if d < fill else COMPLETE
 
 
+def _check_layout(segments: torch.Tensor, fill: int) -> None:
+    if segments.dim() != 2:
+        raise ValueError(f"segments must be [B, S], got shape {tuple(segments.shape)}")
+    if fill < 1:
+        raise ValueError(f"pipeline fill must be >= 1, got {fill}")
+
+
 def structural_mask(segments: torch.Tensor, fill: int) -> torch.Tensor:
     """Boolean attention mask of the training layout (True = attend).
 
@@ -120,10 +127,7 @@ def structural_mask(segments: torch.Tensor, fill: int) -> torch.Tensor:
     Raises:
         ValueError: ``fill < 1`` or ``segments`` not 2-D.
     """
-    if segments.dim() != 2:
-        raise ValueError(f"segments must be [B, S], got shape {tuple(segments.shape)}")
-    if fill < 1:
-        raise ValueError(f"pipeline fill must be >= 1, got {fill}")
+    _check_layout(segments, fill)
     B, S = segments.shape
     nb = fill + 1
     dev = segments.device
@@ -193,10 +197,7 @@ def structural_block_mask(segments: torch.Tensor, fill: int, block_size: int = 1
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    if segments.dim() != 2:
-        raise ValueError(f"segments must be [B, S], got shape {tuple(segments.shape)}")
-    if fill < 1:
-        raise ValueError(f"pipeline fill must be >= 1, got {fill}")
+    _check_layout(segments, fill)
     B, S = segments.shape
     R = (fill + 1) * S
     return create_block_mask(structural_mask_mod(segments, fill), B, None, R, R, device=segments.device,
