@@ -425,7 +425,7 @@ def test_split_held_out_deterministic_disjoint_and_grouped():
 
 # ---------------------------------------------------------------------------------------------------- CLI
 def test_cli_export_prompts_and_selfdistill(ending_model, tmp_path, capsys):
-    from launch.prepare_train_data import main
+    from spd_ds.commands.prepare_train_data import main
 
     chats = make_chats(tmp_path / "c.jsonl", 6, seed=2)
     prompts = tmp_path / "p.jsonl.gz"
