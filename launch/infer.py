@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Runs spd_ds/commands/infer.py (its docstring and `--help` document it) from this checkout."""
-import _checkout  # noqa: F401  this checkout's spd_ds first (launch/_checkout.py)
+"""`python launch/infer.py` runs spd_ds/commands/infer.py (its docstring and `--help` document it) from the
+installed package (`pip install -e .`, which also installs the console commands)."""
 from spd_ds.commands.infer import main
 
 if __name__ == "__main__":

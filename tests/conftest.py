@@ -78,3 +78,12 @@ def write_prompt_set(eval_dir: Path, name: str, n: int = 3, turns: int = 1) -> P
                                      "turns": [f"{name} question {i}, turn {t}" for t in range(turns)]}) + "\n"
                          for i in range(n)))
     return f
+
+
+@pytest.fixture()
+def one_thread():
+    """One intra-op thread for the test: faster for tiny models and immune to a busy machine's spin-waits."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

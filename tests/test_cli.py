@@ -185,14 +185,14 @@ def test_console_scripts_are_declared_and_resolve_to_the_launchers_main():
         assert f"from {module} import main" in wrapper.read_text(), wrapper
 
 
-def test_no_sys_path_insert_outside_launch_checkout():
-    """Only launch/_checkout.py puts the checkout on sys.path (for ``python launch/<name>.py`` without an install)."""
+def test_no_sys_path_manipulation_anywhere():
+    """Nothing puts a path on sys.path: launchers, scripts and tests import the installed package (pip install -e .)."""
     hits = [p.relative_to(ROOT).as_posix() for d in ("spd_ds", "launch", "scripts", "tests") for p in (ROOT / d).rglob("*.py")
-            if "sys.path.insert(" in p.read_text() and p.name != "test_cli.py"]
-    assert hits == ["launch/_checkout.py"]
+            if any(f"sys.path.{m}(" in p.read_text() for m in ("insert", "append", "extend")) and p.name != "test_cli.py"]
+    assert hits == []
 
 
-def test_launch_wrapper_runs_this_checkout():
+def test_launch_wrapper_runs_the_installed_command():
     r = subprocess.run([sys.executable, "launch/eval.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "--strict-exact" in r.stdout

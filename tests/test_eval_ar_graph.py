@@ -10,7 +10,9 @@ from spd_ds.decoding.ar_graph import ARGraphDecoder
 from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.models.adapter import Target, TargetArch
 from spd_ds.partition import StagePartition
-from tests.test_eval_random_weights import make_random_shape, one_thread  # noqa: F401 (autouse)
+from tests.test_eval_random_weights import make_random_shape
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (tests/conftest.py)
 
 PROMPT = [3, 9, 27, 81 % 96, 50, 11, 7]
 

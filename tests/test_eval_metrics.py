@@ -9,7 +9,9 @@ import torch
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_tok_s
 from spd_ds.decoding.reference import GenerationResult, SPDReferenceDecoder
 from spd_ds.eval.report import metric_block
-from tests.test_eval_random_weights import make_random_shape, one_thread  # noqa: F401 (autouse)
+from tests.test_eval_random_weights import make_random_shape
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (tests/conftest.py)
 
 
 def trace() -> SPDMetrics:

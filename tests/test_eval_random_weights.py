@@ -14,13 +14,7 @@ from spd_ds.models.adapter import RandomWeights, Target, TargetArch, is_random_m
 from spd_ds.models.weights import random_shapes
 from spd_ds.partition import StagePartition
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster (and immune to a busy machine's spin-waits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (tests/conftest.py)
 
 
 TINY_SHAPES = {

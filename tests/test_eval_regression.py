@@ -10,7 +10,9 @@ import torch
 
 from spd_ds.eval.prompts import materialize_prompt_set
 from spd_ds.eval.regression import ACCEPTANCE_FILE, DEFAULT_HEAD_DIR, check_acceptance, record_acceptance
-from tests.test_eval_random_weights import make_random_shape, one_thread  # noqa: F401 (autouse)
+from tests.test_eval_random_weights import make_random_shape
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (tests/conftest.py)
 
 
 def test_committed_head_keeps_its_acceptance(tmp_path, smollm2_dir):

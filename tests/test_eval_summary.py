@@ -12,7 +12,9 @@ from spd_ds.config import ConfigError, load_config
 from spd_ds.eval.report import check_summary_schema, per_prompt_rows, summarize, write_reports
 from spd_ds.eval.inputs import random_prompt_ids
 from spd_ds.eval.runner import first_divergence, run_eval
-from tests.test_eval_random_weights import make_random_shape, one_thread  # noqa: F401 (autouse)
+from tests.test_eval_random_weights import make_random_shape
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,19 @@ from spd_ds.train.validate import agreement_table, evaluate, held_out_batches
 from tests.tiny_models import make_tiny_model
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: faster for these sizes and immune to a busy machine's spin-waits."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def layout_rows(prompts, gens):
+    """One training row per prompt + its generated continuation: ``ids, segments, valid`` ``[B, S]``, the loss
+    positions being those whose next token the decoder drafted (generated tokens 1.., not the prefill token)."""
+    seqs = [p + g for p, g in zip(prompts, gens)]
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    seg = torch.zeros_like(ids)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    for b, (p, s) in enumerate(zip(prompts, seqs)):
+        ids[b, :len(s)], seg[b, :len(s)], valid[b, len(p):len(s) - 1] = torch.tensor(s), 1, True
+    return ids, seg, valid  # tiny models: one intra-op thread (tests/conftest.py)
 
 
 def closed_form_length(alpha: float, n: int) -> float:
@@ -210,15 +216,7 @@ def compare_with_decoder(arch, target, head, prompts, max_new_tokens, eos=None):
 
     # the text in the training layout: one row per prompt + its continuation; loss positions = the rows whose next
     # token the decoder drafted (generated tokens 1.., not the prefill token)
-    seqs = [p + g for p, g in zip(prompts, gens)]
-    S = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    seg = torch.zeros_like(ids)
-    valid = torch.zeros_like(ids, dtype=torch.bool)
-    for b, (p, s) in enumerate(zip(prompts, seqs)):
-        ids[b, :len(s)] = torch.tensor(s)
-        seg[b, :len(s)] = 1
-        valid[b, len(p):len(s) - 1] = True
+    ids, seg, valid = layout_rows(prompts, gens)
     batch = {"input_ids": ids, "segments": seg, "valid": valid}
     stages = [TeacherStage(arch, part, s, torch.float32, head.draft_ids.tolist()) for s in range(n)]
     x = (ids, seg, valid.long(), valid.reshape(-1).nonzero().flatten())
@@ -270,13 +268,7 @@ def test_prediction_matches_the_decoder_tiny_trained_head(tiny):
     n = part.num_stages
     torch.manual_seed(0)
     head = SpeculationHead(arch, part, 1)
-    seqs = [p + g for p, g in zip(prompts, gens)]
-    S = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    seg = torch.zeros_like(ids)
-    valid = torch.zeros_like(ids, dtype=torch.bool)
-    for b, (p, s) in enumerate(zip(prompts, seqs)):
-        ids[b, :len(s)], seg[b, :len(s)], valid[b, len(p):len(s) - 1] = torch.tensor(s), 1, True
+    ids, seg, valid = layout_rows(prompts, gens)
     x = (ids, seg, valid.long(), valid.reshape(-1).nonzero().flatten())
     with torch.no_grad():
         for st in [TeacherStage(arch, part, s, torch.float32, head.draft_ids.tolist()) for s in range(n)]:
