@@ -1,8 +1,11 @@
 #!/usr/bin/env python
 """One line per training run: steps, tokens/s, the last logged loss and agreement by fill, and the validation figures
-(predicted draft acceptance and equivalent accept length, best step) when the run logged them.
+(predicted draft acceptance and equivalent accept length, best step) when the run logged them; optionally a PNG of the
+predicted acceptance against training tokens with decoder-measured points (suite (c) ``benchmark.json`` files).
 
     python scripts/train_report.py runs/heads/smollm2_n2 [more runs] [--name label] [--json]
+    python scripts/train_report.py runs/heads/n2 runs/heads/n3 --png docs/img/acceptance.png \
+        --measured n2:3400:runs/ev_n2/benchmark.json --measured n3:3400:runs/ev_n3/benchmark.json
 """
 
 from __future__ import annotations
@@ -34,12 +37,62 @@ def report(run: Path) -> dict:
     return out
 
 
+def tokens_per_step(run: Path) -> int:
+    """Token slots per optimizer step of a run: micro-batch rows x row length x world size (``config.yaml`` and
+    ``train_summary.json`` of the run directory; packed rows, so padding is counted)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run / "config.yaml")
+    summ = run / "train_summary.json"
+    world = json.loads(summ.read_text()).get("world_size", 1) if summ.exists() else 1
+    return int(cfg.data.micro_batch_size) * int(cfg.data.max_seq_length) * int(world)
+
+
+def validation_curve(run: Path) -> list[tuple[float, float]]:
+    """``(training tokens, predicted T = 0 draft acceptance)`` at every validation of the run (``train_log.jsonl``)."""
+    per = tokens_per_step(run)
+    recs = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    return [(r["step"] * per, r["val_pred_acceptance"]) for r in recs if "val_pred_acceptance" in r]
+
+
+def measured_acceptance(bench_json: Path) -> float:
+    """The SPD draft acceptance rate of a suite (c) ``benchmark.json`` (its first ``spd`` acceptance row).
+
+    Raises:
+        ValueError: the file has no ``spd`` acceptance row.
+    """
+    d = json.loads(bench_json.read_text())
+    col = d["acceptance_headers"].index("draft acc.")
+    for row in d["acceptance"]:
+        if row[1] == "spd":
+            return float(row[col])
+    raise ValueError(f"{bench_json}: no spd acceptance row; pass a suite (c) benchmark.json")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--name", default=None, help="label printed before the figures")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    ap.add_argument("--png", type=Path, help="write the predicted-acceptance curves (and --measured points) here")
+    ap.add_argument("--measured", action="append", default=[], metavar="RUN:STEP:BENCHMARK_JSON",
+                    help="a decoder-measured point: run directory name, the step its head was saved at, and the suite "
+                         "(c) benchmark.json that measured it (repeatable)")
+    ap.add_argument("--caption", default="", help="line under the plot")
     args = ap.parse_args(argv)
+    if args.png:
+        from spd_ds.eval.plots import plot_training_acceptance
+
+        by_name = {run.name: run for run in args.runs}
+        points = []
+        for m in args.measured:
+            name, step, path = m.split(":", 2)
+            if name not in by_name:
+                ap.error(f"--measured {m}: {name!r} is not one of the runs ({', '.join(by_name)})")
+            points.append((name, int(step) * tokens_per_step(by_name[name]), measured_acceptance(Path(path))))
+        plot_training_acceptance([(run.name, validation_curve(run)) for run in args.runs], points, args.png,
+                                 caption=args.caption)
+        print(f"wrote {args.png}")
     for run in args.runs:
         r = report(run)
         if args.json:

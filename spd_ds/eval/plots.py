@@ -145,6 +145,43 @@ def plot_cycle_time_split(summary: dict, path: str | Path) -> Path:
     return Path(path)
 
 
+def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]],
+                             measured: list[tuple[str, float, float]], path: str | Path, caption: str = "") -> Path:
+    """Predicted T = 0 draft acceptance of each training run against training tokens (lines, from the held-out
+    validation of ``spd_ds.train.validate``) with decoder-measured acceptance (markers, from suite (c)).
+
+    Args:
+        curves: ``(label, [(training tokens, predicted acceptance), ...])`` per run; tokens in units of 1 (plotted in
+            millions).
+        measured: ``(label, training tokens, measured draft acceptance)`` points; a label that matches a curve takes
+            its colour.
+        path: output PNG.
+        caption: a line under the axes (what the measurements were taken on).
+    Returns:
+        ``path``.
+    """
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    colours = {}
+    for label, pts in curves:
+        (line,) = ax.plot([t / 1e6 for t, _ in pts], [a for _, a in pts], label=f"{label} predicted (held-out)")
+        colours[label] = line.get_color()
+    for label, tokens, alpha in measured:
+        ax.scatter([tokens / 1e6], [alpha], marker="o", s=40, zorder=3, color=colours.get(label),
+                   label=f"{label} measured (decoder)")
+        ax.annotate(f"{alpha:.3f}", (tokens / 1e6, alpha), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax.set_xlabel("training tokens (M, packed rows)")
+    ax.set_ylabel("T = 0 draft acceptance")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+    fig.tight_layout()
+    if caption:
+        fig.text(0.01, -0.01, caption, fontsize=7, ha="left", va="top", wrap=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
 def _caption(fig, summary: dict) -> None:
     fig.tight_layout()
     fig.text(0.01, -0.01, run_caption(summary), fontsize=7, ha="left", va="top", wrap=True)

@@ -1,0 +1,64 @@
+"""scripts/train_report.py: the report line, the validation curve in training tokens, the measured point read from a
+suite (c) benchmark.json, and the PNG of both (CPU, no model)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("train_report", ROOT / "scripts" / "train_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_dir(tmp_path: Path, name: str, world: int = 2) -> Path:
+    run = tmp_path / name
+    run.mkdir()
+    (run / "config.yaml").write_text("data:\n  micro_batch_size: 4\n  max_seq_length: 512\n")
+    (run / "train_summary.json").write_text(json.dumps({"steps": 300, "total_steps": 300, "finished": True,
+                                                        "world_size": world, "tokens_per_s": 1000.0}))
+    recs = [{"step": 100, "loss": 3.0, "tokens_per_s": 900.0},
+            {"step": 200, "loss": 2.0, "tokens_per_s": 1000.0, "val_pred_acceptance": 0.3, "val_best": True},
+            {"step": 300, "loss": 1.5, "tokens_per_s": 1100.0, "val_pred_acceptance": 0.4, "val_best": True}]
+    (run / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return run
+
+
+def _bench(tmp_path: Path, alpha: float) -> Path:
+    p = tmp_path / "benchmark.json"
+    p.write_text(json.dumps({"acceptance_headers": ["n", "method", "eq. accept len", "draft acc.", "tok/cycle"],
+                             "acceptance": [[2, "ppsd", 1.1, 0.1, 0.5], [2, "spd", 1.3, alpha, 0.6]]}))
+    return p
+
+
+def test_curve_and_measured_point(tmp_path):
+    tr = _load()
+    run = _run_dir(tmp_path, "n2")
+    assert tr.tokens_per_step(run) == 4 * 512 * 2
+    assert tr.validation_curve(run) == [(200 * 4096, 0.3), (300 * 4096, 0.4)]
+    assert tr.measured_acceptance(_bench(tmp_path, 0.37)) == pytest.approx(0.37)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"acceptance_headers": ["n", "method", "eq. accept len", "draft acc."],
+                               "acceptance": [[2, "ppsd", 1.1, 0.1]]}))
+    with pytest.raises(ValueError, match="no spd acceptance row"):
+        tr.measured_acceptance(bad)
+
+
+def test_png_and_bad_measured_name(tmp_path, capsys):
+    tr = _load()
+    run = _run_dir(tmp_path, "n2")
+    png = tmp_path / "acc.png"
+    assert tr.main([str(run), "--png", str(png), "--measured", f"n2:300:{_bench(tmp_path, 0.35)}"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "n2: steps 300/300 finished=True" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tr.main([str(run), "--png", str(png), "--measured", f"n3:300:{_bench(tmp_path, 0.35)}"])
+    assert "'n3' is not one of the runs" in capsys.readouterr().err
