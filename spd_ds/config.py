@@ -166,7 +166,8 @@ class EvalConfig:
 
     ``prompt_sets``: set names or jsonl paths; ``random`` = random token ids of ``random_prompt_lengths`` (the only
     kind a model without tokenizer, e.g. ``model.name=random:qwen3-4b``, gets). ``baselines``: names of
-    ``spd_ds.eval.baselines.BASELINES`` (``hf_generate``, ``ar``, ``ar_graph``). ``ppsd_checkpoint``: a second head
+    ``spd_ds.eval.baselines.BASELINES`` (``hf_generate``, ``ar``, ``ar_graph``; ``tp_ar``, AR with tensor
+    parallelism over every rank, with the pipeline engine only). ``ppsd_checkpoint``: a second head
     (features from the first stage only) reported beside the SPD head."""
 
     prompt_sets: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_PROMPT_SETS))

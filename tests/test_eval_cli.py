@@ -43,6 +43,9 @@ def test_eval_cli_bad_config_is_one_line(tmp_path):
     assert p.returncode == 2 and "valid keys of eval" in p.stderr
     p = run(["launch/eval.py", *tiny(make_random_shape(tmp_path), tmp_path, "eval.baselines=[fast_ar]")])
     assert p.returncode == 2 and "unknown baseline" in p.stderr.strip().splitlines()[-1]
+    p = run(["launch/eval.py", *tiny(make_random_shape(tmp_path), tmp_path, "eval.baselines=[ar,tp_ar]")])
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "tp_ar, which needs the pipeline engine over >= 2 ranks" in last, p.stderr[-2000:]
 
 
 def test_eval_cli_empty_prompt_set_is_an_error_before_the_model(tmp_path):
@@ -100,9 +103,10 @@ def test_benchmark_cli_tiny_suite_b(tmp_path, family):
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="needs the deepspeed launcher")
 def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
     """The distributed path (2 gloo ranks through the pipeline engine) gives the reference decoder's tokens and
-    cycle counts; baselines run on rank 0 after the pipeline."""
+    cycle counts; baselines run on rank 0 after the pipeline, ``tp_ar`` (DeepSpeed AutoTP over both ranks) before
+    them, with ``ar``'s tokens (fp32)."""
     shape = make_random_shape(tmp_path)
-    args = tiny(shape, tmp_path / "ds", "eval.baselines=[ar]", "deepspeed.backend=gloo")
+    args = tiny(shape, tmp_path / "ds", "eval.baselines=[ar,tp_ar]", "deepspeed.backend=gloo")
     p = run(["--num_gpus", "2", "launch/eval.py", "--strict-exact", *args], launcher=["deepspeed"])
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     q = run(["launch/eval.py", *tiny(shape, tmp_path / "ref", "eval.baselines=[ar]")])
@@ -113,7 +117,12 @@ def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
         return [(r["tokens"], r["num_cycles"]) for r in rows if r["method"] == "spd"]
 
     assert spd_rows(tmp_path / "ds") == spd_rows(tmp_path / "ref")
-    assert json.loads((tmp_path / "ds" / "summary.json").read_text())["engine"] == "deepspeed"
+    s = json.loads((tmp_path / "ds" / "summary.json").read_text())
+    assert s["engine"] == "deepspeed" and s["methods"]["tp_ar"]["devices"] == 2
+    assert s["exactness"]["by_method"]["spd"]["tp_ar"]["identical"] == 2, s["exactness"]
+    rows = [json.loads(x) for x in (tmp_path / "ds" / "per_prompt.jsonl").read_text().splitlines()]
+    by = {m: [r["tokens"] for r in rows if r["method"] == m] for m in ("ar", "tp_ar")}
+    assert by["tp_ar"] == by["ar"] and len(by["ar"]) == 2 and all(len(t) == 10 for t in by["ar"])
 
 
 @pytest.mark.slow

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, default=4, help="prompts per prompt set (default: %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=128,
                     help="new tokens per prompt, the prefill token included (default: %(default)s)")
+    ap.add_argument("--no-tp-baseline", dest="tp_baseline", action="store_false",
+                    help="with the pipeline engine over >= 2 ranks, suites a and b also measure tp_ar (AR with DeepSpeed "
+                         "AutoTP tensor parallelism over the same ranks); this leaves it out")
     ap.add_argument("--baseline-prompts", type=int, default=2,
                     help="prompts per set for the baselines (0 = all; default: %(default)s)")
     return ap
@@ -118,6 +121,9 @@ def _main(argv=None) -> int:
     for sr in runs:
         tag = sr.suite + (sr.label.rsplit("n=", 1)[-1] if sr.suite == "c" else "")
         sr.overrides.append(f"eval.output_dir={out / tag}")
+        if (sr.suite in ("a", "b") and engine == "deepspeed" and world > 1 and args.tp_baseline
+                and not any(o.startswith("eval.baselines=") for o in args.overrides)):
+            sr.overrides.append("eval.baselines=[ar_graph,hf_generate,ar,tp_ar]")
     t0 = time.time()
     cfgs = [bm.config_of(sr, args.config) for sr in runs]
     piped = [k for k, sr in enumerate(runs) if engine == "deepspeed" and sr.suite in ("a", "b")]
@@ -160,7 +166,7 @@ def _main(argv=None) -> int:
     header = (f"# spd-ds benchmark ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
               f"engine {engine}, world {world}, {time.time() - t0:.0f} s)\n\n")
     (out / "benchmark.md").write_text(header + table + "\n")
-    rows = {"speed": [r for sr in runs if sr.suite in ("a", "b") for r in bm.speed_rows(sr)],
+    rows = {"speed": [r for sr in runs if sr.suite in ("a", "b") for r in bm.speed_rows(sr, bm.with_tp(runs))],
             "acceptance": [r for sr in runs if sr.suite == "c" for r in bm.accept_rows(sr)],
             "speed_headers": bm.speed_headers(runs), "acceptance_headers": bm.ACCEPT_HEADERS,
             "stage_forward_ms_alone": {f"{sr.suite} {sr.label}": sr.stage_forward_ms for sr in runs},

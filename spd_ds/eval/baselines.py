@@ -11,7 +11,9 @@ string naming a class with the AR-decoder constructor ``cls(target, sampling, eo
                 same warpers (temperature, top-k, top-p; its own random stream, so only the distribution matches)
 ``ar``          :class:`spd_ds.decoding.ar.ARDecoder`: AR on the same stage code (the exactness reference)
 ``ar_graph``    :class:`spd_ds.decoding.ar_graph.ARGraphDecoder`: static KV cache + one CUDA graph per token (the
-                strongest AR we run; eager static forward on CPU)
+                strongest single-device AR we run; eager static forward on CPU)
+``tp_ar``       AR with DeepSpeed AutoTP tensor parallelism over every rank of a pipeline-engine run
+                (:mod:`spd_ds.eval.tp_baseline`; measured by the runner on all ranks, never built here)
 =============== =========================================================================================
 
 :func:`register_baseline` adds or replaces an entry (e.g. a faster AR from ``spd_ds.models.graphs``).
@@ -81,6 +83,7 @@ BASELINES: dict[str, Union[str, BaselineFactory]] = {
     "hf_generate": "spd_ds.eval.baselines:HFGenerateBaseline",
     "ar": "spd_ds.decoding.ar:ARDecoder",
     "ar_graph": "spd_ds.decoding.ar_graph:ARGraphDecoder",
+    "tp_ar": "spd_ds.eval.tp_baseline:unavailable",  # over every rank of the pipeline engine, not built here
 }
 
 

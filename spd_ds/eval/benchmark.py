@@ -139,16 +139,27 @@ def on_gpu(sr: SuiteRun) -> bool:
     return bool(sr.summary) and sr.summary.get("bandwidth") is not None
 
 
+def with_tp(runs: Sequence[SuiteRun]) -> bool:
+    """Whether any finished speed suite measured the tensor-parallel AR baseline ``tp_ar`` (then the speed table has
+    an ``x tp_ar`` column)."""
+    return any(sr.summary and "tp_ar" in sr.summary["methods"] for sr in runs if sr.suite in ("a", "b"))
+
+
 def speed_headers(runs: Sequence[SuiteRun]) -> list[str]:
-    """Headers of the speed table: :data:`SPEED_HEADERS`, plus :data:`GPU_HEADERS` when the runs measured a GPU."""
+    """Headers of the speed table: :data:`SPEED_HEADERS` (with ``x tp_ar`` after ``x hf_generate`` when
+    :func:`with_tp`), plus :data:`GPU_HEADERS` when the runs measured a GPU."""
     gpu = any(on_gpu(sr) for sr in runs if sr.suite in ("a", "b"))
-    return SPEED_HEADERS + (GPU_HEADERS if gpu else [])
+    heads = list(SPEED_HEADERS)
+    if with_tp(runs):
+        heads.insert(heads.index("x hf_generate") + 1, "x tp_ar")
+    return heads + (GPU_HEADERS if gpu else [])
 ACCEPT_HEADERS = ["n", "method", "eq. accept len", "draft acc.", "tok/cycle", "acceptance by fill 1..n", "head"]
 
 
-def speed_rows(sr: SuiteRun) -> list[list]:
-    """Rows of the speed table (suites a, b): one per method; AR rows show ms per token in the cycle column; GB/s and
-    % HBM only for a GPU run (:func:`on_gpu`)."""
+def speed_rows(sr: SuiteRun, tp: bool = False) -> list[list]:
+    """Rows of the speed table (suites a, b): one per method; AR rows show ms per token in the cycle column; an
+    ``x tp_ar`` column with ``tp`` (:func:`with_tp` of all the runs); GB/s and % HBM only for a GPU run
+    (:func:`on_gpu`)."""
     s = sr.summary
     slow = max(sr.stage_forward_ms) if sr.stage_forward_ms else None
     rows = []
@@ -158,7 +169,8 @@ def speed_rows(sr: SuiteRun) -> list[list]:
         tok_s = b["decode_tok_s"]
         cycle = (b["cycle_time_split_ms"] or {}).get("cycle") if spd else (1e3 / tok_s if tok_s else None)
         rows.append([sr.suite, sr.label, name, tok_s, b["speedup_vs_ar"].get("ar_graph"),
-                     b["speedup_vs_ar"].get("hf_generate"), b["equivalent_accept_length"],
+                     b["speedup_vs_ar"].get("hf_generate")] + ([b["speedup_vs_ar"].get("tp_ar")] if tp else [])
+                    + [b["equivalent_accept_length"],
                      b["draft_acceptance_rate"], cycle, slow if spd else None,
                      (cycle / slow) if spd and cycle and slow else None]
                     + ([b["achieved_gbps"], 100 * b["hbm_fraction"] if b["hbm_fraction"] is not None else None]
@@ -185,7 +197,7 @@ def render(runs: Sequence[SuiteRun]) -> str:
     from spd_ds.eval.report import bandwidth_line, exactness_lines, format_table
 
     parts = []
-    speed = [r for sr in runs if sr.suite in ("a", "b") and sr.summary for r in speed_rows(sr)]
+    speed = [r for sr in runs if sr.suite in ("a", "b") and sr.summary for r in speed_rows(sr, with_tp(runs))]
     if speed:
         parts.append(format_table(speed_headers(runs), speed))
     acc = [r for sr in runs if sr.suite == "c" and sr.summary for r in accept_rows(sr)]

@@ -287,6 +287,10 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
     unknown = [b for b in cfg.eval.baselines if b not in BASELINES]
     if unknown:
         raise ConfigError(f"unknown baseline(s) {unknown} in eval.baselines; known: {', '.join(BASELINES)}")
+    from spd_ds.eval.tp_baseline import check_tp_request
+    from spd_ds.pipe.topology import detect_world_size
+
+    check_tp_request(cfg.eval.baselines, engine, detect_world_size())
     log.info("eval: %d prompts (%s), SPD variants %s, baselines %s, engine %s, max_length %d", len(prompts),
              ", ".join(sorted({p.prompt_set for p in prompts})), [v.name for v in variants], cfg.eval.baselines,
              engine, cfg.decoding.max_length)
@@ -378,6 +382,7 @@ def _run_reference(cfg, part, target, prompts, variants, methods, bar) -> None:
 def _run_baselines(cfg, target, prompts, methods, bar) -> None:
     from spd_ds.decoding.sampling import SamplingParams
     from spd_ds.eval.baselines import BaselineContext, build_baseline
+    from spd_ds.eval.tp_baseline import NAME as TP_NAME
 
     if not cfg.eval.baselines:
         return
@@ -391,6 +396,8 @@ def _run_baselines(cfg, target, prompts, methods, bar) -> None:
             base.sampling = ctx.sampling.for_request(request)
 
     for name in cfg.eval.baselines:
+        if name == TP_NAME:  # measured over every rank in the distributed phase (_run_distributed)
+            continue
         base = build_baseline(name, ctx)
         graphed = getattr(base, "graphed", None)
         desc = {"hf_generate": "transformers generate (dynamic cache, eager)",
@@ -492,6 +499,16 @@ def _run_distributed(cfg, arch, part, prompts, variants, methods, progress: bool
                                                   devices=part.num_stages)
                 for i, res in enumerate(chunk):
                     run.results[i] = res
+        from spd_ds.eval.tp_baseline import NAME as TP_NAME, run_tp_baseline
+
+        if TP_NAME in cfg.eval.baselines:  # every rank, after the pipeline sessions
+            t = time.perf_counter()
+            idx = _baseline_indices(cfg, prompts)
+            tp = run_tp_baseline(cfg, arch, prompts, idx, _warm([prompts[i] for i in idx], cfg.eval.warmup_prompts),
+                                 head_rank, dist.get_world_size())
+            log.info("%s over %d ranks: %.1f s", TP_NAME, dist.get_world_size(), time.perf_counter() - t)
+            if tp is not None:
+                methods[TP_NAME] = tp
     finally:
         bar.close()
         if created and dist.is_initialized():
