@@ -79,15 +79,24 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
 
 
 def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartition) -> SpeculationHead:
-    """Load ``head.checkpoint`` or make an untrained head (draft vocabulary from ``head.draft_vocab``)."""
+    """Load ``head.checkpoint`` or make an untrained head (draft vocabulary from ``head.draft_vocab``; tower from
+    target layer ``head.tower_init_layer`` when set).
+
+    Raises:
+        ValueError: a bad draft vocabulary. ConfigError: a bad ``head.tower_init_layer`` (see
+            :meth:`~spd_ds.head.SpeculationHead.init_tower_from_layer`). The checkpoint loader's errors.
+    """
     cfg.head.checkpoint = resolve_path(cfg.head.checkpoint)
     cfg.head.draft_vocab = resolve_path(cfg.head.draft_vocab)
     if cfg.head.checkpoint:
         return SpeculationHead.load(cfg.head.checkpoint, arch, partition)
     ids = load_draft_vocab(cfg.head.draft_vocab) if cfg.head.draft_vocab else None
     torch.manual_seed(cfg.train.seed)
-    return SpeculationHead(arch, partition, cfg.head.num_layers, ids, cfg.head.intermediate_size,
+    head = SpeculationHead(arch, partition, cfg.head.num_layers, ids, cfg.head.intermediate_size,
                            lm_head_from_target=cfg.head.lm_head_from_target)
+    if cfg.head.tower_init_layer is not None:
+        head.init_tower_from_layer(cfg.head.tower_init_layer)
+    return head
 
 
 def sampling_params(cfg: ExperimentConfig, seed: int | None = None, request: int = 0) -> SamplingParams:

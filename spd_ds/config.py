@@ -50,7 +50,9 @@ class HeadConfig:
     exactness against the CUDA-graph AR on GPU is settled (``docs/benchmarks.md`` (a)); null = false. Ignored on CPU,
     where the head runs eagerly.
     ``overlap`` (GPU engine): draft on the head's own CUDA stream while stage 0 runs (false: after it, on the default
-    stream; slower, no concurrency: a check for the question above)."""
+    stream; slower, no concurrency: a check for the question above).
+    ``lm_head_from_target`` (new heads): the LM head is the target's rows, frozen, not stored.
+    ``tower_init_layer`` (new heads): the tower starts from that target layer's weights (negative: from the end)."""
 
     checkpoint: Optional[str] = None
     num_layers: int = 1
@@ -62,6 +64,8 @@ class HeadConfig:
     overlap: bool = True  # GPU engine: draft on a CUDA stream of its own, concurrently with stage 0's forward
     lm_head_from_target: bool = False  # new heads: the LM head is the target's rows at the draft ids, frozen and not
     # stored in the checkpoint (smaller files); a loaded checkpoint says for itself
+    tower_init_layer: Optional[int] = None  # new heads: start the tower layers from this target layer's weights
+    # (negative = from the end, -1 = last; SpeculationHead.init_tower_from_layer); None = random init
 
 
 @dataclasses.dataclass

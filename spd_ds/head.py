@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from spd_ds.config import ConfigError
 from spd_ds.models.adapter import FINGERPRINT_VERSION, TargetArch, causal_mask, head_layer_config
 from spd_ds.models.kv_cache import StageKVCache
 from spd_ds.partition import StagePartition
@@ -106,6 +107,41 @@ class SpeculationHead(nn.Module):
                 self.lm_head.weight.copy_(arch.load_tensor(name)[ids])
         self.norm.requires_grad_(False)  # the target's final norm stays frozen
         self.lm_head.requires_grad_(not self.lm_head_from_target)
+
+    @torch.no_grad()
+    def init_tower_from_layer(self, layer: int) -> list[str]:
+        """Start every tower layer from the target's decoder layer ``layer`` instead of random weights (what EAGLE-3
+        and SpecForge trainers do): each tower parameter whose HF name exists in that layer with the same shape is
+        copied; the rest (a dense MLP beside a MoE layer, say) keeps its initialisation.
+
+        Args:
+            layer: a target layer index; negative counts from the end (-1 = the last layer).
+        Returns:
+            The parameter names copied (per tower layer, e.g. ``self_attn.q_proj.weight``).
+        Raises:
+            ConfigError: ``layer`` outside ``[-L, L)``, a linear-attention layer (Qwen3.5: the tower is full
+                attention), or no parameter matching.
+        """
+        L = self.arch.num_layers
+        if not -L <= int(layer) < L:
+            raise ConfigError(f"head.tower_init_layer={layer} is outside [-{L}, {L}) for this {L}-layer target")
+        k = int(layer) % L
+        if self.arch.is_linear(k):
+            full = [i for i in range(L) if not self.arch.is_linear(i)]
+            raise ConfigError(f"head.tower_init_layer={layer}: target layer {k} is linear attention; the tower is full "
+                             f"attention: pick one of {full[-4:]} (e.g. {full[-1] - L})")
+        copied = []
+        for name, p in self.layers[0].named_parameters():
+            src = f"model.layers.{k}.{name}"
+            if self.arch.has_tensor(src):
+                t = self.arch.load_tensor(src)
+                if t.shape == p.shape:
+                    copied.append(name)
+                    for tower in self.layers:
+                        tower.get_parameter(name).copy_(t.to(p.dtype))
+        if not copied:
+            raise ConfigError(f"head.tower_init_layer={layer}: no tower parameter matches target layer {k}")
+        return copied
 
     # ------------------------------------------------------------------ forward pieces
     @property

@@ -227,3 +227,37 @@ def test_partitions_and_head_towers_of_the_32_and_24_layer_shapes(shape):
     with torch.device("meta"):
         layer = arch.head_layer_class(cfg)(cfg, layer_idx=0)
     assert hasattr(layer, "self_attn") and hasattr(layer.mlp, "gate_proj") and not hasattr(layer, "linear_attn")
+
+
+# ---------------------------------------------------------------------------------------------------- tower init
+def test_tower_init_from_a_target_layer(arch):
+    """``head.tower_init_layer``: every tower layer starts as a copy of the target layer (all its tensors match the
+    dense tower of a Qwen3 target); out-of-range indices are one-line errors."""
+    from spd_ds.builder import build_head
+    from spd_ds.config import load_config
+
+    cfg = load_config(None, [f"model.name={arch.model_dir}", "head.num_layers=2", "head.tower_init_layer=-2"])
+    head = build_head(cfg, arch, StagePartition.build(6, 3))
+    for tower in head.layers:
+        for name, p in tower.named_parameters():
+            assert torch.equal(p, arch.load_tensor(f"model.layers.4.{name}")), name
+    fresh = SpeculationHead(arch, StagePartition.build(6, 3))
+    assert not torch.equal(fresh.layers[0].self_attn.q_proj.weight, head.layers[0].self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match=r"tower_init_layer=6 is outside \[-6, 6\)"):
+        fresh.init_tower_from_layer(6)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_tower_init_on_a_hybrid_target(tiny_root, family):
+    """Qwen3.5: a linear-attention layer is refused (naming full-attention ones); from a full-attention layer the
+    gated attention and norms are copied, the dense MLP only where the target's layer is dense."""
+    arch = TargetArch(make_tiny_model(tiny_root, family, 8))
+    head = SpeculationHead(arch, StagePartition.build(8, 2), draft_token_ids=list(range(0, 96, 2)))
+    lin = next(i for i in range(8) if arch.is_linear(i))
+    full = max(i for i in range(8) if not arch.is_linear(i))
+    with pytest.raises(ValueError, match=f"target layer {lin} is linear attention"):
+        head.init_tower_from_layer(lin)
+    copied = head.init_tower_from_layer(full)
+    assert "self_attn.q_proj.weight" in copied and "input_layernorm.weight" in copied
+    assert ("mlp.gate_proj.weight" in copied) == (family == "qwen3_5_text")
+    assert torch.equal(head.layers[0].self_attn.o_proj.weight, arch.load_tensor(f"model.layers.{full}.self_attn.o_proj.weight"))

@@ -211,6 +211,10 @@ class TargetArch:
         with torch.device("meta"):
             return type(AutoModelForCausalLM.from_config(config).model.layers[0])
 
+    def has_tensor(self, name: str) -> bool:
+        """Whether the checkpoint holds a tensor of this HF name (generated shapes: whether the model has it)."""
+        return self._weights.has(name)
+
     def load_tensor(self, name: str) -> torch.Tensor:
         """One checkpoint tensor by its HF name (e.g. ``model.norm.weight``)."""
         return self._weights.get(name)
