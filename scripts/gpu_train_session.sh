@@ -11,7 +11,8 @@
 # Knobs (env): VARIANTS ("name:override,override ..."; one training process per variant, all on GPU 0 at once),
 #   TRAIN_SECONDS, SESSION_SECONDS, SPD_TRAIN_DATA (conversations carried with the tree), REGEN_DATA (the prompts to
 #   self-distil, default SPD_TRAIN_DATA), REGEN_SECONDS (0 = none;
-#   self-distilled answers made once into $WORK/selfdistill and trained on first), REGEN_ARGS, EXTRA (overrides for
+#   self-distilled answers made once into $SD_DIR and trained on first), SD_DIR (default $WORK/selfdistill; a
+#   carried folder of earlier shards, e.g. runs/sd made by scripts/gpu_selfdistill.sh, is used as it is), REGEN_ARGS, EXTRA (overrides for
 #   every variant), FETCH=1 (heads back under $OUT as heads.tgz.part-NN, <= 15 MB each), EVAL_SETS / EVAL_PROMPTS /
 #   EVAL_TOKENS / EVAL_TEMPS (suite c of every head on the node's CPU cores after training; EVAL_PROMPTS=0 = none),
 #   SPD_EVAL_DIR (materialised prompt sets carried with the tree).
@@ -33,7 +34,7 @@ $PY -c "from spd_ds.zoo import resolve_model; print(resolve_model('$MODEL'))" >>
 
 # 1. self-distilled data (once per machine)
 FILES="$DATA"
-SD="$WORK/selfdistill"
+SD=$(readlink -m "${SD_DIR:-$WORK/selfdistill}")
 if [[ "$REGEN_SECONDS" -gt 0 && ! -f "$SD/manifest.json" ]]; then
   say "self-distilling for ${REGEN_SECONDS}s"
   timeout $((REGEN_SECONDS + 180)) $PY launch/prepare_train_data.py selfdistill --model "$MODEL" --data "${REGEN_DATA:-$DATA}" \
