@@ -38,14 +38,22 @@ def report(run: Path) -> dict:
 
 
 def tokens_per_step(run: Path) -> int:
-    """Token slots per optimizer step of a run: micro-batch rows x row length x world size (``config.yaml`` and
-    ``train_summary.json`` of the run directory; packed rows, so padding is counted)."""
+    """Token slots per optimizer step of a run: micro-batch rows x row length x data-parallel ranks (world size /
+    ``train.teacher_pipe_degree``), from ``config.yaml`` and ``train_summary.json`` of the run directory (packed
+    rows, so padding is counted; gradient accumulation 1, as in ``ds_configs/``).
+
+    Raises:
+        FileNotFoundError: the run has no ``config.yaml`` or no ``train_summary.json`` yet.
+    """
     from omegaconf import OmegaConf
 
+    for f in ("config.yaml", "train_summary.json"):
+        if not (run / f).exists():
+            raise FileNotFoundError(f"{run / f} not found: not a training run directory (or one that never saved)")
     cfg = OmegaConf.load(run / "config.yaml")
-    summ = run / "train_summary.json"
-    world = json.loads(summ.read_text()).get("world_size", 1) if summ.exists() else 1
-    return int(cfg.data.micro_batch_size) * int(cfg.data.max_seq_length) * int(world)
+    summ = json.loads((run / "train_summary.json").read_text())
+    dp = int(summ.get("world_size", 1)) // max(1, int(summ.get("teacher_pipe_degree", 1)))
+    return int(cfg.data.micro_batch_size) * int(cfg.data.max_seq_length) * max(1, dp)
 
 
 def validation_curve(run: Path) -> list[tuple[float, float]]:
@@ -55,21 +63,29 @@ def validation_curve(run: Path) -> list[tuple[float, float]]:
     return [(r["step"] * per, r["val_pred_acceptance"]) for r in recs if "val_pred_acceptance" in r]
 
 
-def measured_acceptance(bench_json: Path) -> float:
-    """The SPD draft acceptance rate of a suite (c) ``benchmark.json`` (its first ``spd`` acceptance row).
+def measured_acceptance(bench_json: Path, num_stages: int) -> float:
+    """The SPD draft acceptance rate at ``num_stages`` of a suite (c) ``benchmark.json``.
 
     Raises:
-        ValueError: the file has no ``spd`` acceptance row.
+        ValueError: the file has no ``spd`` acceptance row for that n.
     """
     d = json.loads(bench_json.read_text())
     col = d["acceptance_headers"].index("draft acc.")
     for row in d["acceptance"]:
-        if row[1] == "spd":
+        if row[1] == "spd" and int(row[0]) == num_stages:
             return float(row[col])
-    raise ValueError(f"{bench_json}: no spd acceptance row; pass a suite (c) benchmark.json")
+    raise ValueError(f"{bench_json}: no spd acceptance row for n = {num_stages}; pass a suite (c) benchmark.json "
+                     f"that measured this head")
+
+
+def num_stages(run: Path) -> int:
+    """Pipeline stages of a run (``train_summary.json``'s partition)."""
+    return len(json.loads((run / "train_summary.json").read_text())["partition"]["stage_layers"])
 
 
 def main(argv=None) -> int:
+    """Print the report line of every run (``--json``: its dict); with ``--png`` also write the plot. Exit status 0;
+    2 (argparse) for a bad ``--measured``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--name", default=None, help="label printed before the figures")
@@ -80,16 +96,21 @@ def main(argv=None) -> int:
                          "(c) benchmark.json that measured it (repeatable)")
     ap.add_argument("--caption", default="", help="line under the plot")
     args = ap.parse_args(argv)
+    if args.measured and not args.png:
+        ap.error("--measured needs --png")
     if args.png:
         from spd_ds.eval.plots import plot_training_acceptance
 
         by_name = {run.name: run for run in args.runs}
+        if len(by_name) != len(args.runs):
+            ap.error("runs must have distinct directory names (the plot labels them by name)")
         points = []
         for m in args.measured:
-            name, step, path = m.split(":", 2)
-            if name not in by_name:
-                ap.error(f"--measured {m}: {name!r} is not one of the runs ({', '.join(by_name)})")
-            points.append((name, int(step) * tokens_per_step(by_name[name]), measured_acceptance(Path(path))))
+            name, step, path = (m.split(":", 2) + ["", ""])[:3]
+            if name not in by_name or not step.isdigit() or not path:
+                ap.error(f"--measured {m}: expected RUN:STEP:BENCHMARK_JSON with RUN one of {', '.join(by_name)}")
+            run = by_name[name]
+            points.append((name, int(step) * tokens_per_step(run), measured_acceptance(Path(path), num_stages(run))))
         plot_training_acceptance([(run.name, validation_curve(run)) for run in args.runs], points, args.png,
                                  caption=args.caption)
         print(f"wrote {args.png}")

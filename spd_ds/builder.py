@@ -7,6 +7,7 @@ through these functions, so a run's pieces always come from the same partition a
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Sequence
@@ -18,6 +19,8 @@ from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.head import SpeculationHead, load_draft_vocab
 from spd_ds.models.adapter import Target, TargetArch, resolve_dtype
 from spd_ds.partition import PartitionError, StagePartition
+
+log = logging.getLogger(__name__)
 
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -89,13 +92,19 @@ def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartitio
     cfg.head.checkpoint = resolve_path(cfg.head.checkpoint)
     cfg.head.draft_vocab = resolve_path(cfg.head.draft_vocab)
     if cfg.head.checkpoint:
+        if cfg.head.tower_init_layer is not None:
+            log.warning("head.tower_init_layer=%s ignored: head.checkpoint %s is loaded as it is",
+                        cfg.head.tower_init_layer, cfg.head.checkpoint)
         return SpeculationHead.load(cfg.head.checkpoint, arch, partition)
     ids = load_draft_vocab(cfg.head.draft_vocab) if cfg.head.draft_vocab else None
     torch.manual_seed(cfg.train.seed)
     head = SpeculationHead(arch, partition, cfg.head.num_layers, ids, cfg.head.intermediate_size,
                            lm_head_from_target=cfg.head.lm_head_from_target)
     if cfg.head.tower_init_layer is not None:
-        head.init_tower_from_layer(cfg.head.tower_init_layer)
+        copied = head.init_tower_from_layer(cfg.head.tower_init_layer)
+        kept = [n for n, _ in head.layers[0].named_parameters() if n not in copied]
+        log.info("head tower from target layer %s: %d tensors copied%s", cfg.head.tower_init_layer, len(copied),
+                 f"; kept their initialisation: {', '.join(kept)}" if kept else "")
     return head
 
 

@@ -234,7 +234,7 @@ def test_tower_init_from_a_target_layer(arch):
     """``head.tower_init_layer``: every tower layer starts as a copy of the target layer (all its tensors match the
     dense tower of a Qwen3 target); out-of-range indices are one-line errors."""
     from spd_ds.builder import build_head
-    from spd_ds.config import load_config
+    from spd_ds.config import ConfigError, load_config
 
     cfg = load_config(None, [f"model.name={arch.model_dir}", "head.num_layers=2", "head.tower_init_layer=-2"])
     head = build_head(cfg, arch, StagePartition.build(6, 3))
@@ -243,7 +243,7 @@ def test_tower_init_from_a_target_layer(arch):
             assert torch.equal(p, arch.load_tensor(f"model.layers.4.{name}")), name
     fresh = SpeculationHead(arch, StagePartition.build(6, 3))
     assert not torch.equal(fresh.layers[0].self_attn.q_proj.weight, head.layers[0].self_attn.q_proj.weight)
-    with pytest.raises(ValueError, match=r"tower_init_layer=6 is outside \[-6, 6\)"):
+    with pytest.raises(ConfigError, match=r"tower_init_layer=6 is outside \[-6, 6\)"):
         fresh.init_tower_from_layer(6)
 
 
@@ -251,11 +251,13 @@ def test_tower_init_from_a_target_layer(arch):
 def test_tower_init_on_a_hybrid_target(tiny_root, family):
     """Qwen3.5: a linear-attention layer is refused (naming full-attention ones); from a full-attention layer the
     gated attention and norms are copied, the dense MLP only where the target's layer is dense."""
+    from spd_ds.config import ConfigError
+
     arch = TargetArch(make_tiny_model(tiny_root, family, 8))
     head = SpeculationHead(arch, StagePartition.build(8, 2), draft_token_ids=list(range(0, 96, 2)))
     lin = next(i for i in range(8) if arch.is_linear(i))
     full = max(i for i in range(8) if not arch.is_linear(i))
-    with pytest.raises(ValueError, match=f"target layer {lin} is linear attention"):
+    with pytest.raises(ConfigError, match=f"target layer {lin} is linear attention"):
         head.init_tower_from_layer(lin)
     copied = head.init_tower_from_layer(full)
     assert "self_attn.q_proj.weight" in copied and "input_layernorm.weight" in copied

@@ -24,7 +24,9 @@ def _run_dir(tmp_path: Path, name: str, world: int = 2) -> Path:
     run.mkdir()
     (run / "config.yaml").write_text("data:\n  micro_batch_size: 4\n  max_seq_length: 512\n")
     (run / "train_summary.json").write_text(json.dumps({"steps": 300, "total_steps": 300, "finished": True,
-                                                        "world_size": world, "tokens_per_s": 1000.0}))
+                                                        "world_size": world, "teacher_pipe_degree": 1,
+                                                        "tokens_per_s": 1000.0,
+                                                        "partition": {"stage_layers": [3, 3]}}))
     recs = [{"step": 100, "loss": 3.0, "tokens_per_s": 900.0},
             {"step": 200, "loss": 2.0, "tokens_per_s": 1000.0, "val_pred_acceptance": 0.3, "val_best": True},
             {"step": 300, "loss": 1.5, "tokens_per_s": 1100.0, "val_pred_acceptance": 0.4, "val_best": True}]
@@ -44,12 +46,19 @@ def test_curve_and_measured_point(tmp_path):
     run = _run_dir(tmp_path, "n2")
     assert tr.tokens_per_step(run) == 4 * 512 * 2
     assert tr.validation_curve(run) == [(200 * 4096, 0.3), (300 * 4096, 0.4)]
-    assert tr.measured_acceptance(_bench(tmp_path, 0.37)) == pytest.approx(0.37)
+    assert tr.measured_acceptance(_bench(tmp_path, 0.37), 2) == pytest.approx(0.37)
+    with pytest.raises(ValueError, match="no spd acceptance row for n = 3"):
+        tr.measured_acceptance(_bench(tmp_path, 0.37), 3)
+    summ = json.loads((run / "train_summary.json").read_text())
+    (run / "train_summary.json").write_text(json.dumps(dict(summ, teacher_pipe_degree=2)))
+    assert tr.tokens_per_step(run) == 4 * 512  # 2 ranks, one pipeline of 2: one data-parallel rank
+    with pytest.raises(FileNotFoundError, match="not a training run directory"):
+        tr.tokens_per_step(tmp_path)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"acceptance_headers": ["n", "method", "eq. accept len", "draft acc."],
                                "acceptance": [[2, "ppsd", 1.1, 0.1]]}))
     with pytest.raises(ValueError, match="no spd acceptance row"):
-        tr.measured_acceptance(bad)
+        tr.measured_acceptance(bad, 2)
 
 
 def test_png_and_bad_measured_name(tmp_path, capsys):
@@ -59,6 +68,10 @@ def test_png_and_bad_measured_name(tmp_path, capsys):
     assert tr.main([str(run), "--png", str(png), "--measured", f"n2:300:{_bench(tmp_path, 0.35)}"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "n2: steps 300/300 finished=True" in capsys.readouterr().out
+    for bad in (f"n3:300:{_bench(tmp_path, 0.35)}", "n2:last:x.json", "n2"):
+        with pytest.raises(SystemExit):
+            tr.main([str(run), "--png", str(png), "--measured", bad])
+        assert "expected RUN:STEP:BENCHMARK_JSON with RUN one of n2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        tr.main([str(run), "--png", str(png), "--measured", f"n3:300:{_bench(tmp_path, 0.35)}"])
-    assert "'n3' is not one of the runs" in capsys.readouterr().err
+        tr.main([str(run), "--measured", f"n2:300:{_bench(tmp_path, 0.35)}"])
+    assert "--measured needs --png" in capsys.readouterr().err

@@ -96,6 +96,15 @@ def main(argv=None) -> int:
     return run_cli(_main, argv, user_errors=USER_ERRORS, prog="benchmark")
 
 
+def tp_skip_reason(cfg) -> str | None:
+    """Why the benchmark leaves ``tp_ar`` out of a suite's baselines (its target AutoTP cannot split), else ``None``."""
+    from spd_ds import builder
+    from spd_ds.eval.inputs import resolve_model_name
+    from spd_ds.eval.tp_baseline import tp_unsupported
+
+    return tp_unsupported(builder.build_arch(resolve_model_name(cfg)))
+
+
 def _main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -123,7 +132,11 @@ def _main(argv=None) -> int:
         sr.overrides.append(f"eval.output_dir={out / tag}")
         if (sr.suite in ("a", "b") and engine == "deepspeed" and world > 1 and args.tp_baseline
                 and not any(o.startswith("eval.baselines=") for o in args.overrides)):
-            sr.overrides.append("eval.baselines=[ar_graph,hf_generate,ar,tp_ar]")
+            tp_why = tp_skip_reason(bm.config_of(sr, args.config))
+            if tp_why is None:
+                sr.overrides.append("eval.baselines=[ar_graph,hf_generate,ar,tp_ar]")
+            else:
+                log.warning("suite %s (%s): no tp_ar baseline: %s", sr.suite, sr.label, tp_why)
     t0 = time.time()
     cfgs = [bm.config_of(sr, args.config) for sr in runs]
     piped = [k for k, sr in enumerate(runs) if engine == "deepspeed" and sr.suite in ("a", "b")]

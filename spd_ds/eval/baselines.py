@@ -148,6 +148,7 @@ class HFGenerateBaseline:
             do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
         # an explicit (possibly empty) EOS list: ``None`` would fall back to the model's generation config
         self.gen_kwargs = dict(kw, eos_token_id=list(self.eos), pad_token_id=self.eos[0] if self.eos else 0)
+        self.generate_kwargs: dict = {}  # extra ``generate`` arguments (``tp_ar``: ``synced_gpus=True``)
         self._gc = GenerationConfig
 
     @classmethod
@@ -185,7 +186,7 @@ class HFGenerateBaseline:
             torch.manual_seed(request_key(self.sampling.seed, self.sampling.request) & ((1 << 63) - 1))
         _sync(self.device)
         t1 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=mask, generation_config=gc)
+        out = self.model.generate(ids, attention_mask=mask, generation_config=gc, **self.generate_kwargs)
         _sync(self.device)
         total = time.perf_counter() - t1
         tokens = out[0, ids.shape[1]:].tolist()

@@ -290,7 +290,7 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
     from spd_ds.eval.tp_baseline import check_tp_request
     from spd_ds.pipe.topology import detect_world_size
 
-    check_tp_request(cfg.eval.baselines, engine, detect_world_size())
+    check_tp_request(cfg.eval.baselines, engine, detect_world_size(), arch)
     log.info("eval: %d prompts (%s), SPD variants %s, baselines %s, engine %s, max_length %d", len(prompts),
              ", ".join(sorted({p.prompt_set for p in prompts})), [v.name for v in variants], cfg.eval.baselines,
              engine, cfg.decoding.max_length)
@@ -317,14 +317,17 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
 def run_baselines(run: EvalRun, progress: bool | None = None) -> EvalRun:
     """Measure ``eval.baselines`` of ``run`` on its prompts (the first ``eval.baseline_num_prompts`` of each set)
     on ``run.device``, building ``run.target`` there if needed; adds them to ``run.methods`` and returns ``run``."""
+    from spd_ds.eval.tp_baseline import NAME as TP_NAME
+
     cfg = run.cfg
-    if not cfg.eval.baselines:
+    single = [b for b in cfg.eval.baselines if b != TP_NAME]  # tp_ar ran over every rank (_run_distributed)
+    if not single:
         return run
     if run.target is None:
         run.target = builder.build_target(cfg, run.arch, run.partition, torch.device(run.device))
     progress = cfg.eval.progress if progress is None else progress
     n = len(_baseline_indices(cfg, run.prompts)) + cfg.eval.warmup_prompts
-    bar = _Progress(len(cfg.eval.baselines) * n, progress, "baselines")
+    bar = _Progress(len(single) * n, progress, "baselines")
     try:
         _run_baselines(cfg, run.target, run.prompts, run.methods, bar)
     finally:

@@ -29,20 +29,46 @@ log = logging.getLogger(__name__)
 NAME = "tp_ar"
 
 
-def check_tp_request(baselines, engine: str, world: int) -> None:
+def check_tp_request(baselines, engine: str, world: int, arch=None) -> None:
     """Refuse ``tp_ar`` where it cannot run, before any collective.
 
+    Args:
+        baselines: the run's ``eval.baselines`` names.
+        engine: ``"reference"`` or ``"deepspeed"``; world: processes in the run.
+        arch: the target's :class:`~spd_ds.models.adapter.TargetArch` (checked by :func:`tp_unsupported`).
     Raises:
-        ConfigError: ``tp_ar`` asked for with the reference engine or a world of one process.
+        ConfigError: ``tp_ar`` asked for with the reference engine, a world of one process, or a target AutoTP cannot
+            split.
     """
-    if NAME in baselines and (engine != "deepspeed" or world < 2):
+    if NAME not in baselines:
+        return
+    if engine != "deepspeed" or world < 2:
         raise ConfigError(f"eval.baselines has {NAME}, which needs the pipeline engine over >= 2 ranks (e.g. "
                           f"deepspeed --num_gpus 2 launch/eval.py ...); this run is engine {engine}, world {world}: "
                           f"drop {NAME} from eval.baselines")
+    why = tp_unsupported(arch) if arch is not None else None
+    if why:
+        raise ConfigError(f"eval.baselines has {NAME}, but {why}: drop {NAME} from eval.baselines")
+
+
+def tp_unsupported(arch) -> str | None:
+    """Why DeepSpeed AutoTP cannot split this target, or ``None`` when it can.
+
+    Hybrid targets (Qwen3.5) are refused: AutoTP shards the Gated DeltaNet input projections but not their per-head
+    ``dt_bias`` / ``A_log``, so the sharded model fails in its first forward.
+    """
+    if arch.hybrid:
+        return (f"DeepSpeed AutoTP cannot split {arch.config.model_type}'s linear-attention (Gated DeltaNet) layers "
+                "(their per-head parameters stay whole)")
+    return None
 
 
 def build_tp_model(cfg, arch, device: torch.device, world: int):
     """The target as an HF causal LM, sharded over ``world`` ranks by DeepSpeed AutoTP (every rank calls this).
+
+    The whole model is first built on ``device`` (a checkpoint with ``from_pretrained``; a random-weight shape with
+    uninitialised ``from_config`` storage filled from :func:`spd_ds.builder.build_target`'s seeded tensors, which are
+    equal on every rank), then AutoTP keeps this rank's slices.
 
     Args:
         cfg: the experiment (``model.dtype``, ``model.attn_implementation``).
@@ -52,21 +78,28 @@ def build_tp_model(cfg, arch, device: torch.device, world: int):
     Returns:
         The sharded ``torch.nn.Module`` (eval mode, on ``device``), callable like the HF model (``generate`` too).
     """
+    import contextlib
+
     import deepspeed
     from transformers import AutoModelForCausalLM
 
     from spd_ds.eval.baselines import copy_target_weights
 
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: initialise, then overwrite
+        no_init_weights = contextlib.nullcontext
     dtype = resolve_dtype(cfg.model.dtype)
-    if getattr(arch, "random_weights", False):  # seeded tensors of the stage code, identical on every rank
-        part = builder.build_partition(cfg, arch)
-        target = builder.build_target(cfg, arch, part, torch.device("cpu"))
-        model = AutoModelForCausalLM.from_config(arch.config, dtype=dtype)
+    if arch.random_weights:  # seeded tensors of the stage code, identical on every rank
+        target = builder.build_target(cfg, arch, builder.build_partition(cfg, arch), device)
+        with torch.device(device), no_init_weights():
+            model = AutoModelForCausalLM.from_config(arch.config, dtype=dtype,
+                                                     attn_implementation=cfg.model.attn_implementation)
         copy_target_weights(model, target)
         del target
     else:
         model = AutoModelForCausalLM.from_pretrained(arch.model_dir, dtype=dtype,
-                                                     attn_implementation=cfg.model.attn_implementation)
+                                                     attn_implementation=cfg.model.attn_implementation).to(device)
     model.eval().requires_grad_(False)
     engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": world}, dtype=dtype,
                                       replace_with_kernel_inject=False)
@@ -75,8 +108,23 @@ def build_tp_model(cfg, arch, device: torch.device, world: int):
     return module
 
 
+def _all_ok(ok: bool) -> bool:
+    """Whether every rank reports ``ok`` (one all-reduce over the default group)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1.0 if ok else 0.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0.5)
+
+
 def run_tp_baseline(cfg, arch, prompts, indices, warm, head_rank: bool, world: int):
     """Measure ``tp_ar`` on ``prompts[i] for i in indices`` after ``warm`` untimed prompts (every rank, same order).
+
+    A rank whose model fails to build tells the others (one all-reduce), and every rank then skips ``tp_ar`` with a
+    logged error, so the SPD results of the run are still written; decoding uses ``synced_gpus`` so that no rank leaves
+    the decode loop before the others.
 
     Args:
         cfg: the experiment; arch: the target's architecture.
@@ -85,18 +133,32 @@ def run_tp_baseline(cfg, arch, prompts, indices, warm, head_rank: bool, world: i
             prompt ``i`` its own, ``i``, as SPD does).
         head_rank: whether this rank keeps the results; world: the process group's size.
     Returns:
-        On the head rank a :class:`~spd_ds.eval.runner.MethodRun` (``devices = world``), else ``None``.
+        On the head rank a :class:`~spd_ds.eval.runner.MethodRun` (``devices = world``), else (and when skipped)
+        ``None``.
     """
+    from deepspeed.inference.engine import InferenceEngine
+
     from spd_ds.eval.baselines import HFGenerateBaseline
     from spd_ds.eval.runner import MethodRun, _local_device, timed_generate
 
     device = _local_device(cfg)
     sampling = builder.sampling_params(cfg)
-    model = build_tp_model(cfg, arch, device, world)
+    model, err = None, None
+    try:
+        model = build_tp_model(cfg, arch, device, world)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it before the next collective
+        err = e
+        log.error("%s: building the tensor-parallel model failed on this rank: %s", NAME, e)
+    if not _all_ok(err is None):
+        log.error("%s skipped on every rank: a rank could not build its shard (see its log)", NAME)
+        InferenceEngine.inference_mp_group = None
+        return None
     base = HFGenerateBaseline(model, sampling, list(cfg.decoding.eos_token_ids))
+    base.generate_kwargs["synced_gpus"] = True  # ranks stop together
     max_new = cfg.decoding.max_new_tokens
-    run = MethodRun(NAME, "baseline", 1, f"transformers generate, DeepSpeed AutoTP over {world} ranks (eager)",
-                    devices=world)
+    moe = any(getattr(arch.config, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    run = MethodRun(NAME, "baseline", 1, f"transformers generate, DeepSpeed AutoTP over {world} ranks (eager)"
+                    + ("; MoE experts are not split (every rank holds them all)" if moe else ""), devices=world)
     for j, p in enumerate(warm):
         base.sampling = sampling.for_request(indices[j % len(indices)])
         timed_generate(base.generate, p.ids, max_new, device)
@@ -105,6 +167,7 @@ def run_tp_baseline(cfg, arch, prompts, indices, warm, head_rank: bool, world: i
         res, wall = timed_generate(base.generate, prompts[i].ids, max_new, device)
         run.results[i], run.wall_s[i] = res, wall
     del base, model
+    InferenceEngine.inference_mp_group = None  # DeepSpeed caches the group on the class; ours may be destroyed next
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
