@@ -15,17 +15,20 @@ from tests.test_eval_random_weights import make_random_shape
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (tests/conftest.py)
 
 
-def test_committed_head_keeps_its_acceptance(tmp_path, smollm2_dir):
-    """The committed SmolLM2 n=2 head keeps its recorded acceptance (fails, never skips, if head or record is gone)."""
-    if not (DEFAULT_HEAD_DIR / "head_config.json").is_file():
-        pytest.fail(f"no committed head at {DEFAULT_HEAD_DIR}: train the SmolLM2 n=2 head, save it there and record "
-                    f"its acceptance: python -m spd_ds.eval.regression {DEFAULT_HEAD_DIR} --record --eval-dir DIR")
-    if not (DEFAULT_HEAD_DIR / ACCEPTANCE_FILE).is_file():
-        pytest.fail(f"{DEFAULT_HEAD_DIR} has no {ACCEPTANCE_FILE}: python -m spd_ds.eval.regression "
-                    f"{DEFAULT_HEAD_DIR} --record --eval-dir DIR")
-    spec = json.loads((DEFAULT_HEAD_DIR / ACCEPTANCE_FILE).read_text())["spec"]
+@pytest.mark.parametrize("n", [2, 3])
+def test_committed_head_keeps_its_acceptance(tmp_path, smollm2_dir, n):
+    """The committed SmolLM2 n=2 (default) and n=3 heads keep their recorded acceptance (fails, never skips, if a head
+    or its record is gone)."""
+    head_dir = DEFAULT_HEAD_DIR.parent / f"smollm2-135m-instruct-n{n}"
+    if not (head_dir / "head_config.json").is_file():
+        pytest.fail(f"no committed head at {head_dir}: train the SmolLM2 n={n} head, save it there and record "
+                    f"its acceptance: python -m spd_ds.eval.regression {head_dir} --record --eval-dir DIR")
+    if not (head_dir / ACCEPTANCE_FILE).is_file():
+        pytest.fail(f"{head_dir} has no {ACCEPTANCE_FILE}: python -m spd_ds.eval.regression "
+                    f"{head_dir} --record --eval-dir DIR")
+    spec = json.loads((head_dir / ACCEPTANCE_FILE).read_text())["spec"]
     materialize_prompt_set(spec["prompt_set"], tmp_path)  # from its registry package, as the product gets it
-    ok, msg, _ = check_acceptance(DEFAULT_HEAD_DIR, eval_dir=tmp_path)
+    ok, msg, _ = check_acceptance(head_dir, eval_dir=tmp_path)
     assert ok, msg
 
 

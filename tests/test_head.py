@@ -135,13 +135,19 @@ def test_version1_fingerprint_still_loads_with_a_warning(arch, tiny_root, tmp_pa
         SpeculationHead.check_base_model(tmp_path / "h", other)
 
 
-def test_shipped_head_loads(smollm2_arch):
-    """The committed SmolLM2 n=2 head (fingerprint version 1) keeps loading onto SmolLM2-135M-Instruct."""
+@pytest.mark.parametrize("n", [2, 3])
+def test_shipped_head_loads(smollm2_arch, n):
+    """The committed SmolLM2 heads (n = 2, the default, and n = 3) keep loading onto SmolLM2-135M-Instruct; they
+    store no LM head (the target's rows at the draft ids are read on load) and are small."""
     from spd_ds.eval.regression import DEFAULT_HEAD_DIR
 
-    meta = SpeculationHead.check_base_model(DEFAULT_HEAD_DIR, smollm2_arch)
-    head = SpeculationHead.load(DEFAULT_HEAD_DIR, smollm2_arch)
-    assert head.draft_vocab_size == meta["draft_vocab_size"]
+    head_dir = DEFAULT_HEAD_DIR.parent / f"smollm2-135m-instruct-n{n}"
+    meta = SpeculationHead.check_base_model(head_dir, smollm2_arch)
+    head = SpeculationHead.load(head_dir, smollm2_arch)
+    assert head.draft_vocab_size == meta["draft_vocab_size"] and head.partition.num_stages == n
+    assert meta["lm_head_from_target"] and (head_dir / "head.safetensors").stat().st_size < 16e6
+    name = "model.embed_tokens.weight" if smollm2_arch.tied_embeddings else "lm_head.weight"
+    assert torch.equal(head.lm_head.weight, smollm2_arch.load_tensor(name)[head.draft_ids].to(head.lm_head.weight.dtype))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "header", "header_length", "shapes"])
