@@ -165,10 +165,12 @@ def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]]
     for label, pts in curves:
         (line,) = ax.plot([t / 1e6 for t, _ in pts], [a for _, a in pts], label=f"{label} predicted (held-out)")
         colours[label] = line.get_color()
-    for label, tokens, alpha in measured:
+    for k, (label, tokens, alpha) in enumerate(measured):  # labels stacked so that nearby points stay readable
         ax.scatter([tokens / 1e6], [alpha], marker="o", s=40, zorder=3, color=colours.get(label),
                    label=f"{label} measured (decoder)")
-        ax.annotate(f"{alpha:.3f}", (tokens / 1e6, alpha), textcoords="offset points", xytext=(4, -10), fontsize=7)
+        ax.annotate(f"{label} {alpha:.3f}", (tokens / 1e6, alpha), textcoords="offset points",
+                    xytext=(-70, -16 - 11 * k), fontsize=7, color=colours.get(label),
+                    arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5})
     ax.set_xlabel("training tokens (M, packed rows)")
     ax.set_ylabel("T = 0 draft acceptance")
     ax.set_ylim(0, 1)
