@@ -132,6 +132,8 @@ class TrainConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 100
+    lr_stable_fraction: float = 0.0  # share of the run after warm-up (steps or time, whichever is further) at the
+    # full learning rate before the linear decay to 0: 0 = decay from the start; e.g. 0.8 = warmup-stable-decay
     kd_temperature: float = 1.0
     full_pipeline_prob: float = 0.5
     save_every: int = 500
@@ -282,6 +284,9 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"decoding.oracle_alpha must be in [0, 1], got {d.oracle_alpha}")
     if not 0.0 <= cfg.data.held_out_fraction < 1.0:
         raise ConfigError(f"data.held_out_fraction must be in [0, 1), got {cfg.data.held_out_fraction}")
+    if not 0.0 <= cfg.train.lr_stable_fraction < 1.0:
+        raise ConfigError(f"train.lr_stable_fraction must be in [0, 1) (the share of the run before the decay), got "
+                          f"{cfg.train.lr_stable_fraction}")
     if cfg.train.eval_every < 0:
         raise ConfigError(f"train.eval_every must be >= 0 (0 = no validation), got {cfg.train.eval_every}")
     if cfg.train.eval_batches is not None and cfg.train.eval_batches < 1:

@@ -59,6 +59,14 @@ def test_lr_schedule_and_ds_config(tmp_path):
     assert math.isclose(WarmupLinear(0, 10)(0), 1.0)
     f.time_fraction = 0.75  # a time budget three quarters spent decays faster than the steps say
     assert math.isclose(f(12), 0.25)
+    w = WarmupLinear(0, 100, stable=0.8)  # warmup-stable-decay: full rate for 80 % of the run, then linear to 0
+    assert [round(w(s), 3) for s in (0, 50, 79, 80, 90, 100)] == [1.0, 1.0, 1.0, 1.0, 0.5, 0.0]
+    w.time_fraction = 0.95  # time decides when it is further along than the steps
+    assert math.isclose(w(10), 0.25)
+    from spd_ds.config import load_config
+
+    with pytest.raises(ConfigError, match=r"train.lr_stable_fraction must be in \[0, 1\)"):
+        load_config(None, ["train.lr_stable_fraction=1.0"])
     cfg = load_ds_config("ds_configs/zero2.json", 6)
     assert cfg["zero_optimization"]["stage"] == 2 and cfg["train_micro_batch_size_per_gpu"] == 6
     with pytest.raises(ConfigError, match="optimizer"):

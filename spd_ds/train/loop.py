@@ -73,25 +73,30 @@ def load_ds_config(path_or_dict, micro_batch_rows: int) -> dict:
 
 
 class WarmupLinear:
-    """Learning-rate multiplier for ``LambdaLR``: linear warmup over ``warmup`` steps, then linear decay to 0.
+    """Learning-rate multiplier for ``LambdaLR``: linear warmup over ``warmup`` steps, then (after an optional stable
+    phase at the full rate) linear decay to 0.
 
     Training ends after ``total`` steps or, with a time budget (``train.max_time_s``), when time runs out, whichever
     comes first; the loop keeps :attr:`time_fraction` (elapsed / budget) up to date, and the decay follows the larger
-    of the step and the time fraction, so a time-bounded run still anneals.
+    of the step and the time fraction, so a time-bounded run still anneals. ``stable`` (``train.lr_stable_fraction``)
+    is the share of that progress spent at the full rate before the decay starts (warmup-stable-decay; 0 = a plain
+    linear decay).
     """
 
-    def __init__(self, warmup: int, total: int) -> None:
-        self.warmup, self.total = int(warmup), int(total)
+    def __init__(self, warmup: int, total: int, stable: float = 0.0) -> None:
+        self.warmup, self.total, self.stable = int(warmup), int(total), float(stable)
         self.time_fraction = 0.0
 
     def __call__(self, step: int) -> float:
         """LR multiplier in ``[0, 1]`` for optimizer step ``step`` (0-based): linear warm-up over ``warmup`` steps,
-        then linear decay to 0 at ``total`` steps or at the elapsed-time fraction ``time_fraction``, whichever is
-        further."""
+        then 1 until the progress ``p = max(step fraction, time_fraction)`` reaches ``stable``, then
+        ``(1 - p) / (1 - stable)`` down to 0."""
         if step < self.warmup:
             return (step + 1) / self.warmup
-        done = (step - self.warmup) / max(1, self.total - self.warmup)
-        return max(0.0, 1.0 - max(done, self.time_fraction))
+        done = max((step - self.warmup) / max(1, self.total - self.warmup), self.time_fraction)
+        if done < self.stable:
+            return 1.0
+        return max(0.0, (1.0 - done) / (1.0 - self.stable))
 
 
 def rng_state() -> dict:
@@ -313,7 +318,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                               autocast=_autocast_dtype(tc.autocast, device))
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
-    schedule = WarmupLinear(tc.warmup_steps, total_steps)
+    schedule = WarmupLinear(tc.warmup_steps, total_steps, tc.lr_stable_fraction)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     engine, _, _, sched = deepspeed.initialize(model=student, optimizer=opt, lr_scheduler=sched, config=ds_cfg,
                                                mpu=WorldDataParallel())
