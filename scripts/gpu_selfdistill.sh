@@ -18,13 +18,16 @@
 #   call and the tar this fits one 600-s device call; a rerun on the warm machine resumes), SD_MODEL=smollm2-135m-instruct,
 #   SD_DATA=runs/train_data/sharegpt_prompts.jsonl.gz, SD_DIR=runs/sd, BATCH=1024, MAX_NEW=768, CHUNK=256,
 #   MIN_ALIVE=0.25, MAX_PROMPT=2048, GREEDY=1, SAMPLES=2, ATTENTION=gqa-decode (or sdpa), CACHE=static (or dynamic),
-#   COMPILE=1, MAX_PARTS=6, EXTRA_ARGS (more selfdistill flags), PYTHON.
+#   COMPILE=1, MAX_PARTS=6, COMPILE_CACHE=runs/compile_cache/selfdistill.bin (torch.compile artifacts: loaded when
+#   carried in, rewritten and returned in $OUT: a later session skips most of the first call's compile),
+#   EXTRA_ARGS (more selfdistill flags), PYTHON.
 source "$(dirname "$0")/gpu_common.sh"
 TIME_BUDGET=${TIME_BUDGET:-420}
 MODEL=${SD_MODEL:-smollm2-135m-instruct}
 DATA=${SD_DATA:-runs/train_data/sharegpt_prompts.jsonl.gz}
 SD_DIR=${SD_DIR:-runs/sd}
 MAX_PARTS=${MAX_PARTS:-6}
+COMPILE_CACHE=${COMPILE_CACHE:-runs/compile_cache/selfdistill.bin}  # carried in, rewritten, returned in $OUT
 NO_COMPILE=""
 [[ "${COMPILE:-1}" == 1 ]] || NO_COMPILE="--no-compile"
 : > "$LOG"
@@ -40,10 +43,11 @@ timeout --signal=TERM --kill-after=20 $((TIME_BUDGET + 120)) "$PY" launch/prepar
   --batch-size "${BATCH:-1024}" --max-new-tokens "${MAX_NEW:-768}" --chunk-new-tokens "${CHUNK:-256}" \
   --min-alive "${MIN_ALIVE:-0.25}" --max-prompt-tokens "${MAX_PROMPT:-2048}" \
   --greedy "${GREEDY:-1}" --samples "${SAMPLES:-2}" --attention "${ATTENTION:-gqa-decode}" --cache "${CACHE:-static}" \
-  $NO_COMPILE ${EXTRA_ARGS:-} 2>&1 | tee -a "$LOG"
+  --compile-cache "$COMPILE_CACHE" $NO_COMPILE ${EXTRA_ARGS:-} 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 set -e
 say "selfdistill: exit $rc in $((SECONDS - t0)) s"
+[[ -f "$COMPILE_CACHE" ]] && cp "$COMPILE_CACHE" "$OUT/" && say "compile cache: $(du -h "$COMPILE_CACHE" | cut -f1) -> \$OUT (carry it back as $COMPILE_CACHE)"
 
 if [[ -f "$SD_DIR/manifest.json" ]]; then
   cp "$SD_DIR/manifest.json" "$OUT/manifest.json"

@@ -159,6 +159,8 @@ class TrainConfig:
     # the table of the costliest operators goes to output_dir/profile.txt
     eval_every: int = 200  # validate every this many optimizer steps and at the end (0 = never)
     eval_batches: Optional[int] = 16  # held-out micro-batches per evaluation, over all ranks (None = every one)
+    compile_cache: Optional[str] = None  # a file of torch.compile artifacts: loaded before the first compile, rewritten
+    # at the end by the logging rank (spd_ds.compile_cache; carries compiled kernels to a fresh machine)
 
 
 # The default evaluation prompt sets. gsm8k comes from the hub only: when it cannot be had, a run on this list (in

@@ -183,7 +183,8 @@ def test_session_time_limit_pauses_and_resume_finishes_exactly(run_a, setup):
 def test_teacher_pipeline_degree_n(setup):
     tmp, model, data = setup
     (tmp / "c").mkdir()
-    cfg = _experiment(tmp / "c", model, data, teacher_pipe_degree=2, max_steps=8, save_every=100)
+    cfg = _experiment(tmp / "c", model, data, teacher_pipe_degree=2, max_steps=8, save_every=100,
+                      compile_cache=str(tmp / "c" / "cc.bin"))  # nothing compiles on CPU: loads and saves nothing
     proc = _launch(cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "pipe=1, data=0" in proc.stdout + proc.stderr  # a real two-stage pipeline

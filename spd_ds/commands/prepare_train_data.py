@@ -117,6 +117,7 @@ def _selfdistill(args) -> int:
     import torch
 
     from spd_ds.builder import load_tokenizer
+    from spd_ds.compile_cache import load_compile_cache, save_compile_cache
     from spd_ds.train.chat import set_chat_template
     from spd_ds.train.selfdistill import (
         SelfDistillConfig, load_prompt_conversations, run_selfdistill, throughput_table,
@@ -141,8 +142,12 @@ def _selfdistill(args) -> int:
     print(f"prepare_train_data: self-distilling {len(convs)} conversations "
           f"({sum(len(c.rounds) for c in convs)} user turns) x {cfg.num_variants} answers with {args.model} "
           f"-> {args.out}", file=sys.stderr)
-    run = run_selfdistill(convs, model_dir, tok, args.out, cfg, device=args.device, dtype=dtype, source=args.data,
-                          model_name=args.model, t_start=t0)
+    load_compile_cache(args.compile_cache)
+    try:
+        run = run_selfdistill(convs, model_dir, tok, args.out, cfg, device=args.device, dtype=dtype,
+                              source=args.data, model_name=args.model, t_start=t0)
+    finally:  # also after SIGTERM: what compiled so far is kept
+        save_compile_cache(args.compile_cache)
     print(throughput_table(run), file=sys.stderr)
     tot = run["totals"]
     print(f"prepare_train_data: selfdistill generated {run['answers']} answers, {run['generated_tokens']} tokens in "
@@ -206,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="conversations tokenised and length-sorted together")
     sd.add_argument("--cache", choices=["static", "dynamic"], default="static")
     sd.add_argument("--no-compile", action="store_true", help="no torch.compile of the decode step (static cache)")
+    sd.add_argument("--compile-cache", default=None,
+                    help="file of torch.compile artifacts: loaded before the first compile, rewritten at the end "
+                         "(carry it to the next machine of the same kind; spd_ds/compile_cache.py)")
     sd.add_argument("--attention", choices=["gqa-decode", "sdpa"], default="gqa-decode",
                     help="gqa-decode: SDPA without repeat_kv for the decode step (default); sdpa: transformers' own")
     sd.add_argument("--cache-quantum", type=int, default=128,

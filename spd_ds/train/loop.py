@@ -227,6 +227,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     from deepspeed.accelerator import get_accelerator
 
     from spd_ds.builder import build_arch, build_head, build_partition, eos_token_ids, load_tokenizer
+    from spd_ds.compile_cache import load_compile_cache, save_compile_cache
     from spd_ds.models.adapter import resolve_dtype
     from spd_ds.dist import init_process_group, init_timeout_s
     from spd_ds.train.student import HeadTrainModule, WorldDataParallel, resolve_attention
@@ -256,6 +257,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    load_compile_cache(tc.compile_cache)  # before the first compile (FlexAttention, the teacher's kernels)
 
     # 2. target, partition, head (same partition for the teacher and the head)
     arch = build_arch(cfg)
@@ -473,6 +476,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         if paused:
             _say(f"train.session_time_s={tc.session_time_s:g} reached at step {step}: checkpoint saved; continue "
                  "with --resume (the head above is the run's state so far)", rank)
+        save_compile_cache(tc.compile_cache)  # the ranks compile the same kernels: one writer
     dist.barrier()
     return final
 

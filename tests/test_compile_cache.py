@@ -1,0 +1,49 @@
+"""spd_ds.compile_cache: what one process compiled loads into a fresh one (inductor on CPU, separate processes with
+separate local caches, as on a fresh machine); a damaged or missing file is not an error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import sys, torch
+from spd_ds.compile_cache import load_compile_cache, save_compile_cache
+mode, path = sys.argv[1], sys.argv[2]
+loaded = load_compile_cache(path) if mode == "load" else 0
+f = torch.compile(lambda x: torch.sin(x) * 2 + x.cos(), backend="inductor")
+y = f(torch.arange(8, dtype=torch.float32))
+saved = save_compile_cache(path + ".out" if mode == "load" else path)
+print(loaded, saved, round(float(y.sum()), 5))
+"""
+
+
+def _run(mode: str, path: Path, cache_dir: Path) -> list[str]:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(path)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.split()
+
+
+def test_save_then_load_in_a_fresh_process(tmp_path):
+    path = tmp_path / "nested" / "cc.bin"
+    loaded, saved, total = _run("save", path, tmp_path / "ind1")
+    assert loaded == "0" and int(saved) > 0 and path.stat().st_size == int(saved)
+    loaded2, saved2, total2 = _run("load", path, tmp_path / "ind2")  # a new local cache: only the file carries it
+    assert int(loaded2) > 0 and total2 == total and int(saved2) > 0
+
+
+def test_missing_none_and_damaged_files(tmp_path, caplog):
+    from spd_ds.compile_cache import load_compile_cache, save_compile_cache
+
+    assert load_compile_cache(None) == 0 and load_compile_cache(tmp_path / "nope.bin") == 0
+    assert save_compile_cache(None) == 0
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"not a cache")
+    assert load_compile_cache(bad) == 0
+    assert "not loaded" in caplog.text
