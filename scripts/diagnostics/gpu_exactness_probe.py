@@ -89,22 +89,22 @@ def main() -> None:
         sampling = builder.sampling_params(cfg)
         for i in range(2):
             dec = ARGraphDecoder(target, sampling, eos, cfg.decoding.max_length)
-            runs[f"ar_graph#{i}"] = [dec.generate(p, args.max_new_tokens).tokens for p in prompts]
+            runs[f"ar_graph#{i}"] = [dec.generate(p, cfg.decoding.max_new_tokens).tokens for p in prompts]
             del dec
         dec = ARGraphDecoder(target, sampling, eos, cfg.decoding.max_length, sync_every=1)
-        runs["ar_graph sync1"] = [dec.generate(p, args.max_new_tokens).tokens for p in prompts]
+        runs["ar_graph sync1"] = [dec.generate(p, cfg.decoding.max_new_tokens).tokens for p in prompts]
         del dec
         head_cfg = load_config(args.config, base + ["head.cuda_graph=true"])  # the graphed head as the engine builds it
         alive = builder.build_head_drafter(head_cfg, builder.build_head(cfg, arch, part), cfg.decoding.max_length,
                                            target.device)
         dec = ARGraphDecoder(target, sampling, eos, cfg.decoding.max_length)
-        runs["ar_graph+head"] = [dec.generate(p, args.max_new_tokens).tokens for p in prompts]
+        runs["ar_graph+head"] = [dec.generate(p, cfg.decoding.max_new_tokens).tokens for p in prompts]
         assert getattr(alive, "graphed", False) == cuda
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "tokens.json").write_text(json.dumps({"prompts": names, "runs": runs}, indent=1))
         lines = [f"# exactness probe ({cfg.model.dtype}, max_length {cfg.decoding.max_length}, "
-                 f"{args.max_new_tokens} new tokens)", "",
+                 f"{cfg.decoding.max_new_tokens} new tokens)", "",
                  "| method | vs ar_graph#0: identical | first divergences | vs pipe_ar[eager]: identical | first "
                  "divergences |", "|---|---|---|---|---|"]
         for name, toks in runs.items():
