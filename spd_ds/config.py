@@ -153,6 +153,7 @@ class TrainConfig:
     save_dtype: str = "float32"  # dtype of the final head's weights (bfloat16 halves the file)
     progress: bool = True  # tqdm progress bar on the logging rank
     attention: str = "auto"  # head attention in training: auto (flex on CUDA, dense elsewhere) | flex | dense
+    flex_compile: str = "static"  # CUDA FlexAttention: static (a compile per fill) | dynamic (automatic dynamic shapes)
     loss_chunk: int = 4096  # loss positions per chunk of the KL over the draft vocabulary (bounds fp32 temporaries)
     prefetch: int = 4  # micro-batches collated ahead in a DataLoader worker process (0 = in the training process)
     profile_steps: Optional[int] = None  # profile this many steps (after 5 warm-up steps) with torch.profiler;
@@ -286,6 +287,8 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"decoding.oracle_alpha must be in [0, 1], got {d.oracle_alpha}")
     if not 0.0 <= cfg.data.held_out_fraction < 1.0:
         raise ConfigError(f"data.held_out_fraction must be in [0, 1), got {cfg.data.held_out_fraction}")
+    if cfg.train.flex_compile not in ("static", "dynamic"):
+        raise ConfigError(f"train.flex_compile must be static or dynamic, got {cfg.train.flex_compile!r}")
     if not 0.0 <= cfg.train.lr_stable_fraction < 1.0:
         raise ConfigError(f"train.lr_stable_fraction must be in [0, 1) (the share of the run before the decay), got "
                           f"{cfg.train.lr_stable_fraction}")

@@ -18,8 +18,11 @@ from tests.tiny_models import make_tiny_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention backward)")
 
 
-@pytest.mark.parametrize("num_stages", [2, 4])
-def test_flex_gradients_equal_dense_on_cuda(tmp_path, num_stages):
+@pytest.mark.parametrize("num_stages,flex_compile", [(2, "static"), (4, "static"), (4, "dynamic")])
+def test_flex_gradients_equal_dense_on_cuda(tmp_path, num_stages, flex_compile):
+    from spd_ds.train.student import set_flex_compile
+
+    set_flex_compile(flex_compile)
     torch.manual_seed(0)
     arch = TargetArch(make_tiny_model(tmp_path, "llama", num_layers=8))
     part = StagePartition.build(8, num_stages=num_stages)

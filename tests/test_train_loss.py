@@ -96,3 +96,18 @@ def test_chunked_kl_equals_kd_loss_value_and_gradient(temperature, chunk):
     (3.0 * ref).backward()
     (3.0 * got).backward()
     torch.testing.assert_close(s2.grad, s1.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_flex_compile_setting():
+    """``train.flex_compile``: validated in the config and by the setter (the CUDA equality test covers both modes)."""
+    from spd_ds.config import load_config
+    from spd_ds.train import student
+
+    with pytest.raises(ConfigError, match="train.flex_compile must be static or dynamic"):
+        load_config(None, ["train.flex_compile=fast"])
+    with pytest.raises(ValueError, match="must be one of static, dynamic"):
+        student.set_flex_compile("fast")
+    student.set_flex_compile("dynamic")
+    assert student._flex_dynamic is None and student._compiled_flex is None
+    student.set_flex_compile("static")
+    assert student._flex_dynamic is False

@@ -230,7 +230,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     from spd_ds.compile_cache import load_compile_cache, save_compile_cache
     from spd_ds.models.adapter import resolve_dtype
     from spd_ds.dist import init_process_group, init_timeout_s
-    from spd_ds.train.student import HeadTrainModule, WorldDataParallel, resolve_attention
+    from spd_ds.train.student import HeadTrainModule, WorldDataParallel, resolve_attention, set_flex_compile
     from spd_ds.train.teacher import Teacher, build_teacher_module
 
     tc, dc = cfg.train, cfg.data
@@ -314,6 +314,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                           f"gradient_accumulation_steps={gas}; use more data or smaller batches")
     try:
         attention = resolve_attention(tc.attention, device)
+        set_flex_compile(tc.flex_compile)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     # autocast goes inside the module: DeepSpeed's engine switches an outer torch.autocast off around its forward

@@ -28,7 +28,24 @@ from spd_ds.train.mask import block_types, segment_positions, structural_block_m
 #: Name of the FlexAttention implementation registered with transformers' ``AttentionInterface``.
 FLEX_ATTENTION = "spd_structural_flex"
 ATTENTION_MODES = ("auto", "flex", "dense")
+#: ``train.flex_compile``: how FlexAttention is compiled on CUDA. ``static``: one compile per shape (per pipeline
+#: fill, and for validation); ``dynamic``: torch.compile's automatic dynamic shapes (a recompile on the second
+#: shape, then one kernel for every fill) -- fewer compiles at start-up, speed to be measured against ``static``.
+FLEX_COMPILE_MODES = {"static": False, "dynamic": None}
 _compiled_flex = None
+_flex_dynamic: bool | None = False
+
+
+def set_flex_compile(mode: str) -> None:
+    """Choose how the CUDA FlexAttention path compiles (:data:`FLEX_COMPILE_MODES`); drops an earlier compile.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    global _compiled_flex, _flex_dynamic
+    if mode not in FLEX_COMPILE_MODES:
+        raise ValueError(f"train.flex_compile must be one of {', '.join(FLEX_COMPILE_MODES)}, got {mode!r}")
+    _flex_dynamic, _compiled_flex = FLEX_COMPILE_MODES[mode], None
 
 
 def structural_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -54,7 +71,7 @@ def structural_flex_attention(module, query, key, value, attention_mask, scaling
     fn = flex_attention
     if query.device.type == "cuda":
         if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+            _compiled_flex = torch.compile(flex_attention, dynamic=_flex_dynamic)
         fn = _compiled_flex
     out = fn(query, key.to(query.dtype), value.to(query.dtype), block_mask=attention_mask, scale=scaling,
              enable_gqa=query.shape[1] != key.shape[1])
