@@ -18,15 +18,15 @@
 #   call and the tar this fits one 600-s device call; a rerun on the warm machine resumes), SD_MODEL=smollm2-135m-instruct,
 #   SD_DATA=runs/train_data/sharegpt_prompts.jsonl.gz, SD_DIR=runs/sd, BATCH=1024, MAX_NEW=768, CHUNK=256,
 #   MIN_ALIVE=0.25, MAX_PROMPT=2048, GREEDY=1, SAMPLES=2, ATTENTION=gqa-decode (or sdpa), CACHE=static (or dynamic),
-#   COMPILE=1, MAX_PARTS=6, COMPILE_CACHE=runs/compile_cache/selfdistill.bin (torch.compile artifacts: loaded when
-#   carried in, rewritten and returned in $OUT: a later session skips most of the first call's compile),
+#   COMPILE=1, MAX_PARTS=3, COMPILE_CACHE=runs/compile_cache/selfdistill.bin (torch.compile artifacts: loaded when
+#   carried in, rewritten and returned in $OUT: a later session can skip the first call's compile; the saving is not measured yet),
 #   EXTRA_ARGS (more selfdistill flags), PYTHON.
 source "$(dirname "$0")/gpu_common.sh"
 TIME_BUDGET=${TIME_BUDGET:-420}
 MODEL=${SD_MODEL:-smollm2-135m-instruct}
 DATA=${SD_DATA:-runs/train_data/sharegpt_prompts.jsonl.gz}
 SD_DIR=${SD_DIR:-runs/sd}
-MAX_PARTS=${MAX_PARTS:-6}
+MAX_PARTS=${MAX_PARTS:-3}  # $OUT returns at most 8 files, 64 MiB in all: 3 x 15 MB + log, manifest, cache
 COMPILE_CACHE=${COMPILE_CACHE:-runs/compile_cache/selfdistill.bin}  # carried in, rewritten, returned in $OUT
 NO_COMPILE=""
 [[ "${COMPILE:-1}" == 1 ]] || NO_COMPILE="--no-compile"
@@ -47,7 +47,13 @@ timeout --signal=TERM --kill-after=20 $((TIME_BUDGET + 120)) "$PY" launch/prepar
 rc=${PIPESTATUS[0]}
 set -e
 say "selfdistill: exit $rc in $((SECONDS - t0)) s"
-[[ -f "$COMPILE_CACHE" ]] && cp "$COMPILE_CACHE" "$OUT/" && say "compile cache: $(du -h "$COMPILE_CACHE" | cut -f1) -> \$OUT (carry it back as $COMPILE_CACHE)"
+if [[ -f "$COMPILE_CACHE" ]]; then
+  if (( $(stat -c %s "$COMPILE_CACHE") <= 15000000 )); then
+    cp "$COMPILE_CACHE" "$OUT/" && say "compile cache: $(du -h "$COMPILE_CACHE" | cut -f1) -> \$OUT (carry it back as $COMPILE_CACHE)"
+  else
+    say "compile cache $COMPILE_CACHE is over 15 MB: not returned (\$OUT takes files up to 16 MiB)"
+  fi
+fi
 
 if [[ -f "$SD_DIR/manifest.json" ]]; then
   cp "$SD_DIR/manifest.json" "$OUT/manifest.json"

@@ -15,7 +15,7 @@
 #   carried folder of earlier shards, e.g. runs/sd made by scripts/gpu_selfdistill.sh, is used as it is), REGEN_ARGS, EXTRA (overrides for
 #   every variant), FETCH=1 (heads back under $OUT as heads.tgz.part-NN, <= 15 MB each, and the variants'
 #   torch.compile caches as compile_cache.tar), CACHE_DIR (default runs/compile_cache: train_<variant>.bin, loaded
-#   when carried in: a fresh machine skips most of the FlexAttention compiles), EVAL_SETS / EVAL_PROMPTS /
+#   when carried in: a fresh machine can skip FlexAttention compiles; not measured yet), EVAL_SETS / EVAL_PROMPTS /
 #   EVAL_TOKENS / EVAL_TEMPS (suite c of every head on the node's CPU cores after training; EVAL_PROMPTS=0 = none),
 #   SPD_EVAL_DIR (materialised prompt sets carried with the tree).
 set -uo pipefail
@@ -56,10 +56,10 @@ for v in $VARIANTS; do
   # shellcheck disable=SC2086
   timeout $((SESSION_SECONDS + 240)) $PY -m deepspeed.launcher.runner --num_gpus 1 --master_port $port launch/train.py \
     --config launch/configs/train_smollm2_n2.yaml --deepspeed_config ds_configs/zero2.json $resume \
-    "model.name=$MODEL" "data.train_files=[$FILES]" data.max_conversations=null ${over//,/ } ${EXTRA:-} \
+    "model.name=$MODEL" "data.train_files=[$FILES]" data.max_conversations=null \
+    "train.compile_cache=$CACHE_DIR/train_$name.bin" ${over//,/ } ${EXTRA:-} \
     "train.max_time_s=$TRAIN_SECONDS" "train.session_time_s=$SESSION_SECONDS" train.epochs=100 \
     "train.output_dir=$run" train.save_every=1000000 train.progress=false train.log_every=25 \
-    "train.compile_cache=$CACHE_DIR/train_$name.bin" \
     > "$WORK/$name.log" 2>&1 &
   pids+=($!); port=$((port + 1))
 done
@@ -77,8 +77,14 @@ if [[ "${FETCH:-0}" = 1 ]]; then
     ls -d $h heads/$n/best.json heads/$n/train_log.jsonl heads/$n/train_summary.json heads/$n/config.yaml 2>/dev/null; done) | gzip -1) \
     | split -b 15000000 -d - "$OUT/heads.tgz.part-"
   say "heads: $(ls "$OUT"/heads.tgz.part-* | wc -l) part(s)"
-  ls "$CACHE_DIR"/train_*.bin >/dev/null 2>&1 && tar cf "$OUT/compile_cache.tar" -C "$CACHE_DIR" $(cd "$CACHE_DIR" && ls train_*.bin) \
-    && say "compile caches -> \$OUT/compile_cache.tar (tar xf it into $CACHE_DIR here and carry $CACHE_DIR)"
+  if ls "$CACHE_DIR"/train_*.bin >/dev/null 2>&1; then
+    tar cf "$OUT/compile_cache.tar" -C "$CACHE_DIR" $(cd "$CACHE_DIR" && ls train_*.bin)
+    if (( $(stat -c %s "$OUT/compile_cache.tar") > 15000000 )); then
+      rm -f "$OUT/compile_cache.tar"; say "compile caches over 15 MB together: not returned"
+    else
+      say "compile caches -> \$OUT/compile_cache.tar (tar xf it into $CACHE_DIR here and carry $CACHE_DIR)"
+    fi
+  fi
 fi
 
 # 4. suite (c) of each head on the node's CPU cores (fp32 reference decoder), all heads at once

@@ -45,7 +45,8 @@ def load_compile_cache(path: str | os.PathLike | None) -> int:
 
 def save_compile_cache(path: str | os.PathLike | None) -> int:
     """Write every cache artifact this process compiled or loaded so far to ``path`` (atomically: a temporary file
-    renamed over it, so concurrent writers leave one whole file).
+    renamed over it, so concurrent writers leave one whole file). Loaded entries this process never used are not
+    kept, so a shorter run (one that never validated, say) writes a smaller file.
 
     Args:
         path: destination file (parent directories are made); ``None``: nothing is written.
@@ -64,9 +65,14 @@ def save_compile_cache(path: str | os.PathLike | None) -> int:
     if not out or not out[0]:
         return 0
     dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(out[0])
-    os.replace(tmp, dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(out[0])
+        os.replace(tmp, dest)
+    except OSError as e:  # a full or read-only disk, a directory in the way: the run itself has finished
+        log.warning("compile cache not saved to %s (%s)", dest, e)
+        tmp.unlink(missing_ok=True)
+        return 0
     log.info("compile cache: %d bytes -> %s", len(out[0]), dest)
     return len(out[0])

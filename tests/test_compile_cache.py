@@ -47,3 +47,15 @@ def test_missing_none_and_damaged_files(tmp_path, caplog):
     bad.write_bytes(b"not a cache")
     assert load_compile_cache(bad) == 0
     assert "not loaded" in caplog.text
+
+
+def test_a_failed_save_is_a_warning(tmp_path, caplog):
+    """A destination that cannot be written (here a directory) loses the cache, never the run."""
+    import torch
+
+    from spd_ds.compile_cache import save_compile_cache
+
+    torch.compile(lambda x: x * 3 + 1, backend="inductor")(torch.ones(4))  # something to save
+    (tmp_path / "cc.bin").mkdir()
+    assert save_compile_cache(tmp_path / "cc.bin") == 0
+    assert "not saved" in caplog.text and not list(tmp_path.glob(".cc.bin.*.tmp"))

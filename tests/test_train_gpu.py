@@ -23,6 +23,13 @@ def test_flex_gradients_equal_dense_on_cuda(tmp_path, num_stages, flex_compile):
     from spd_ds.train.student import set_flex_compile
 
     set_flex_compile(flex_compile)
+    try:
+        _flex_equals_dense(tmp_path, num_stages)
+    finally:
+        set_flex_compile("static")  # the default, for whatever runs next in this process
+
+
+def _flex_equals_dense(tmp_path, num_stages):
     torch.manual_seed(0)
     arch = TargetArch(make_tiny_model(tmp_path, "llama", num_layers=8))
     part = StagePartition.build(8, num_stages=num_stages)

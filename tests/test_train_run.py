@@ -136,8 +136,10 @@ def test_resume_continues_exactly(run_a, setup):
     (ck / "latest").write_text("step6")
     fresh = _launch(cfg)  # a fresh start must not overwrite a run
     assert fresh.returncode == 2 and "--resume" in fresh.stderr
-    proc = _launch(cfg, "--resume")
+    # a schedule setting changed on resume is refused with a warning: the run keeps its checkpoint's (exactness below)
+    proc = _launch(cfg, "--resume", "train.lr_stable_fraction=0.5")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "train.lr_stable_fraction=0.5 ignored on resume" in proc.stdout + proc.stderr
     a, b = _losses(run_a_dir), _losses(tmp / "b" / "run")
     assert sorted(b) == list(range(7, 13))
     assert [b[s] for s in range(7, 13)] == [a[s] for s in range(7, 13)]

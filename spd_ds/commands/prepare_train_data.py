@@ -142,12 +142,16 @@ def _selfdistill(args) -> int:
     print(f"prepare_train_data: self-distilling {len(convs)} conversations "
           f"({sum(len(c.rounds) for c in convs)} user turns) x {cfg.num_variants} answers with {args.model} "
           f"-> {args.out}", file=sys.stderr)
-    load_compile_cache(args.compile_cache)
+    if args.compile_cache:
+        print(f"prepare_train_data: compile cache {args.compile_cache}: {load_compile_cache(args.compile_cache)} "
+              "artifacts loaded", file=sys.stderr)
     try:
         run = run_selfdistill(convs, model_dir, tok, args.out, cfg, device=args.device, dtype=dtype,
                               source=args.data, model_name=args.model, t_start=t0)
     finally:  # also after SIGTERM: what compiled so far is kept
-        save_compile_cache(args.compile_cache)
+        if args.compile_cache:
+            print(f"prepare_train_data: compile cache {args.compile_cache}: "
+                  f"{save_compile_cache(args.compile_cache)} bytes saved", file=sys.stderr)
     print(throughput_table(run), file=sys.stderr)
     tot = run["totals"]
     print(f"prepare_train_data: selfdistill generated {run['answers']} answers, {run['generated_tokens']} tokens in "

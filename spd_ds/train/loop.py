@@ -258,7 +258,9 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
-    load_compile_cache(tc.compile_cache)  # before the first compile (FlexAttention, the teacher's kernels)
+    n_cached = load_compile_cache(tc.compile_cache)  # before the first compile (FlexAttention, the teacher's kernels)
+    if tc.compile_cache:
+        _say(f"compile cache {tc.compile_cache}: {n_cached} artifacts loaded", rank)
 
     # 2. target, partition, head (same partition for the teacher and the head)
     arch = build_arch(cfg)
@@ -335,7 +337,11 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     elapsed_before = 0.0  # training seconds of the earlier invocations of this run (resume)
     if resume:
         if (ckpt_dir / "latest").exists():
-            _, cs = engine.load_checkpoint(str(ckpt_dir))
+            schedule.stable = 0.0  # what checkpoints from before train.lr_stable_fraction ran with
+            _, cs = engine.load_checkpoint(str(ckpt_dir))  # restores the schedule's state (warmup, total, stable)
+            if schedule.stable != tc.lr_stable_fraction:
+                _say(f"warning: train.lr_stable_fraction={tc.lr_stable_fraction:g} ignored on resume: the run keeps "
+                     f"its schedule ({schedule.stable:g}, from its checkpoint)", rank)
             step, epoch, index, micro = cs["step"], cs["epoch"], cs["index"], cs["micro"]
             elapsed_before = float(cs.get("elapsed_s", 0.0))
             set_rng_state(cs["rng"][rank] if rank < len(cs["rng"]) else cs["rng"][0])
@@ -477,7 +483,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         if paused:
             _say(f"train.session_time_s={tc.session_time_s:g} reached at step {step}: checkpoint saved; continue "
                  "with --resume (the head above is the run's state so far)", rank)
-        save_compile_cache(tc.compile_cache)  # the ranks compile the same kernels: one writer
+        if tc.compile_cache:  # the ranks compile the same kernels: one writer
+            _say(f"compile cache {tc.compile_cache}: {save_compile_cache(tc.compile_cache)} bytes saved", rank)
     dist.barrier()
     return final
 
