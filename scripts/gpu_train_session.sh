@@ -41,7 +41,7 @@ SD=$(readlink -m "${SD_DIR:-$WORK/selfdistill}")
 if [[ "$REGEN_SECONDS" -gt 0 && ! -f "$SD/manifest.json" ]]; then
   say "self-distilling for ${REGEN_SECONDS}s"
   timeout $((REGEN_SECONDS + 180)) $PY launch/prepare_train_data.py selfdistill --model "$MODEL" --data "${REGEN_DATA:-$DATA}" \
-    --out "$SD" --time-budget "$REGEN_SECONDS" ${REGEN_ARGS:-} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -25 >> "$LOG"
+    --out "$SD" --time-budget "$REGEN_SECONDS" --compile-cache "$CACHE_DIR/selfdistill.bin" ${REGEN_ARGS:-} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -25 >> "$LOG"
   say "self-distill exit ${PIPESTATUS[0]}"
 fi
 [[ -f "$SD/manifest.json" ]] && FILES="$SD,$DATA" && cp "$SD/manifest.json" "$OUT/selfdistill_manifest.json"

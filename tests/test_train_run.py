@@ -160,6 +160,22 @@ def test_resume_continues_exactly(run_a, setup):
 
 
 @pytest.mark.slow
+def test_resume_on_other_data_is_refused(run_a, setup):
+    """A checkpoint records which data it was trained on; resuming it on other data stops in one line (exit 2)."""
+    tmp, model, data = setup
+    run_a_dir, _ = run_a
+    (tmp / "d").mkdir()
+    cfg = _experiment(tmp / "d", model, data)
+    ck = tmp / "d" / "run" / "checkpoints"
+    ck.mkdir(parents=True)
+    shutil.copytree(run_a_dir / "checkpoints" / "step6", ck / "step6")
+    (ck / "latest").write_text("step6")
+    proc = _launch(cfg, "--resume", "data.max_conversations=120")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "was trained on other data" in proc.stderr and "data.train_files" in proc.stderr
+
+
+@pytest.mark.slow
 def test_session_time_limit_pauses_and_resume_finishes_exactly(run_a, setup):
     """train.session_time_s ends the invocation after its first step with a checkpoint (a cluster time limit), without
     ending the run; --resume then finishes it with run_a's losses step for step."""

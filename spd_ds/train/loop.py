@@ -298,6 +298,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     records, held_out = split_held_out(records, dc.held_out_fraction if tc.eval_every else 0.0, tc.seed)
     data = tokenize_records(records, tokenizer, dc.max_seq_length, dc.min_seq_length, dc.overflow, dc.num_workers)
     _say(f"data: {data.summary()}", rank)
+    data_id = {"examples": len(data), "tokens": int(data.num_tokens), "held_out": len(held_out)}
     planner = BatchPlanner(data, dc.max_seq_length, dc.micro_batch_size, dp_rank, dp_world, tc.seed, dc.pack)
     validator = None
     if held_out:  # validation: agreement at every fill on held-out micro-batches -> predicted acceptance
@@ -339,6 +340,9 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         if (ckpt_dir / "latest").exists():
             schedule.stable = 0.0  # what checkpoints from before train.lr_stable_fraction ran with
             _, cs = engine.load_checkpoint(str(ckpt_dir))  # restores the schedule's state (warmup, total, stable)
+            if cs.get("data") not in (None, data_id):  # same on every rank: all raise together
+                raise ConfigError(f"{ckpt_dir} was trained on other data ({cs['data']}; now {data_id}): resume with "
+                                  "the run's data.train_files (and data settings), or start a new train.output_dir")
             if schedule.stable != tc.lr_stable_fraction:
                 _say(f"warning: train.lr_stable_fraction={tc.lr_stable_fraction:g} ignored on resume: the run keeps "
                      f"its schedule ({schedule.stable:g}, from its checkpoint)", rank)
@@ -454,7 +458,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         if step % tc.save_every == 0 or step == total_steps or stop:
             _save(engine, ckpt_dir, step, epoch, index + 1, micro, rank, world, tc.keep_checkpoints, device,
                   elapsed_s=time.perf_counter() - t_start,
-                  extra={"validation": validator.state()} if validator is not None else None)
+                  extra={"data": data_id, **({"validation": validator.state()} if validator is not None else {})})
 
     # 9. the final head
     del batches  # stops the prefetching worker now, not at interpreter exit
