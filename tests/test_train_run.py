@@ -71,6 +71,18 @@ def _validation(run_dir: Path) -> dict[int, tuple]:
     return {r["step"]: tuple(json.dumps(r[k]) for k in VAL_KEYS) for r in _records(run_dir) if "val_positions" in r}
 
 
+def _stopped_at_step6(run_a_dir: Path, where: Path, model: Path, data: Path) -> tuple[Path, Path]:
+    """A run directory under ``where`` holding run a's step-6 checkpoint as its latest (as if it had stopped
+    there); returns the experiment file and the checkpoint directory."""
+    where.mkdir()
+    cfg = _experiment(where, model, data)
+    ck = where / "run" / "checkpoints"
+    ck.mkdir(parents=True)
+    shutil.copytree(run_a_dir / "checkpoints" / "step6", ck / "step6")
+    (ck / "latest").write_text("step6")
+    return cfg, ck
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train_run")
@@ -128,12 +140,7 @@ def test_two_ranks_zero2_lower_the_loss_and_save_a_head(run_a, setup):
 def test_resume_continues_exactly(run_a, setup):
     tmp, model, data = setup
     run_a_dir, _ = run_a
-    (tmp / "b").mkdir()
-    cfg = _experiment(tmp / "b", model, data)
-    ck = tmp / "b" / "run" / "checkpoints"
-    ck.mkdir(parents=True)
-    shutil.copytree(run_a_dir / "checkpoints" / "step6", ck / "step6")  # as if the run had stopped after step 6
-    (ck / "latest").write_text("step6")
+    cfg, ck = _stopped_at_step6(run_a_dir, tmp / "b", model, data)
     fresh = _launch(cfg)  # a fresh start must not overwrite a run
     assert fresh.returncode == 2 and "--resume" in fresh.stderr
     # a schedule setting changed on resume is refused with a warning: the run keeps its checkpoint's (exactness below)
@@ -163,13 +170,7 @@ def test_resume_continues_exactly(run_a, setup):
 def test_resume_on_other_data_is_refused(run_a, setup):
     """A checkpoint records which data it was trained on; resuming it on other data stops in one line (exit 2)."""
     tmp, model, data = setup
-    run_a_dir, _ = run_a
-    (tmp / "d").mkdir()
-    cfg = _experiment(tmp / "d", model, data)
-    ck = tmp / "d" / "run" / "checkpoints"
-    ck.mkdir(parents=True)
-    shutil.copytree(run_a_dir / "checkpoints" / "step6", ck / "step6")
-    (ck / "latest").write_text("step6")
+    cfg, _ = _stopped_at_step6(run_a[0], tmp / "d", model, data)
     proc = _launch(cfg, "--resume", "data.max_conversations=120")
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "was trained on other data" in proc.stderr and "data.train_files" in proc.stderr

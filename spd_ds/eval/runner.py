@@ -317,10 +317,8 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
 def run_baselines(run: EvalRun, progress: bool | None = None) -> EvalRun:
     """Measure ``eval.baselines`` of ``run`` on its prompts (the first ``eval.baseline_num_prompts`` of each set)
     on ``run.device``, building ``run.target`` there if needed; adds them to ``run.methods`` and returns ``run``."""
-    from spd_ds.eval.tp_baseline import NAME as TP_NAME
-
     cfg = run.cfg
-    single = [b for b in cfg.eval.baselines if b != TP_NAME]  # tp_ar ran over every rank (_run_distributed)
+    single = _single_device_baselines(cfg)
     if not single:
         return run
     if run.target is None:
@@ -382,41 +380,71 @@ def _run_reference(cfg, part, target, prompts, variants, methods, bar) -> None:
         gc.collect()
 
 
-def _run_baselines(cfg, target, prompts, methods, bar) -> None:
+def measure_baseline(base, run: MethodRun, prompts: list[EvalPrompt], indices: list[int], warm: list[EvalPrompt],
+                     sampling, max_new: int, device, bar=None) -> MethodRun:
+    """Time ``base.generate`` on ``prompts[i] for i in indices`` after the untimed ``warm`` prompts, filling ``run``.
+
+    Sampling keys follow SPD's: timed prompt ``i`` is request ``i``, warm-up ``j`` repeats the key of
+    ``indices[j % len(indices)]`` (set on ``base.sampling`` when the baseline has one). Every call is bracketed by
+    device synchronisation (:func:`timed_generate`); ``run.wall_s`` is in seconds.
+
+    Args:
+        base: a baseline (``generate(prompt ids, max_new_tokens) -> GenerationResult``).
+        run: the :class:`MethodRun` that receives ``results`` and ``wall_s``.
+        prompts, indices, warm: the run's timed prompts, which of them, and the warm-up prompts.
+        sampling: the run's :class:`~spd_ds.decoding.sampling.SamplingParams`.
+        max_new: new tokens per prompt at most (the prefill token included); device: for synchronisation.
+        bar: a progress line (``step(label, tokens)``), or ``None``.
+    Returns:
+        ``run``.
+    """
     from spd_ds.decoding.sampling import SamplingParams
-    from spd_ds.eval.baselines import BaselineContext, build_baseline
+
+    def use_request(request: int) -> None:  # the prompt's sampling key, as SPD's (T > 0)
+        if isinstance(getattr(base, "sampling", None), SamplingParams):
+            base.sampling = sampling.for_request(request)
+
+    for j, p in enumerate(warm):
+        use_request(indices[j % len(indices)])
+        res, _ = timed_generate(base.generate, p.ids, max_new, device)
+        if bar is not None:
+            bar.step(f"{run.name} warm-up", len(res.tokens))
+    for i in indices:
+        use_request(i)
+        res, wall = timed_generate(base.generate, prompts[i].ids, max_new, device)
+        run.results[i], run.wall_s[i] = res, wall
+        if bar is not None:
+            bar.step(f"{run.name} {prompts[i].prompt_set}/{prompts[i].question_id}", len(res.tokens))
+    return run
+
+
+def _single_device_baselines(cfg: ExperimentConfig) -> list[str]:
+    """``eval.baselines`` without ``tp_ar``, which runs over every rank in :func:`_run_distributed`."""
     from spd_ds.eval.tp_baseline import NAME as TP_NAME
 
-    if not cfg.eval.baselines:
+    return [b for b in cfg.eval.baselines if b != TP_NAME]
+
+
+def _run_baselines(cfg, target, prompts, methods, bar) -> None:
+    from spd_ds.eval.baselines import BaselineContext, build_baseline
+
+    names = _single_device_baselines(cfg)
+    if not names:
         return
     ctx = BaselineContext(target, builder.sampling_params(cfg), list(cfg.decoding.eos_token_ids),
                           cfg.decoding.max_length, cfg.model.attn_implementation)
     idx = _baseline_indices(cfg, prompts)
     warm = _warm([prompts[i] for i in idx], cfg.eval.warmup_prompts)
-
-    def use_request(base, request: int) -> None:  # the prompt's sampling key, as SPD's (T > 0)
-        if isinstance(getattr(base, "sampling", None), SamplingParams):
-            base.sampling = ctx.sampling.for_request(request)
-
-    for name in cfg.eval.baselines:
-        if name == TP_NAME:  # measured over every rank in the distributed phase (_run_distributed)
-            continue
+    for name in names:
         base = build_baseline(name, ctx)
         graphed = getattr(base, "graphed", None)
         desc = {"hf_generate": "transformers generate (dynamic cache, eager)",
                 "ar": "ARDecoder on the stage code (eager)",
                 "ar_graph": "static KV cache + CUDA graph per token" if graphed else
                             "static KV cache, eager (no CUDA graph on this device)"}.get(name, type(base).__name__)
-        run = methods[name] = MethodRun(name, "baseline", 1, desc)
-        for j, p in enumerate(warm):
-            use_request(base, idx[j % len(idx)])
-            res, _ = timed_generate(base.generate, p.ids, cfg.decoding.max_new_tokens, target.device)
-            bar.step(f"{name} warm-up", len(res.tokens))
-        for i in idx:
-            use_request(base, i)
-            res, wall = timed_generate(base.generate, prompts[i].ids, cfg.decoding.max_new_tokens, target.device)
-            run.results[i], run.wall_s[i] = res, wall
-            bar.step(f"{name} {prompts[i].prompt_set}/{prompts[i].question_id}", len(res.tokens))
+        methods[name] = MethodRun(name, "baseline", 1, desc)
+        measure_baseline(base, methods[name], prompts, idx, warm, ctx.sampling, cfg.decoding.max_new_tokens,
+                         target.device, bar)
         del base
         gc.collect()
         if target.device.type == "cuda":

@@ -139,7 +139,7 @@ def run_tp_baseline(cfg, arch, prompts, indices, warm, head_rank: bool, world: i
     from deepspeed.inference.engine import InferenceEngine
 
     from spd_ds.eval.baselines import HFGenerateBaseline
-    from spd_ds.eval.runner import MethodRun, _local_device, timed_generate
+    from spd_ds.eval.runner import MethodRun, _local_device, measure_baseline
 
     device = _local_device(cfg)
     sampling = builder.sampling_params(cfg)
@@ -155,17 +155,10 @@ def run_tp_baseline(cfg, arch, prompts, indices, warm, head_rank: bool, world: i
         return None
     base = HFGenerateBaseline(model, sampling, list(cfg.decoding.eos_token_ids))
     base.generate_kwargs["synced_gpus"] = True  # ranks stop together
-    max_new = cfg.decoding.max_new_tokens
     moe = any(getattr(arch.config, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
     run = MethodRun(NAME, "baseline", 1, f"transformers generate, DeepSpeed AutoTP over {world} ranks (eager)"
                     + ("; MoE experts are not split (every rank holds them all)" if moe else ""), devices=world)
-    for j, p in enumerate(warm):
-        base.sampling = sampling.for_request(indices[j % len(indices)])
-        timed_generate(base.generate, p.ids, max_new, device)
-    for i in indices:
-        base.sampling = sampling.for_request(i)
-        res, wall = timed_generate(base.generate, prompts[i].ids, max_new, device)
-        run.results[i], run.wall_s[i] = res, wall
+    measure_baseline(base, run, prompts, indices, warm, sampling, cfg.decoding.max_new_tokens, device)
     del base, model
     InferenceEngine.inference_mp_group = None  # DeepSpeed caches the group on the class; ours may be destroyed next
     gc.collect()
