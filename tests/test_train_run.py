@@ -199,6 +199,26 @@ def test_session_time_limit_pauses_and_resume_finishes_exactly(run_a, setup):
 
 
 @pytest.mark.slow
+def test_warm_start_from_a_trained_head(run_a, setup):
+    """head.checkpoint in training starts a new run from a trained head's weights (fresh optimizer and schedule): the
+    way a head keeps training on a fresh machine. With lr 0 the saved head equals the loaded one bit for bit, and the
+    first step's loss is the trained head's, far below a fresh head's."""
+    tmp, model, data = setup
+    run_a_dir, _ = run_a
+    (tmp / "w").mkdir()
+    cfg = _experiment(tmp / "w", model, data, max_steps=2, lr=0.0, eval_every=0, save_every=100)
+    proc = _launch(cfg, f"head.checkpoint={run_a_dir / 'head'}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "starting from head.checkpoint" in proc.stdout + proc.stderr
+    from safetensors.torch import load_file
+
+    a, w = load_file(run_a_dir / "head" / "head.safetensors"), load_file(tmp / "w" / "run" / "head" / "head.safetensors")
+    assert sorted(a) == sorted(w) and all(torch.equal(a[k], w[k]) for k in a)
+    fresh, warm = _losses(run_a_dir), _losses(tmp / "w" / "run")
+    assert warm[1] < 0.8 * fresh[1], (warm, fresh)
+
+
+@pytest.mark.slow
 def test_teacher_pipeline_degree_n(setup):
     tmp, model, data = setup
     (tmp / "c").mkdir()
