@@ -8,6 +8,10 @@
 #   source .devkit/on_device.sh && OUT=$OUT VARIANTS="a:partition.num_stages=2 b:partition.num_stages=2,head.lm_head_from_target=true" \
 #     REGEN_SECONDS=120 TRAIN_SECONDS=900 SESSION_SECONDS=330 bash scripts/gpu_train_session.sh
 #
+# A run's checkpoints stay on the machine; to keep training a head on a fresh machine, start a new run from it with
+# head.checkpoint=<its best_head> in its variant (a warm start: new optimizer and LR schedule, the steps behind the
+# head recorded as init_steps in train_summary.json).
+#
 # Knobs (env): VARIANTS ("name:override,override ..."; one training process per variant, all on GPU 0 at once),
 #   TRAIN_SECONDS, SESSION_SECONDS, SPD_TRAIN_DATA (conversations carried with the tree), REGEN_DATA (the prompts to
 #   self-distil, default SPD_TRAIN_DATA), REGEN_SECONDS (0 = none;

@@ -56,11 +56,18 @@ def tokens_per_step(run: Path) -> int:
     return int(cfg.data.micro_batch_size) * int(cfg.data.max_seq_length) * max(1, dp)
 
 
+def init_steps(run: Path) -> int:
+    """Steps the run's starting head had taken (``train_summary.json``'s ``init_steps``; 0 for a fresh head or an
+    unknown history): the token axis counts them at this run's tokens per step."""
+    return int(json.loads((run / "train_summary.json").read_text()).get("init_steps") or 0)
+
+
 def validation_curve(run: Path) -> list[tuple[float, float]]:
-    """``(training tokens, predicted T = 0 draft acceptance)`` at every validation of the run (``train_log.jsonl``)."""
-    per = tokens_per_step(run)
+    """``(training tokens, predicted T = 0 draft acceptance)`` at every validation of the run (``train_log.jsonl``);
+    a run started from a trained head (``head.checkpoint``) counts that head's steps too (:func:`init_steps`)."""
+    per, base = tokens_per_step(run), init_steps(run)
     recs = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
-    return [(r["step"] * per, r["val_pred_acceptance"]) for r in recs if "val_pred_acceptance" in r]
+    return [((base + r["step"]) * per, r["val_pred_acceptance"]) for r in recs if "val_pred_acceptance" in r]
 
 
 def measured_acceptance(bench_json: Path, num_stages: int) -> float:
@@ -110,7 +117,8 @@ def main(argv=None) -> int:
             if name not in by_name or not step.isdigit() or not path:
                 ap.error(f"--measured {m}: expected RUN:STEP:BENCHMARK_JSON with RUN one of {', '.join(by_name)}")
             run = by_name[name]
-            points.append((name, int(step) * tokens_per_step(run), measured_acceptance(Path(path), num_stages(run))))
+            points.append((name, (init_steps(run) + int(step)) * tokens_per_step(run),
+                           measured_acceptance(Path(path), num_stages(run))))
         plot_training_acceptance([(run.name, validation_curve(run)) for run in args.runs], points, args.png,
                                  caption=args.caption)
         print(f"wrote {args.png}")

@@ -61,6 +61,27 @@ def test_curve_and_measured_point(tmp_path):
         tr.measured_acceptance(bad, 2)
 
 
+def test_warm_started_run_continues_the_token_axis(tmp_path):
+    """A run started from a trained head records that head's steps (``init_steps``, lineage included); the curve and
+    the measured points count them at the run's tokens per step."""
+    from spd_ds.train.loop import prior_steps
+
+    tr = _load()
+    run = _run_dir(tmp_path, "n2")
+    assert tr.init_steps(run) == 0 and prior_steps(run) == 300
+    summ = json.loads((run / "train_summary.json").read_text())
+    (run / "train_summary.json").write_text(json.dumps(dict(summ, init_steps=1000)))
+    assert prior_steps(run) == 1300  # a head started from this one counts both runs
+    assert prior_steps(tmp_path) is None  # no summary: history unknown
+    (run / "head").mkdir()
+    (run / "best_head").mkdir()
+    (run / "best_head" / "best.json").write_text(json.dumps({"step": 200}))
+    assert prior_steps(run / "head") == 1300 and prior_steps(run / "best_head") == 1200  # a run's two heads
+    assert tr.validation_curve(run) == [(1200 * 4096, 0.3), (1300 * 4096, 0.4)]
+    png = tmp_path / "acc.png"
+    assert tr.main([str(run), "--png", str(png), "--measured", f"n2:300:{_bench(tmp_path, 0.35)}"]) == 0
+
+
 def test_png_and_bad_measured_name(tmp_path, capsys):
     tr = _load()
     run = _run_dir(tmp_path, "n2")

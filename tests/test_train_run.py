@@ -216,6 +216,8 @@ def test_warm_start_from_a_trained_head(run_a, setup):
     assert sorted(a) == sorted(w) and all(torch.equal(a[k], w[k]) for k in a)
     fresh, warm = _losses(run_a_dir), _losses(tmp / "w" / "run")
     assert warm[1] < 0.8 * fresh[1], (warm, fresh)
+    summary = json.loads((tmp / "w" / "run" / "train_summary.json").read_text())
+    assert summary["init_from"] == str(run_a_dir / "head") and summary["init_steps"] == 12  # run a's 12 steps
 
 
 @pytest.mark.slow

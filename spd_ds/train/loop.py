@@ -268,8 +268,11 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     tokenizer = load_tokenizer(arch)
     set_chat_template(tokenizer, dc.chat_template)
     head = build_head(cfg, arch, part)  # seeded with train.seed: identical on every rank
+    init_steps = 0  # optimizer steps the starting head had already taken (its own lineage included)
     if cfg.head.checkpoint:
-        _say(f"starting from head.checkpoint={cfg.head.checkpoint}", rank)
+        init_steps = prior_steps(cfg.head.checkpoint)
+        _say(f"starting from head.checkpoint={cfg.head.checkpoint}"
+             f" ({'unknown number of' if init_steps is None else init_steps} earlier steps)", rank)
     n = part.num_stages
     degree = tc.teacher_pipe_degree or auto_pipe_degree(arch.model_dir, n, world, device)
     if degree not in (1, n) or world % degree:
@@ -479,6 +482,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                    "tokens": tokens_total,
                    "tokens_per_s": tokens_total / max(run_s, 1e-9), "world_size": world,
                    "resumed_at_step": first_step if first_step else None,
+                   "init_from": cfg.head.checkpoint, "init_steps": init_steps,
                    "teacher_pipe_degree": degree, "partition": part.to_dict(), "head": str(final),
                    **(validator.summary() if validator is not None else {"best": None})}
         (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
@@ -494,6 +498,26 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+def prior_steps(head_dir) -> int | None:
+    """Optimizer steps behind a head checkpoint, the steps of the head it started from included (``init_steps``).
+
+    Read from the run that wrote it: ``best.json``'s step for a ``best_head/``, the run's ``train_summary.json``
+    ``steps`` for its final ``head/``, or a ``train_summary.json`` kept beside the weights (the shipped heads); the
+    ``init_steps`` come from that summary. ``None`` when neither is there. A run started with ``head.checkpoint``
+    records the result as ``init_steps``, so the training-token axis of ``scripts/train_report.py`` continues across
+    warm starts."""
+    d = Path(head_dir)
+    summary = next((f for f in (d / "train_summary.json", d.parent / "train_summary.json") if f.exists()), None)
+    s = json.loads(summary.read_text()) if summary else {}
+    before = int(s.get("init_steps") or 0)
+    if (d / "best.json").exists():
+        return int(json.loads((d / "best.json").read_text())["step"]) + before
+    if summary is not None and (summary.parent == d or d.name == "head"):
+        return int(s.get("steps", 0)) + before
+    return None
+
+
+
 def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro: int, rank: int, world: int,
           keep: int, device, elapsed_s: float = 0.0, extra: dict | None = None) -> None:
     """DeepSpeed checkpoint ``step<N>`` with the data position, every rank's RNG state, the run's training time so
