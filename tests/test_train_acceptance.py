@@ -291,8 +291,9 @@ def test_prediction_matches_the_decoder_smollm2_shipped_head(smollm2_dir, smollm
     """The shipped SmolLM2 n = 2 head (loaded through spd_ds.builder), five demo prompts, 64 new tokens, fp32 CPU.
 
     About 30 s of CPU time on one thread (the reference decoder's ~450 cycles), more wall time on a busy machine:
-    hence the slow tier. Recorded (docs/training.md): a = (0.259, 0.243), measured α 0.251 / L' 1.166 over 259
-    drafts, predicted 0.255 / 1.165 (finite horizon), stationary L' 1.146."""
+    hence the slow tier. Recorded for the head shipped 2026-12-01 (7,641 steps): a = (0.448, 0.375), measured
+    α 0.421 / L' 1.291 over 259 drafts, predicted 0.418 / 1.282 (finite horizon), stationary 0.417 / L' 1.264.
+    """
     from spd_ds.builder import build_arch, build_head, build_partition, build_target
     from spd_ds.config import load_config
     from spd_ds.eval.regression import DEFAULT_HEAD_DIR
