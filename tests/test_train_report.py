@@ -77,6 +77,8 @@ def test_warm_started_run_continues_the_token_axis(tmp_path):
     (run / "best_head").mkdir()
     (run / "best_head" / "best.json").write_text(json.dumps({"step": 200}))
     assert prior_steps(run / "head") == 1300 and prior_steps(run / "best_head") == 1200  # a run's two heads
+    (run / "best_head" / "best.json").write_text("{not json")
+    assert prior_steps(run / "best_head") is None  # damaged metadata: unknown history, no error
     assert tr.validation_curve(run) == [(1200 * 4096, 0.3), (1300 * 4096, 0.4)]
     png = tmp_path / "acc.png"
     assert tr.main([str(run), "--png", str(png), "--measured", f"n2:300:{_bench(tmp_path, 0.35)}"]) == 0

@@ -505,15 +505,18 @@ def prior_steps(head_dir) -> int | None:
     ``steps`` for its final ``head/``, or a ``train_summary.json`` kept beside the weights (the shipped heads); the
     ``init_steps`` come from that summary. ``None`` when neither is there. A run started with ``head.checkpoint``
     records the result as ``init_steps``, so the training-token axis of ``scripts/train_report.py`` continues across
-    warm starts."""
+    warm starts. Never raises: unreadable or malformed files also give ``None``."""
     d = Path(head_dir)
     summary = next((f for f in (d / "train_summary.json", d.parent / "train_summary.json") if f.exists()), None)
-    s = json.loads(summary.read_text()) if summary else {}
-    before = int(s.get("init_steps") or 0)
-    if (d / "best.json").exists():
-        return int(json.loads((d / "best.json").read_text())["step"]) + before
-    if summary is not None and (summary.parent == d or d.name == "head"):
-        return int(s.get("steps", 0)) + before
+    try:  # optional metadata: unreadable files mean an unknown history, never a failed start
+        s = json.loads(summary.read_text()) if summary else {}
+        before = int(s.get("init_steps") or 0)
+        if (d / "best.json").exists():
+            return int(json.loads((d / "best.json").read_text())["step"]) + before
+        if summary is not None and (summary.parent == d or d.name == "head"):
+            return int(s.get("steps", 0)) + before
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
     return None
 
 
