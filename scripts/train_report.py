@@ -58,7 +58,11 @@ def tokens_per_step(run: Path) -> int:
 
 def init_steps(run: Path) -> int:
     """Steps the run's starting head had taken (``train_summary.json``'s ``init_steps``; 0 for a fresh head or an
-    unknown history): the token axis counts them at this run's tokens per step."""
+    unknown history): the token axis counts them at this run's tokens per step.
+
+    Raises:
+        FileNotFoundError: no ``train_summary.json`` in ``run``. ValueError: the summary is not valid JSON.
+    """
     return int(json.loads((run / "train_summary.json").read_text()).get("init_steps") or 0)
 
 

@@ -77,11 +77,19 @@ def test_warm_started_run_continues_the_token_axis(tmp_path):
     (run / "best_head").mkdir()
     (run / "best_head" / "best.json").write_text(json.dumps({"step": 200}))
     assert prior_steps(run / "head") == 1300 and prior_steps(run / "best_head") == 1200  # a run's two heads
+    (run / "best_head" / "best.json").write_text(json.dumps({"step": 200, "init_steps": 7}))
+    assert prior_steps(run / "best_head") == 207  # a best head describes itself when copied alone
     (run / "best_head" / "best.json").write_text("{not json")
     assert prior_steps(run / "best_head") is None  # damaged metadata: unknown history, no error
     assert tr.validation_curve(run) == [(1200 * 4096, 0.3), (1300 * 4096, 0.4)]
     png = tmp_path / "acc.png"
     assert tr.main([str(run), "--png", str(png), "--measured", f"n2:300:{_bench(tmp_path, 0.35)}"]) == 0
+    (run / "train_summary.json").write_text(json.dumps(dict(summ, init_steps=None, best={"step": 250})))
+    assert prior_steps(run) is None  # the start head's history was unknown: so is this one's
+    (run / "train_summary.json").write_text(json.dumps(dict(summ, best={"step": 250})))
+    assert prior_steps(run) == 250  # a shipped folder (best head + its run's summary): the best step
+    (run / "train_summary.json").write_text(json.dumps({"partition": {}}))
+    assert prior_steps(run / "head") is None  # no step count
 
 
 def test_png_and_bad_measured_name(tmp_path, capsys):

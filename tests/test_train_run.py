@@ -202,22 +202,33 @@ def test_session_time_limit_pauses_and_resume_finishes_exactly(run_a, setup):
 def test_warm_start_from_a_trained_head(run_a, setup):
     """head.checkpoint in training starts a new run from a trained head's weights (fresh optimizer and schedule): the
     way a head keeps training on a fresh machine. With lr 0 the saved head equals the loaded one bit for bit, and the
-    first step's loss is the trained head's, far below a fresh head's."""
+    first step's loss is the trained head's, far below a fresh head's. The steps behind the start head are recorded
+    (``init_steps``) when the run begins and kept by its checkpoints, whatever happens to that head's files later."""
     tmp, model, data = setup
     run_a_dir, _ = run_a
-    (tmp / "w").mkdir()
-    cfg = _experiment(tmp / "w", model, data, max_steps=2, lr=0.0, eval_every=0, save_every=100)
-    proc = _launch(cfg, f"head.checkpoint={run_a_dir / 'head'}")
+    start = tmp / "w" / "start"  # run a's final head with its run summary, as a run directory holds them
+    shutil.copytree(run_a_dir / "head", start / "head")
+    shutil.copy(run_a_dir / "train_summary.json", start / "train_summary.json")
+    cfg = _experiment(tmp / "w", model, data, max_steps=2, lr=0.0, eval_every=0, save_every=100,
+                      session_time_s=1e-6)  # the first invocation pauses after step 1
+    proc = _launch(cfg, f"head.checkpoint={start / 'head'}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "starting from head.checkpoint" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "starting from head.checkpoint" in out and "(12 earlier steps)" in out
+    summary = json.loads((start / "train_summary.json").read_text())
+    (start / "train_summary.json").write_text(json.dumps(dict(summary, steps=99)))  # changed after the run began
+    proc = _launch(cfg, "--resume", f"head.checkpoint={start / 'head'}", "train.session_time_s=null")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from safetensors.torch import load_file
 
-    a, w = load_file(run_a_dir / "head" / "head.safetensors"), load_file(tmp / "w" / "run" / "head" / "head.safetensors")
+    a = load_file(run_a_dir / "head" / "head.safetensors")
+    w = load_file(tmp / "w" / "run" / "head" / "head.safetensors")
     assert sorted(a) == sorted(w) and all(torch.equal(a[k], w[k]) for k in a)
     fresh, warm = _losses(run_a_dir), _losses(tmp / "w" / "run")
-    assert warm[1] < 0.8 * fresh[1], (warm, fresh)
+    assert sorted(warm) == [1, 2] and warm[1] < 0.8 * fresh[1], (warm, fresh)
     summary = json.loads((tmp / "w" / "run" / "train_summary.json").read_text())
-    assert summary["init_from"] == str(run_a_dir / "head") and summary["init_steps"] == 12  # run a's 12 steps
+    assert summary["init_from"] == str(start / "head") and summary["init_steps"] == 12  # run a's 12, from the start
+    assert summary["steps"] == 2 and summary["resumed_at_step"] == 1
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ from spd_ds.train.data import BatchPlanner, iterate, load_records, tokenize_reco
 from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
-from spd_ds.train.validate import Validator
+from spd_ds.train.validate import BEST_FILE, Validator
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "train_log.jsonl"
@@ -350,6 +350,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                 _say(f"warning: train.lr_stable_fraction={tc.lr_stable_fraction:g} ignored on resume: the run keeps "
                      f"its schedule ({schedule.stable:g}, from its checkpoint)", rank)
             step, epoch, index, micro = cs["step"], cs["epoch"], cs["index"], cs["micro"]
+            init_steps = cs.get("init_steps", init_steps)  # as the run began (head.checkpoint may have changed since)
             elapsed_before = float(cs.get("elapsed_s", 0.0))
             set_rng_state(cs["rng"][rank] if rank < len(cs["rng"]) else cs["rng"][0])
             if validator is not None:
@@ -358,6 +359,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         else:
             _say(f"train.resume: no checkpoint under {ckpt_dir}; starting fresh", rank)
 
+    if validator is not None:
+        validator.init_steps = init_steps  # best_head/best.json carries the head's history
     # 7. logging
     is_logger = rank == 0
     tb = _tensorboard(out_dir) if (tc.tensorboard and is_logger) else None
@@ -461,7 +464,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         if step % tc.save_every == 0 or step == total_steps or stop:
             _save(engine, ckpt_dir, step, epoch, index + 1, micro, rank, world, tc.keep_checkpoints, device,
                   elapsed_s=time.perf_counter() - t_start,
-                  extra={"data": data_id, **({"validation": validator.state()} if validator is not None else {})})
+                  extra={"data": data_id, "init_steps": init_steps,
+                         **({"validation": validator.state()} if validator is not None else {})})
 
     # 9. the final head
     del batches  # stops the prefetching worker now, not at interpreter exit
@@ -498,27 +502,37 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def prior_steps(head_dir) -> int | None:
+def prior_steps(head_dir: str | os.PathLike) -> int | None:
     """Optimizer steps behind a head checkpoint, the steps of the head it started from included (``init_steps``).
 
-    Read from the run that wrote it: ``best.json``'s step for a ``best_head/``, the run's ``train_summary.json``
-    ``steps`` for its final ``head/``, or a ``train_summary.json`` kept beside the weights (the shipped heads); the
-    ``init_steps`` come from that summary. ``None`` when neither is there. A run started with ``head.checkpoint``
-    records the result as ``init_steps``, so the training-token axis of ``scripts/train_report.py`` continues across
-    warm starts. Never raises: unreadable or malformed files also give ``None``."""
-    d = Path(head_dir)
-    summary = next((f for f in (d / "train_summary.json", d.parent / "train_summary.json") if f.exists()), None)
-    try:  # optional metadata: unreadable files mean an unknown history, never a failed start
-        s = json.loads(summary.read_text()) if summary else {}
-        before = int(s.get("init_steps") or 0)
-        if (d / "best.json").exists():
-            return int(json.loads((d / "best.json").read_text())["step"]) + before
-        if summary is not None and (summary.parent == d or d.name == "head"):
-            return int(s.get("steps", 0)) + before
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
-    return None
+    Read from the files training writes: ``best.json`` (step and ``init_steps``) in a ``best_head/``; for a run's final
+    ``head/``, the run's ``train_summary.json`` (``steps`` + ``init_steps``); for a folder holding its own
+    ``train_summary.json`` (the shipped heads: a best head copied with its run's summary), that summary's best step
+    (else its ``steps``) + ``init_steps``. A run started with ``head.checkpoint`` records the result as
+    ``init_steps``, so the training-token axis of ``scripts/train_report.py`` continues across warm starts.
 
+    Returns:
+        The number of steps, or ``None`` when the history is unknown: no such files, ``init_steps`` recorded as
+        unknown (``null``), or unreadable / malformed files. Never raises (optional metadata must not stop a run).
+    """
+    d = Path(head_dir)
+    try:
+        best = json.loads((d / BEST_FILE).read_text()) if (d / BEST_FILE).exists() else None
+        summary = next((f for f in (d / "train_summary.json", d.parent / "train_summary.json") if f.exists()), None)
+        s = json.loads(summary.read_text()) if summary is not None else {}
+        meta = best if best is not None and "init_steps" in best else s
+        before = meta.get("init_steps", 0)
+        if before is None:
+            return None
+        if best is not None:
+            return int(best["step"]) + int(before)
+        if summary is not None and summary.parent == d:
+            return int((s.get("best") or {}).get("step", s["steps"])) + int(before)
+        if summary is not None and d.name == "head":
+            return int(s["steps"]) + int(before)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return None
 
 
 def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro: int, rank: int, world: int,

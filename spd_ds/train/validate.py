@@ -9,7 +9,8 @@ agreement by fill ``a_F`` (:func:`spd_ds.train.loss.top1_agreement`: what T = 0 
 ``L' = n/(1+(n-1)(1-α))`` of the reference decoder (:mod:`spd_ds.train.acceptance`). The figures go to
 ``train_log.jsonl`` (``val_agreement_by_fill``, ``val_pred_acceptance``, ``val_pred_accept_length``,
 ``val_positions``, ``val_s``) and the progress bar; the head with the best predicted ``L'`` so far is written to
-``<output_dir>/best_head/`` (:meth:`SpeculationHead.save` + ``best.json``).
+``<output_dir>/best_head/`` (:meth:`SpeculationHead.save` + ``best.json``: the step, its figures and ``init_steps``,
+the steps of the head the run started from).
 
 The held-out split (:func:`spd_ds.train.split.split_held_out`, by conversation) is a pure function of each record's
 conversation key and ``train.seed``, so every rank, every resume and every world size holds out the same records.
@@ -169,6 +170,7 @@ class Validator:
         self.is_logger, self.save_dtype = is_logger, save_dtype
         self.best: dict | None = None
         self.last: dict | None = None
+        self.init_steps: int | None = 0  # steps the starting head had taken (written to best.json; None = unknown)
 
     @classmethod
     def build(cls, records: Sequence[dict], tokenizer, cfg, num_stages: int, dp_rank: int, dp_world: int,
@@ -224,7 +226,7 @@ class Validator:
         tmp = self.best_dir.with_name(BEST_DIR + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         head.save(tmp, dtype=self.save_dtype)
-        (tmp / BEST_FILE).write_text(json.dumps(self.best, indent=1))
+        (tmp / BEST_FILE).write_text(json.dumps({**self.best, "init_steps": self.init_steps}, indent=1))
         shutil.rmtree(self.best_dir, ignore_errors=True)
         tmp.rename(self.best_dir)
 
