@@ -21,7 +21,8 @@
 #   torch.compile caches as compile_cache.tar), CACHE_DIR (default runs/compile_cache: train_<variant>.bin, loaded
 #   when carried in: a fresh machine can skip FlexAttention compiles; not measured yet), EVAL_SETS / EVAL_PROMPTS /
 #   EVAL_TOKENS / EVAL_TEMPS (suite c of every head on the node's CPU cores after training; EVAL_PROMPTS=0 = none),
-#   SPD_EVAL_DIR (materialised prompt sets carried with the tree).
+#   SPD_EVAL_DIR (materialised prompt sets carried with the tree), DETACH=1 / WAIT_SECONDS / SAVE_EVERY (runs that
+#   outlive the call: see step 2).
 set -uo pipefail
 PY=${PYTHON:-python3}
 WORK=${WORK:-/root/spd_work}
@@ -50,28 +51,60 @@ if [[ "$REGEN_SECONDS" -gt 0 && ! -f "$SD/manifest.json" ]]; then
 fi
 [[ -f "$SD/manifest.json" ]] && FILES="$SD,$DATA" && cp "$SD/manifest.json" "$OUT/selfdistill_manifest.json"
 
-# 2. every variant at once, resuming its run
+# 2. every variant at once, resuming its run. DETACH=1: the runs are started in their own sessions (setsid) and outlive
+# this call; the call waits WAIT_SECONDS for them (default SESSION_SECONDS), and the next call with the same command
+# attaches to the runs still alive instead of starting them again (no restart, no recompile, one invocation for the
+# whole run as long as the machine stays warm; checkpoints every SAVE_EVERY steps in case it is not).
 port=29600
 pids=()
+DETACH=${DETACH:-0}
 for v in $VARIANTS; do
   name=${v%%:*}; over=${v#*:}; run="$WORK/heads/$name"
+  if [[ "$DETACH" = 1 && -f "$WORK/$name.pid" ]] && kill -0 "$(cat "$WORK/$name.pid")" 2>/dev/null; then
+    say "attach $name (pid $(cat "$WORK/$name.pid"))"; pids+=("$(cat "$WORK/$name.pid")"); port=$((port + 1)); continue
+  fi
+  if [[ -f "$run/train_summary.json" ]] && grep -q '"finished": true' "$run/train_summary.json"; then
+    say "$name finished"; port=$((port + 1)); continue
+  fi
   resume=""; [[ -f "$run/checkpoints/latest" ]] && resume="--resume"
   say "train $name ($over) $resume"
-  # shellcheck disable=SC2086
-  timeout $((SESSION_SECONDS + 240)) $PY -m deepspeed.launcher.runner --num_gpus 1 --master_port $port launch/train.py \
-    --config launch/configs/train_smollm2_n2.yaml --deepspeed_config ds_configs/zero2.json $resume \
-    "model.name=$MODEL" "data.train_files=[$FILES]" data.max_conversations=null \
-    "train.compile_cache=$CACHE_DIR/train_$name.bin" ${over//,/ } ${EXTRA:-} \
-    "train.max_time_s=$TRAIN_SECONDS" "train.session_time_s=$SESSION_SECONDS" train.epochs=100 \
-    "train.output_dir=$run" train.save_every=1000000 train.progress=false train.log_every=25 \
-    > "$WORK/$name.log" 2>&1 &
-  pids+=($!); port=$((port + 1))
+  if [[ "$DETACH" = 1 ]]; then session="train.session_time_s=null"; save="train.save_every=${SAVE_EVERY:-500}"
+  else session="train.session_time_s=$SESSION_SECONDS"; save="train.save_every=1000000"; fi
+  cmd=($PY -m deepspeed.launcher.runner --num_gpus 1 --master_port $port launch/train.py
+    --config launch/configs/train_smollm2_n2.yaml --deepspeed_config ds_configs/zero2.json $resume
+    "model.name=$MODEL" "data.train_files=[$FILES]" data.max_conversations=null
+    "train.compile_cache=$CACHE_DIR/train_$name.bin" ${over//,/ } ${EXTRA:-}
+    "train.max_time_s=$TRAIN_SECONDS" "$session" train.epochs=100
+    "train.output_dir=$run" "$save" train.progress=false train.log_every=25)
+  if [[ "$DETACH" = 1 ]]; then
+    setsid nohup "${cmd[@]}" > "$WORK/$name.log" 2>&1 < /dev/null &
+    echo $! > "$WORK/$name.pid"; pids+=($!)
+  else
+    timeout $((SESSION_SECONDS + 240)) "${cmd[@]}" > "$WORK/$name.log" 2>&1 &
+    pids+=($!)
+  fi
+  port=$((port + 1))
 done
-for p in "${pids[@]}"; do wait "$p"; done
+if [[ "$DETACH" = 1 ]]; then
+  t0=$SECONDS
+  while (( SECONDS - t0 < ${WAIT_SECONDS:-$SESSION_SECONDS} )); do
+    alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=$((alive + 1)); done
+    [[ $alive = 0 ]] && break
+    sleep 5
+  done
+  alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=$((alive + 1)); done
+  for v in $VARIANTS; do
+    name=${v%%:*}; last=$(tail -n 1 "$WORK/heads/$name/train_log.jsonl" 2>/dev/null | cut -c1-160)
+    say "$name: ${last:-no log yet}"
+  done
+  [[ $alive -gt 0 ]] && say "$alive run(s) still running: call again with the same command to keep waiting"
+else
+  for p in "${pids[@]}"; do wait "$p"; done
+fi
 for v in $VARIANTS; do
   name=${v%%:*}; run="$WORK/heads/$name"
   grep -E "spd_ds.train|Error|error" "$WORK/$name.log" | tail -6 >> "$LOG"
-  $PY scripts/train_report.py "$run" --name "$name" 2>&1 | tee -a "$LOG"
+  [[ -f "$run/train_summary.json" ]] && $PY scripts/train_report.py "$run" --name "$name" 2>&1 | tee -a "$LOG"
 done
 
 # 3. heads back (head/ and best_head/ when there, logs), <= 15 MB parts
