@@ -147,10 +147,12 @@ def test_benchmark_cli_suite_c_spd_and_ppsd(tmp_path):
              "--out", str(tmp_path / "bench"), f"model.name={shape}", "eval.prompt_sets=[random]",
              "eval.random_prompt_lengths=[6]", "eval.progress=false", "eval.plots=false"])
     assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads((tmp_path / "bench" / "benchmark.json").read_text())["acceptance"]
+    bench = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
+    rows, col = bench["acceptance"], bench["acceptance_headers"].index
     assert [(r[0], r[1]) for r in rows] == [(2, "spd"), (2, "ppsd"), (3, "spd"), (3, "ppsd")]
     assert all(r[2] >= 1.0 for r in rows)  # eq. accept length n*N/K: a token leaves the pipeline at least every n cycles
-    assert "PPSD head" in rows[1][6] and "[0, 2]" in rows[1][6]
+    assert "PPSD head" in rows[1][col("head")] and "[0, 2]" in rows[1][col("head")]
+    assert all(r[col("repeated 9-grams")] is None for r in rows)  # 8-token answers: no 9-gram to repeat
 
 
 @pytest.mark.slow

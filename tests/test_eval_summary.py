@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from spd_ds.config import ConfigError, load_config
-from spd_ds.eval.report import check_summary_schema, per_prompt_rows, summarize, write_reports
+from spd_ds.eval.report import (check_summary_schema, per_prompt_rows, repeated_ngram_share, summarize,
+                                write_reports)
 from spd_ds.eval.inputs import random_prompt_ids
 from spd_ds.eval.runner import first_divergence, run_eval
 from tests.test_eval_random_weights import make_random_shape
@@ -68,6 +69,8 @@ def test_summary_schema_ppsd_and_exactness(heads, tmp_path):
     assert summary["methods"]["ppsd"]["description"].startswith("PPSD head")
     assert set(summary["results"]["spd"]["by_set"]) == {"random"}
     assert "INCLUDING" in summary["definitions"]["num_new_tokens"]
+    tokens = [r["tokens"] for r in rows if r["method"] == "spd"]
+    assert spd_o["repeated_ngram_share"] == repeated_ngram_share(tokens) is not None
 
 
 def test_oracle_sweep_in_one_run(heads, tmp_path):
@@ -110,6 +113,14 @@ def test_clear_errors(heads, tmp_path):
     with pytest.raises(ConfigError, match="PPSD head's stages"):
         run_eval(load_config(None, overrides(shape, tmp_path, f"head.checkpoint={spd}", f"eval.ppsd_checkpoint={odd}",
                                              "eval.baselines=[]")), engine="reference")
+
+
+def test_repeated_ngram_share_counts_loops():
+    assert repeated_ngram_share([[1, 2, 3, 4]], n=3) == 0.0  # 2 positions, nothing seen twice
+    assert repeated_ngram_share([[1, 2, 1, 2, 1, 2]], n=3) == 0.5  # (1,2,1) (2,1,2) new, then both again
+    assert repeated_ngram_share([[1, 2, 1, 2, 1, 2], [5, 6, 7, 8]], n=3) == 2 / 6  # pooled over positions
+    assert repeated_ngram_share([[1, 2], []], n=3) is None  # no answer long enough
+    assert repeated_ngram_share([[7] * 20]) == 11 / 12  # one 9-gram of 7s, then the same 11 times
 
 
 def test_helpers():

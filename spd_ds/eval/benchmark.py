@@ -153,7 +153,8 @@ def speed_headers(runs: Sequence[SuiteRun]) -> list[str]:
     if with_tp(runs):
         heads.insert(heads.index("x hf_generate") + 1, "x tp_ar")
     return heads + (GPU_HEADERS if gpu else [])
-ACCEPT_HEADERS = ["n", "method", "eq. accept len", "draft acc.", "tok/cycle", "acceptance by fill 1..n", "head"]
+ACCEPT_HEADERS = ["n", "method", "eq. accept len", "draft acc.", "tok/cycle", "acceptance by fill 1..n",
+                  "repeated 9-grams", "head"]
 
 
 def speed_rows(sr: SuiteRun, tp: bool = False) -> list[list]:
@@ -179,7 +180,8 @@ def speed_rows(sr: SuiteRun, tp: bool = False) -> list[list]:
 
 
 def accept_rows(sr: SuiteRun) -> list[list]:
-    """Rows of the acceptance table (suite c): one per SPD method (spd, ppsd)."""
+    """Rows of the acceptance table (suite c): one per SPD method (spd, ppsd), with the answers' repeated 9-gram
+    share (:func:`~spd_ds.eval.report.repeated_ngram_share`: loops inflate acceptance)."""
     s = sr.summary
     rows = []
     for name, res in s["results"].items():
@@ -188,7 +190,7 @@ def accept_rows(sr: SuiteRun) -> list[list]:
         b = res["overall"]
         fills = " ".join("-" if r["rate"] is None else f"{r['rate']:.2f}" for r in b["acceptance_by_depth"])
         rows.append([s["partition"]["num_stages"], name, b["equivalent_accept_length"], b["draft_acceptance_rate"],
-                     b["tokens_per_cycle"], fills, s["methods"][name]["description"]])
+                     b["tokens_per_cycle"], fills, b.get("repeated_ngram_share"), s["methods"][name]["description"]])
     return rows
 
 

@@ -21,7 +21,7 @@ Summary schema (``schema_version`` 1)::
     BLOCK = {"num_prompts", "num_new_tokens", "num_cycles", "num_drafts", "num_accepted_tokens", "num_rollbacks",
              "draft_acceptance_rate", "tokens_per_cycle", "equivalent_accept_length", "acceptance_by_depth",
              "prefill_s", "decode_s", "decode_tok_s", "mean_decode_tok_s", "cycle_time_split_ms", "achieved_gbps",
-             "hbm_fraction", "speedup_vs_ar"}
+             "hbm_fraction", "speedup_vs_ar", "repeated_ngram_share"}
 
 Draft metrics (``num_drafts`` ... ``acceptance_by_depth``) are ``None`` for AR baselines. Pooled means sums over
 prompts first (``ΣN / ΣK``, ``Σ(N-1) / Σdecode_s``), then ratios.
@@ -65,7 +65,11 @@ DEFINITIONS = {
     "hbm_fraction": "achieved_gbps / (bandwidth.gbps x devices the method runs on): the GPU's memory bandwidth named "
                     "in 'bandwidth' (eval.hbm_gbps overrides it); GPU runs only",
     "speedup_vs_ar": "decode_tok_s of the method / decode_tok_s of each baseline, pooled over the prompts both ran",
+    "repeated_ngram_share": "share of the returned tokens that close a 9-gram already seen earlier in the same answer "
+                            "(pooled; past the first 8 tokens): loops, which any drafter predicts easily, so "
+                            "acceptance on answers with a high share says little about the head",
 }
+REPEAT_NGRAM = 9  # n-gram length of repeated_ngram_share
 
 
 # ---------------------------------------------------------------------------------------------- metric blocks
@@ -107,6 +111,24 @@ def metric_block(items: Sequence[SPDMetrics], spd: bool, num_stages: int, weight
     return block
 
 
+def repeated_ngram_share(answers: Sequence[Sequence[int]], n: int = REPEAT_NGRAM) -> float | None:
+    """Share of the tokens of ``answers`` (each a list of token ids) that close an ``n``-gram already seen earlier in
+    the same answer, pooled over the answers' positions ``n-1 ..`` (``None`` when no answer has ``n`` tokens).
+
+    A greedy small model often loops on long answers; loops are trivially drafted, so a draft acceptance measured on
+    them overstates the head (``docs/benchmarks.md`` (c)). Reported beside acceptance in every summary block.
+    """
+    repeated = positions = 0
+    for toks in answers:
+        seen = set()
+        for i in range(n - 1, len(toks)):
+            gram = tuple(toks[i - n + 1:i + 1])
+            repeated += gram in seen
+            seen.add(gram)
+        positions += max(0, len(toks) - n + 1)
+    return repeated / positions if positions else None
+
+
 def _pooled_tok_s(run, method, indices: Iterable[int]) -> float:
     return pooled_decode_tok_s([method.results[i].metrics for i in indices])
 
@@ -141,6 +163,7 @@ def summarize(run, weight_bytes: int | None = None) -> dict:
         for scope, idx in scopes.items():
             b = metric_block([mr.results[i].metrics for i in idx], spd, mr.num_stages, gpu_bytes, mr.devices,
                              bandwidth["gbps"] if bandwidth else None)
+            b["repeated_ngram_share"] = repeated_ngram_share([mr.results[i].tokens for i in idx])
             if spd:
                 for base in run.baselines():
                     common = [i for i in idx if i in base.results]
