@@ -55,29 +55,44 @@ fi
 # this call; the call waits WAIT_SECONDS for them (default SESSION_SECONDS), and the next call with the same command
 # attaches to the runs still alive instead of starting them again (no restart, no recompile, one invocation for the
 # whole run as long as the machine stays warm; checkpoints every SAVE_EVERY steps in case it is not).
+# A finished run is not extended (raising TRAIN_SECONDS later does not reopen it): start a new run from its best head
+# (head.checkpoint) instead.
 port=29600
 pids=()
 DETACH=${DETACH:-0}
+live_pid() {  # the pid of variant $1's detached run if it is still that run and alive (else removes the pid file)
+  local f="$WORK/$1.pid" pid
+  [[ -f "$f" ]] || return 1
+  pid=$(cat "$f")
+  if kill -0 "$pid" 2>/dev/null && [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ]] \
+      && tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF "train.output_dir=$WORK/heads/$1 "; then
+    echo "$pid"; return 0
+  fi
+  rm -f "$f"; return 1
+}
 for v in $VARIANTS; do
   name=${v%%:*}; over=${v#*:}; run="$WORK/heads/$name"
-  if [[ "$DETACH" = 1 && -f "$WORK/$name.pid" ]] && kill -0 "$(cat "$WORK/$name.pid")" 2>/dev/null; then
-    say "attach $name (pid $(cat "$WORK/$name.pid"))"; pids+=("$(cat "$WORK/$name.pid")"); port=$((port + 1)); continue
+  if pid=$(live_pid "$name"); then  # in either mode: never a second trainer on a run directory
+    say "attach $name (pid $pid)"; pids+=("$pid"); port=$((port + 1)); continue
   fi
   if [[ -f "$run/train_summary.json" ]] && grep -q '"finished": true' "$run/train_summary.json"; then
     say "$name finished"; port=$((port + 1)); continue
   fi
+  [[ -f "$WORK/$name.log" ]] && mv "$WORK/$name.log" "$WORK/$name.log.$(date +%s)"  # keep why an earlier one ended
   resume=""; [[ -f "$run/checkpoints/latest" ]] && resume="--resume"
   say "train $name ($over) $resume"
   if [[ "$DETACH" = 1 ]]; then session="train.session_time_s=null"; save="train.save_every=${SAVE_EVERY:-500}"
   else session="train.session_time_s=$SESSION_SECONDS"; save="train.save_every=1000000"; fi
+  set -f  # overrides like a=[x] are words, not globs
   cmd=($PY -m deepspeed.launcher.runner --num_gpus 1 --master_port $port launch/train.py
     --config launch/configs/train_smollm2_n2.yaml --deepspeed_config ds_configs/zero2.json $resume
     "model.name=$MODEL" "data.train_files=[$FILES]" data.max_conversations=null
     "train.compile_cache=$CACHE_DIR/train_$name.bin" ${over//,/ } ${EXTRA:-}
     "train.max_time_s=$TRAIN_SECONDS" "$session" train.epochs=100
     "train.output_dir=$run" "$save" train.progress=false train.log_every=25)
-  if [[ "$DETACH" = 1 ]]; then
-    setsid nohup "${cmd[@]}" > "$WORK/$name.log" 2>&1 < /dev/null &
+  set +f
+  if [[ "$DETACH" = 1 ]]; then  # a hung run ends anyway (start-up and final validation included)
+    setsid nohup timeout $((TRAIN_SECONDS + 600)) "${cmd[@]}" > "$WORK/$name.log" 2>&1 < /dev/null &
     echo $! > "$WORK/$name.pid"; pids+=($!)
   else
     timeout $((SESSION_SECONDS + 240)) "${cmd[@]}" > "$WORK/$name.log" 2>&1 &
@@ -98,11 +113,13 @@ if [[ "$DETACH" = 1 ]]; then
     say "$name: ${last:-no log yet}"
   done
   [[ $alive -gt 0 ]] && say "$alive run(s) still running: call again with the same command to keep waiting"
-else
-  for p in "${pids[@]}"; do wait "$p"; done
+else  # children are waited for; an attached detached run (not a child) is polled until it ends
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || while kill -0 "$p" 2>/dev/null; do sleep 5; done; done
 fi
+RUNNING=" "  # variants still training (detached): no report, no evaluation this call; FETCH returns their best so far
 for v in $VARIANTS; do
   name=${v%%:*}; run="$WORK/heads/$name"
+  if live_pid "$name" > /dev/null; then RUNNING+="$name "; continue; fi
   grep -E "spd_ds.train|Error|error" "$WORK/$name.log" | tail -6 >> "$LOG"
   [[ -f "$run/train_summary.json" ]] && $PY scripts/train_report.py "$run" --name "$name" 2>&1 | tee -a "$LOG"
 done
@@ -128,8 +145,12 @@ fi
 if [[ "$EVAL_PROMPTS" -gt 0 ]]; then
   cores=$(nproc); jobs=0; for v in $VARIANTS; do for t in ${EVAL_TEMPS:-0}; do jobs=$((jobs + 1)); done; done
   th=$(( cores / jobs )); [[ $th -lt 1 ]] && th=1
+  evals=()
   for v in $VARIANTS; do
     name=${v%%:*}; run="$WORK/heads/$name"; head="$run/best_head"; [[ -d "$head" ]] || head="$run/head"
+    if [[ "$RUNNING" == *" $name "* || ! -f "$head/head_config.json" ]]; then
+      say "$name: no head to evaluate yet"; continue
+    fi
     n=$($PY -c "import json,sys; print(len(json.load(open('$head/head_config.json'))['partition']['stage_layers']))")
     for t in ${EVAL_TEMPS:-0}; do
       OMP_NUM_THREADS=$th CUDA_VISIBLE_DEVICES= timeout 900 $PY launch/benchmark.py --suite c --stages "$n" \
@@ -137,9 +158,10 @@ if [[ "$EVAL_PROMPTS" -gt 0 ]]; then
         --prompt-sets ${EVAL_SETS:-mt_bench humaneval gsm8k} --out "$WORK/eval_${name}_T$t" \
         model.device=cpu model.dtype=float32 "decoding.temperature=$t" ${SPD_EVAL_DIR:+data.eval_dir=$SPD_EVAL_DIR} \
         > "$WORK/eval_${name}_T$t.log" 2>&1 &
+      evals+=($!)
     done
   done
-  wait
+  for p in "${evals[@]}"; do wait "$p"; done  # not a bare wait: detached trainers are children of this shell too
   for v in $VARIANTS; do for t in ${EVAL_TEMPS:-0}; do
     name=${v%%:*}; f="$WORK/eval_${name}_T$t/benchmark.md"
     { echo "## $name T=$t"; cat "$f" 2>/dev/null || tail -5 "$WORK/eval_${name}_T$t.log"; } | tee -a "$LOG"

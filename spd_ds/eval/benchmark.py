@@ -26,6 +26,7 @@ import torch
 
 from spd_ds.config import DEFAULT_PROMPT_SETS, ExperimentConfig, load_config
 from spd_ds.eval.regression import DEFAULT_HEAD_DIR
+from spd_ds.eval.report import REPEAT_NGRAM
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def speed_headers(runs: Sequence[SuiteRun]) -> list[str]:
         heads.insert(heads.index("x hf_generate") + 1, "x tp_ar")
     return heads + (GPU_HEADERS if gpu else [])
 ACCEPT_HEADERS = ["n", "method", "eq. accept len", "draft acc.", "tok/cycle", "acceptance by fill 1..n",
-                  "repeated 9-grams", "head"]
+                  f"repeated {REPEAT_NGRAM}-grams", "head"]
 
 
 def speed_rows(sr: SuiteRun, tp: bool = False) -> list[list]:

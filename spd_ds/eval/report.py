@@ -21,7 +21,7 @@ Summary schema (``schema_version`` 1)::
     BLOCK = {"num_prompts", "num_new_tokens", "num_cycles", "num_drafts", "num_accepted_tokens", "num_rollbacks",
              "draft_acceptance_rate", "tokens_per_cycle", "equivalent_accept_length", "acceptance_by_depth",
              "prefill_s", "decode_s", "decode_tok_s", "mean_decode_tok_s", "cycle_time_split_ms", "achieved_gbps",
-             "hbm_fraction", "speedup_vs_ar", "repeated_ngram_share"}
+             "hbm_fraction", "speedup_vs_ar", "repeated_ngram_share" (added later: absent from older summaries)}
 
 Draft metrics (``num_drafts`` ... ``acceptance_by_depth``) are ``None`` for AR baselines. Pooled means sums over
 prompts first (``ΣN / ΣK``, ``Σ(N-1) / Σdecode_s``), then ratios.
@@ -65,11 +65,12 @@ DEFINITIONS = {
     "hbm_fraction": "achieved_gbps / (bandwidth.gbps x devices the method runs on): the GPU's memory bandwidth named "
                     "in 'bandwidth' (eval.hbm_gbps overrides it); GPU runs only",
     "speedup_vs_ar": "decode_tok_s of the method / decode_tok_s of each baseline, pooled over the prompts both ran",
-    "repeated_ngram_share": "share of the returned tokens that close a 9-gram already seen earlier in the same answer "
-                            "(pooled; past the first 8 tokens): loops, which any drafter predicts easily, so "
-                            "acceptance on answers with a high share says little about the head",
 }
 REPEAT_NGRAM = 9  # n-gram length of repeated_ngram_share
+DEFINITIONS["repeated_ngram_share"] = (
+    f"share of the returned tokens that close a {REPEAT_NGRAM}-gram already seen earlier in the same answer (pooled; "
+    f"past the first {REPEAT_NGRAM - 1} tokens): loops, which any drafter predicts easily, so acceptance on answers "
+    "with a high share says little about the head")
 
 
 # ---------------------------------------------------------------------------------------------- metric blocks
