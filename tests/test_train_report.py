@@ -64,7 +64,7 @@ def test_curve_and_measured_point(tmp_path):
 def test_warm_started_run_continues_the_token_axis(tmp_path):
     """A run started from a trained head records that head's steps (``init_steps``, lineage included); the curve and
     the measured points count them at the run's tokens per step."""
-    from spd_ds.train.loop import prior_steps
+    from spd_ds.train.history import prior_steps
 
     tr = _load()
     run = _run_dir(tmp_path, "n2")

@@ -39,7 +39,8 @@ from spd_ds.train.data import BatchPlanner, iterate, load_records, tokenize_reco
 from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
-from spd_ds.train.validate import BEST_FILE, Validator
+from spd_ds.train.history import SUMMARY_FILE, prior_steps
+from spd_ds.train.validate import Validator
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "train_log.jsonl"
@@ -489,7 +490,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                    "init_from": cfg.head.checkpoint, "init_steps": init_steps,
                    "teacher_pipe_degree": degree, "partition": part.to_dict(), "head": str(final),
                    **(validator.summary() if validator is not None else {"best": None})}
-        (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
+        (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         _say(f"done: {step} steps in {elapsed:.1f} s, {summary['tokens_per_s']:.0f} tokens/s; head -> {final}", rank)
         # (elapsed_s and steps count the whole run, earlier invocations included; tokens and tokens/s this one)
         if paused:
@@ -502,39 +503,6 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def prior_steps(head_dir: str | os.PathLike) -> int | None:
-    """Optimizer steps behind a head checkpoint, the steps of the head it started from included (``init_steps``).
-
-    Read from the files training writes: ``best.json`` (step and ``init_steps``) in a ``best_head/``; for a run's final
-    ``head/``, the run's ``train_summary.json`` (``steps`` + ``init_steps``); for a folder holding its own
-    ``train_summary.json`` (the shipped heads: a best head copied with its run's summary), that summary's best step
-    (else its ``steps``) + ``init_steps``. A run started with ``head.checkpoint`` records the result as
-    ``init_steps``, so the training-token axis of ``scripts/train_report.py`` continues across warm starts.
-
-    Returns:
-        The number of steps, or ``None`` when the history is unknown: no such files, ``init_steps`` recorded as
-        unknown (``null``), or unreadable / malformed files. Never raises (optional metadata must not stop a run).
-    """
-    d = Path(head_dir)
-    try:
-        best = json.loads((d / BEST_FILE).read_text()) if (d / BEST_FILE).exists() else None
-        summary = next((f for f in (d / "train_summary.json", d.parent / "train_summary.json") if f.exists()), None)
-        s = json.loads(summary.read_text()) if summary is not None else {}
-        meta = best if best is not None and "init_steps" in best else s
-        before = meta.get("init_steps", 0)
-        if before is None:
-            return None
-        if best is not None:
-            return int(best["step"]) + int(before)
-        if summary is not None and summary.parent == d:
-            return int((s.get("best") or {}).get("step", s["steps"])) + int(before)
-        if summary is not None and d.name == "head":
-            return int(s["steps"]) + int(before)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        pass
-    return None
-
-
 def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro: int, rank: int, world: int,
           keep: int, device, elapsed_s: float = 0.0, extra: dict | None = None) -> None:
     """DeepSpeed checkpoint ``step<N>`` with the data position, every rank's RNG state, the run's training time so
