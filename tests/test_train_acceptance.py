@@ -25,7 +25,8 @@ from spd_ds.train.acceptance import (
     fill_transition, predict_acceptance, replay_decoder, stationary_fill_distribution,
 )
 from spd_ds.train.split import split_held_out
-from spd_ds.train.validate import agreement_table, evaluate, held_out_batches
+from spd_ds.eval.report import repeated_ngram_share
+from spd_ds.train.validate import agreement_table, evaluate, held_out_batches, loop_positions
 from tests.tiny_models import make_tiny_model
 
 
@@ -231,6 +232,15 @@ def compare_with_decoder(arch, target, head, prompts, max_new_tokens, eos=None):
 
     # the same table, position by position, replayed through the decoder's cycle
     table = agreement_table(student, feats, seg, valid, targets, head.draft_ids, n)
+    # the loop-free figures are the same agreement over the positions outside loops
+    keep = ~loop_positions(ids, seg, valid)[valid]
+    assert val["val_loop_share"] == pytest.approx(1 - keep.double().mean().item(), abs=1e-12)
+    if keep.any():
+        free = predict_acceptance(table[:, keep].double().mean(1).tolist())
+        assert val["val_pred_acceptance_noloop"] == pytest.approx(free.draft_acceptance_rate, abs=1e-12)
+        assert val["val_pred_accept_length_noloop"] == pytest.approx(free.equivalent_accept_length, abs=1e-12)
+    else:
+        assert val["val_pred_acceptance_noloop"] is None
     replays, off = [], 0
     for g in gens:
         replays.append(replay_decoder(lambda j, F, off=off: bool(table[F - 1, off + j - 1]), n, len(g)))
@@ -307,6 +317,78 @@ def test_prediction_matches_the_decoder_smollm2_shipped_head(smollm2_dir, smollm
                                                                        eos=[2])
     assert measured.num_drafts > 200
     check_prediction(measured, val, finite, stationary, replayed)
+
+
+# ---------------------------------------------------------------------------------------------------- loops
+def test_loop_positions_by_hand():
+    """Loss positions whose next token closes an n-gram already seen in the same answer; a new turn or document is a
+    new answer; nothing outside ``valid``; the share over a packed row equals repeated_ngram_share of its answers."""
+    # row: doc 1 = [prompt 1 2 | answer 5 6 5 6 5 | user 1 | answer 5 6 5], doc 2 = [prompt 9 | answer 7 8 7 8 7 8]
+    doc1 = [1, 2, 5, 6, 5, 6, 5, 1, 5, 6, 5]
+    mask1 = [0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1]
+    doc2 = [9, 7, 8, 7, 8, 7, 8]
+    mask2 = [0, 1, 1, 1, 1, 1, 1]
+    ids = torch.tensor([doc1 + doc2 + [0, 0]])
+    seg = torch.tensor([[1] * len(doc1) + [2] * len(doc2) + [0, 0]])
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    for off, m in ((0, mask1), (len(doc1), mask2)):
+        valid[0, off:off + len(m) - 1] = torch.tensor(m[1:], dtype=torch.bool)
+    loop = loop_positions(ids, seg, valid, n=2)
+    # bigram (5, 6) closes at doc1[5]: position 4; (6, 5) at doc1[6]: position 5; the second answer starts afresh
+    # (5 6 5: (6, 5) is new there); doc 2: 7 8 7 8 7 8 -> (8, 7) at index 3... repeats from its 4th answer token on
+    off = len(doc1)
+    assert torch.nonzero(loop[0]).flatten().tolist() == [4, 5, off + 3, off + 4, off + 5]
+    assert not (loop & ~valid).any()
+    answers = [[5, 6, 5, 6, 5], [5, 6, 5], [7, 8, 7, 8, 7, 8]]
+    flagged = int(loop.sum())
+    assert flagged / sum(len(a) - 1 for a in answers) == repeated_ngram_share(answers, 2)
+    assert not loop_positions(ids, seg, valid, n=9).any()  # no answer has a repeated 9-gram
+
+
+class _ScriptedHead(torch.nn.Module):
+    """A stand-in for HeadTrainModule: drafts the teacher's token ``nxt`` where ``right``, the next id elsewhere."""
+
+    def __init__(self, nxt: torch.Tensor, right: torch.Tensor, vocab: int) -> None:
+        super().__init__()
+        self.nxt, self.right, self.vocab = nxt, right, vocab
+
+    def forward(self, feats, segments, valid, fill):
+        drafted = torch.where(self.right, self.nxt, (self.nxt + 1) % self.vocab)
+        return torch.nn.functional.one_hot(drafted, self.vocab).float()  # [P, V] logits at the loss positions
+
+
+def test_evaluate_loop_free_figures_by_hand():
+    """evaluate's loop-free figures count exactly the positions outside loops: a head right in every loop and at
+    every other position outside them has loop-free agreement 1/2, overall (loops + half the rest) / all."""
+    from spd_ds.train.loss import TeacherTargets
+
+    answer = [5, 6, 7, 8] * 3 + [9, 10, 11, 12, 13, 14, 15, 16]
+    ids = torch.tensor([[1, 2] + answer])
+    seg = torch.ones_like(ids)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    valid[0, 1:-1] = True  # the loss positions predict answer tokens 1..
+    loop = loop_positions(ids, seg, valid, n=4)[valid]
+    assert loop.tolist() == [False] * 7 + [True] * 5 + [False] * 8  # "5 6 7 8" again, then every 4-gram repeats
+    P, V = len(loop), 32
+    nxt = ids[0, 2:]
+    free = (~loop).nonzero().flatten()
+    right = loop.clone()
+    right[free[::2]] = True
+    targets = TeacherTargets(torch.zeros(P, V), torch.zeros(P), nxt)
+    batch = {"input_ids": ids, "segments": seg, "valid": valid}
+    head = _ScriptedHead(nxt, right, V)
+
+    val = evaluate(head, lambda b: (b, None, targets), [(batch, True)], 2, torch.arange(V), "cpu", reduce=False,
+                   loop_ngram=4)
+    half = len(free[::2]) / len(free)
+    assert val["val_loop_share"] == 5 / P
+    assert val["val_agreement_by_fill_noloop"] == {1: half, 2: half}
+    assert val["val_agreement_by_fill"] == {1: (5 + len(free[::2])) / P, 2: (5 + len(free[::2])) / P}
+    assert val["val_pred_acceptance_noloop"] == pytest.approx(half, abs=1e-12)  # equal a_F: α = a
+    plain = evaluate(head, lambda b: (b, None, targets), [(batch, True)], 2, torch.arange(V), "cpu", reduce=False,
+                     loop_ngram=None)
+    assert "val_loop_share" not in plain and "val_pred_acceptance_noloop" not in plain
+    assert plain["val_pred_acceptance"] == val["val_pred_acceptance"]
 
 
 # ---------------------------------------------------------------------------------------------------- the split

@@ -112,6 +112,19 @@ def metric_block(items: Sequence[SPDMetrics], spd: bool, num_stages: int, weight
     return block
 
 
+def repeat_flags(tokens: Sequence[int], n: int = REPEAT_NGRAM) -> list[bool]:
+    """Per token of ``tokens`` (one answer's ids): ``True`` where it closes an ``n``-gram already seen earlier in the
+    same answer (always ``False`` for the first ``n-1`` tokens). The loop test behind :func:`repeated_ngram_share`
+    and the training validation's loop-free figures (:func:`spd_ds.train.validate.loop_positions`)."""
+    flags = [False] * len(tokens)
+    seen = set()
+    for i in range(n - 1, len(tokens)):
+        gram = tuple(tokens[i - n + 1:i + 1])
+        flags[i] = gram in seen
+        seen.add(gram)
+    return flags
+
+
 def repeated_ngram_share(answers: Sequence[Sequence[int]], n: int = REPEAT_NGRAM) -> float | None:
     """Share of the tokens of ``answers`` (each a list of token ids) that close an ``n``-gram already seen earlier in
     the same answer, pooled over the answers' positions ``n-1 ..`` (``None`` when no answer has ``n`` tokens).
@@ -119,14 +132,8 @@ def repeated_ngram_share(answers: Sequence[Sequence[int]], n: int = REPEAT_NGRAM
     A greedy small model often loops on long answers; loops are trivially drafted, so a draft acceptance measured on
     them overstates the head (``docs/benchmarks.md`` (c)). Reported beside acceptance in every summary block.
     """
-    repeated = positions = 0
-    for toks in answers:
-        seen = set()
-        for i in range(n - 1, len(toks)):
-            gram = tuple(toks[i - n + 1:i + 1])
-            repeated += gram in seen
-            seen.add(gram)
-        positions += max(0, len(toks) - n + 1)
+    repeated = sum(sum(repeat_flags(toks, n)) for toks in answers)
+    positions = sum(max(0, len(toks) - n + 1) for toks in answers)
     return repeated / positions if positions else None
 
 
