@@ -8,7 +8,8 @@ agreement by fill ``a_F`` (:func:`spd_ds.train.loss.top1_agreement`: what T = 0 
 ``F`` measures) becomes the predicted T = 0 draft acceptance ``α`` and equivalent accept length
 ``L' = n/(1+(n-1)(1-α))`` of the reference decoder (:mod:`spd_ds.train.acceptance`). The figures go to
 ``train_log.jsonl`` (``val_agreement_by_fill``, ``val_pred_acceptance``, ``val_pred_accept_length``,
-``val_positions``, ``val_s``) and the progress bar; the head with the best predicted ``L'`` so far is written to
+``val_positions``, ``val_s``, and the same figures outside loops: ``val_loop_share``, ``..._noloop``) and the
+progress bar; the head with the best loop-free predicted ``L'`` so far is written to
 ``<output_dir>/best_head/`` (:meth:`SpeculationHead.save` + ``best.json``: the step, its figures and ``init_steps``,
 the steps of the head the run started from).
 
@@ -35,6 +36,7 @@ from spd_ds.train.loss import TeacherTargets, top1_agreement
 
 BEST_DIR = "best_head"
 BEST_FILE = "best.json"
+BEST_KEY = "val_pred_accept_length_noloop"  # what picks the best head: L' outside loops (tracks the benchmark's)
 
 
 def held_out_batches(lengths: Sequence[int], seq_len: int, rows_per_batch: int, pack: bool, dp_rank: int,
@@ -206,7 +208,8 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
 
 # ---------------------------------------------------------------------------------------------------- in the loop
 class Validator:
-    """Held-out evaluation every ``eval_every`` steps and the best head by predicted equivalent accept length.
+    """Held-out evaluation every ``eval_every`` steps and the best head by predicted equivalent accept length outside
+    loops (``BEST_KEY``; the overall one when a resumed run's best predates the loop-free figures).
 
     Args:
         planner: a :class:`~spd_ds.train.data.BatchPlanner` over the held-out examples (only its ``collate`` and
@@ -270,7 +273,9 @@ class Validator:
         head = student.head
         batches = ((self.planner.collate(rows), counted) for rows, counted in self.batches)
         val = evaluate(student, teacher, batches, self.n, head.draft_ids, device, autocast)
-        val["val_best"] = self.best is None or val["val_pred_accept_length"] > self.best["val_pred_accept_length"]
+        key = BEST_KEY if BEST_KEY in val and self.best is not None and BEST_KEY in self.best else \
+            "val_pred_accept_length"  # a best from a checkpoint written before the loop-free figures: overall L'
+        val["val_best"] = self.best is None or val[key] > self.best[key]
         self.last = {"step": step, **{k: v for k, v in val.items() if k != "val_best"}}
         if val["val_best"]:
             self.best = dict(self.last)
@@ -311,4 +316,4 @@ class Validator:
         return {"best": best, "last_validation": self.last}
 
 
-__all__ = ["BEST_DIR", "BEST_FILE", "held_out_batches", "loop_positions", "agreement_table", "evaluate", "Validator"]
+__all__ = ["BEST_DIR", "BEST_FILE", "BEST_KEY", "held_out_batches", "loop_positions", "agreement_table", "evaluate", "Validator"]
