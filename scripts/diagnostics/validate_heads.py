@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Held-out predicted acceptance of trained heads, over all positions and outside loops, on CPU.
+
+The training validation's own path (teacher stages in fp32, :class:`~spd_ds.train.student.HeadTrainModule`,
+:func:`spd_ds.train.validate.evaluate`) over a random sample of the held-out split a training run used (the same
+``data.train_files`` order, ``data.held_out_fraction`` and ``train.seed``), for heads trained after the run or for a
+fair comparison of several heads on the same positions. The teacher runs once; every head is scored on its output.
+All heads must share one partition (the first head's); one JSON line per head.
+
+Usage (repo root; the data as the training run saw it)::
+
+    python scripts/diagnostics/validate_heads.py HEAD_DIR [HEAD_DIR ...] --data runs/sd runs/train_bench/bench1500.jsonl.gz \
+        --records 30 --threads 2
+
+The table of docs/training.md ("Validation", loops) came from this with ``--records 30`` (19,472 positions).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("heads", nargs="+", help="head checkpoint directories (one partition)")
+    ap.add_argument("--data", nargs="+", required=True, help="the training run's data.train_files, in its order")
+    ap.add_argument("--config", default="launch/configs/train_smollm2_n2.yaml", help="the run's training config")
+    ap.add_argument("--records", type=int, default=30, help="held-out records sampled (0 = all; seed 0)")
+    ap.add_argument("--rows", type=int, default=2, help="rows of data.max_seq_length tokens per micro-batch")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override of the run (repeatable)")
+    args = ap.parse_args(argv)
+
+    from spd_ds.builder import build_arch, build_partition, load_tokenizer
+    from spd_ds.config import load_config
+    from spd_ds.head import SpeculationHead
+    from spd_ds.train.chat import set_chat_template
+    from spd_ds.train.data import BatchPlanner, load_records, tokenize_records
+    from spd_ds.train.loss import TeacherTargets
+    from spd_ds.train.split import split_held_out
+    from spd_ds.train.student import HeadTrainModule
+    from spd_ds.train.teacher import TeacherStage, with_loss_index
+    from spd_ds.train.validate import evaluate, held_out_batches
+
+    torch.set_num_threads(args.threads)
+    part0 = SpeculationHead.read_config(args.heads[0])["partition"]
+    cfg = load_config(args.config, [f"partition.num_stages={len(part0['stage_layers'])}",
+                                    f"partition.stage_layers={part0['stage_layers']}",
+                                    f"partition.anchors={part0['anchors']}", "model.dtype=float32",
+                                    "model.device=cpu", *args.overrides])
+    arch = build_arch(cfg)
+    part = build_partition(cfg, arch)
+    n, S = part.num_stages, cfg.data.max_seq_length
+    tokenizer = load_tokenizer(arch)
+    set_chat_template(tokenizer, cfg.data.chat_template)
+    _, held = split_held_out(load_records(args.data, cfg.model.cache_dir), cfg.data.held_out_fraction, cfg.train.seed)
+    if args.records and args.records < len(held):
+        held = random.Random(0).sample(held, args.records)
+    data = tokenize_records(held, tokenizer, S, cfg.data.min_seq_length, cfg.data.overflow, 0)
+    planner = BatchPlanner(data, S, args.rows, 0, 1, cfg.train.seed, True)
+    heads = [SpeculationHead.load(h, arch, part).float() for h in args.heads]
+    stages = [TeacherStage(arch, part, s, torch.float32, heads[0].draft_ids.tolist()) for s in range(n)]
+    t0, cache = time.perf_counter(), []
+    with torch.no_grad():
+        for rows, _ in held_out_batches(planner.lengths, S, args.rows, True, 0, 1):
+            batch = with_loss_index(planner.collate(rows))
+            x = (batch["input_ids"], batch["segments"], batch["valid"].long(), batch["loss_index"])
+            for stage in stages:
+                x = stage(x)
+            cache.append((batch, x[0], TeacherTargets(*x[1:])))
+    print(f"teacher: {len(held)} records, {len(cache)} micro-batches, {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr)
+    for path, head in zip(args.heads, heads):
+        if not torch.equal(head.draft_ids, heads[0].draft_ids):
+            raise SystemExit(f"{path}: another draft vocabulary than {args.heads[0]}; score it in its own run")
+        outputs = iter(cache)
+        val = evaluate(HeadTrainModule(head), lambda _b: next(outputs), [(c[0], True) for c in cache], n,
+                       head.draft_ids, "cpu", reduce=False)
+        print(json.dumps({"head": path, **val}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
