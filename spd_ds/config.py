@@ -113,6 +113,9 @@ class DataConfig:
     regenerate_batch_size: int = 64
     regenerate_max_prompt_tokens: int = 1024
     held_out_fraction: float = 0.02  # records held out for validation while training (0 = none; train.eval_every)
+    # train on positions whose next token closes a 9-gram already in the same answer (a loop) or not: the tokens stay
+    # as context either way; validation scores every position (spd_ds.train.data.loop_positions, docs/training.md)
+    skip_loops: bool = False
 
 
 @dataclasses.dataclass

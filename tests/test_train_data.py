@@ -18,8 +18,8 @@ from spd_ds.train.chat import (
     ChatTemplateError, EmptyMaskError, encode_conversation, has_generation_markers, set_chat_template,
 )
 from spd_ds.train.data import (
-    BatchPlanner, DataError, iter_json_records, load_records, normalize_record, pack_rows, tokenize_records,
-    write_jsonl_gz,
+    BatchPlanner, DataError, TokenizedData, iter_json_records, load_records, loop_positions, normalize_record,
+    pack_rows, tokenize_records, write_jsonl_gz,
 )
 from tests.tiny_models import make_tiny_model
 
@@ -269,3 +269,21 @@ def test_planner_refuses_too_little_data():
     data = _tokenized(3)
     with pytest.raises(DataError, match="fewer than"):
         BatchPlanner(data, 64, 4, 0, 2).plan(0)
+
+
+def test_skip_loops_leaves_loop_positions_out_of_the_loss():
+    """data.skip_loops: the planner's batches keep every token as context and drop exactly the loop positions from
+    ``valid`` (a 9-gram closed again in the same answer); without it nothing changes."""
+    loop_answer = list(range(10, 20)) * 3  # every token from the 2nd repetition's 9th on closes a seen 9-gram
+    ids = [[1, 2, 3] + loop_answer + [2], [1, 4, 5] + list(range(30, 60)) + [2]]
+    masks = [[0, 0, 0] + [1] * (len(loop_answer) + 1), [0, 0, 0] + [1] * 31]
+    data = TokenizedData(ids, masks)
+    plain = BatchPlanner(data, 128, 1, pack=True)  # both examples packed into one row
+    skip = BatchPlanner(data, 128, 1, pack=True, skip_loops=True)
+    rows = plain.plan(0).micro_batches[0]
+    a, b = plain.collate(rows), skip.collate(rows)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["segments"], b["segments"])
+    loop = loop_positions(a["input_ids"], a["segments"], a["valid"])
+    assert int(loop.sum()) == len(loop_answer) - 10 - 8  # 30-token answer: 10 new, 8 more before a 9-gram repeats
+    assert torch.equal(b["valid"], a["valid"] & ~loop)
+    assert int(a["valid"].sum()) - int(b["valid"].sum()) == int(loop.sum())

@@ -34,6 +34,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from spd_ds.eval.report import REPEAT_NGRAM, repeat_flags
 from spd_ds.train.chat import EmptyMaskError, encode_conversation, valid_positions
 
 SHAREGPT_NAME = "sharegpt"
@@ -377,6 +378,39 @@ class EpochPlan:
         return len(self.micro_batches)
 
 
+def loop_positions(input_ids: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor,
+                   n: int = REPEAT_NGRAM) -> torch.Tensor:
+    """Loss positions whose next token is part of a loop: it closes an ``n``-gram already seen earlier in the same
+    answer (:func:`spd_ds.eval.report.repeat_flags`; the test behind the evaluation's ``repeated_ngram_share``). Used
+    by the validation's loop-free figures and by ``data.skip_loops``.
+
+    An answer is a maximal run of tokens ``j`` with ``valid[j-1]`` (assistant tokens of one document, as
+    :meth:`~spd_ds.train.data.BatchPlanner.collate` marks them): a new user turn or document starts a new answer.
+
+    Args:
+        input_ids, segments: ``[B, S]`` int64; valid: ``[B, S]`` bool (``valid[t]``: position ``t`` predicts the
+            assistant token ``t+1`` of the same document). Any device; the work is done on the host.
+        n: n-gram length.
+    Returns:
+        ``[B, S]`` bool on the host, ``True`` only where ``valid`` is.
+    """
+    ids, v = input_ids.cpu().tolist(), valid.cpu().tolist()
+    out = torch.zeros(valid.shape, dtype=torch.bool)
+    for b, (row, vrow) in enumerate(zip(ids, v)):
+        j, S = 1, len(row)
+        while j < S:
+            if not vrow[j - 1]:
+                j += 1
+                continue
+            start = j
+            while j < S and vrow[j - 1]:
+                j += 1
+            hits = [start - 1 + k for k, f in enumerate(repeat_flags(row[start:j], n)) if f]
+            if hits:
+                out[b, hits] = True
+    return out
+
+
 class BatchPlanner:
     """Deterministic per-epoch micro-batch plans, sharded over data-parallel ranks.
 
@@ -387,16 +421,19 @@ class BatchPlanner:
         dp_rank, dp_world: this rank's data-parallel coordinate.
         seed: plan seed (``train.seed``).
         pack: pack several examples per row (else one per row, length-grouped, padded to the batch's longest).
+        skip_loops: :meth:`collate` leaves the positions in loops out of ``valid`` (:func:`loop_positions`;
+            ``data.skip_loops``): the tokens stay in the rows as context, the head is not trained to draft them.
 
     Every rank gets the same number of micro-batches per epoch (the tail that cannot be shared is dropped).
     """
 
     def __init__(self, data: TokenizedData, seq_len: int, rows_per_batch: int, dp_rank: int = 0, dp_world: int = 1,
-                 seed: int = 0, pack: bool = True) -> None:
+                 seed: int = 0, pack: bool = True, skip_loops: bool = False) -> None:
         if rows_per_batch < 1:
             raise ValueError(f"data.micro_batch_size must be >= 1, got {rows_per_batch}")
         self.data, self.S, self.B = data, int(seq_len), int(rows_per_batch)
         self.dp_rank, self.dp_world, self.seed, self.pack = dp_rank, dp_world, seed, pack
+        self.skip_loops = skip_loops
         self.lengths = [len(x) for x in data.input_ids]
         if max(self.lengths) > self.S:
             raise ValueError(f"an example has {max(self.lengths)} tokens > data.max_seq_length={self.S}")
@@ -450,6 +487,8 @@ class BatchPlanner:
                 if L > 1:
                     valid[b, t:t + L - 1] = torch.tensor(m[1:], dtype=torch.bool)
                 t += L
+        if self.skip_loops:
+            valid &= ~loop_positions(ids, seg, valid)
         return {"input_ids": ids, "segments": seg, "valid": valid}
 
 

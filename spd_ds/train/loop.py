@@ -303,7 +303,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     data = tokenize_records(records, tokenizer, dc.max_seq_length, dc.min_seq_length, dc.overflow, dc.num_workers)
     _say(f"data: {data.summary()}", rank)
     data_id = {"examples": len(data), "tokens": int(data.num_tokens), "held_out": len(held_out)}
-    planner = BatchPlanner(data, dc.max_seq_length, dc.micro_batch_size, dp_rank, dp_world, tc.seed, dc.pack)
+    planner = BatchPlanner(data, dc.max_seq_length, dc.micro_batch_size, dp_rank, dp_world, tc.seed, dc.pack,
+                           skip_loops=dc.skip_loops)
     validator = None
     if held_out:  # validation: agreement at every fill on held-out micro-batches -> predicted acceptance
         validator = Validator.build(held_out, tokenizer, cfg, n, dp_rank, dp_world, out_dir, rank == 0)

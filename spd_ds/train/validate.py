@@ -29,9 +29,10 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from spd_ds.eval.report import REPEAT_NGRAM, repeat_flags
+from spd_ds.eval.report import REPEAT_NGRAM
 from spd_ds.train.acceptance import agreement_from_counts, predict_acceptance
 from spd_ds.train.chat import EmptyMaskError
+from spd_ds.train.data import loop_positions
 from spd_ds.train.loss import TeacherTargets, top1_agreement
 
 BEST_DIR = "best_head"
@@ -71,38 +72,6 @@ def held_out_batches(lengths: Sequence[int], seq_len: int, rows_per_batch: int, 
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
-def loop_positions(input_ids: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor,
-                   n: int = REPEAT_NGRAM) -> torch.Tensor:
-    """Loss positions whose next token is part of a loop: it closes an ``n``-gram already seen earlier in the same
-    answer (:func:`spd_ds.eval.report.repeat_flags`; the test behind the evaluation's ``repeated_ngram_share``).
-
-    An answer is a maximal run of tokens ``j`` with ``valid[j-1]`` (assistant tokens of one document, as
-    :meth:`~spd_ds.train.data.BatchPlanner.collate` marks them): a new user turn or document starts a new answer.
-
-    Args:
-        input_ids, segments: ``[B, S]`` int64; valid: ``[B, S]`` bool (``valid[t]``: position ``t`` predicts the
-            assistant token ``t+1`` of the same document). Any device; the work is done on the host.
-        n: n-gram length.
-    Returns:
-        ``[B, S]`` bool on the host, ``True`` only where ``valid`` is.
-    """
-    ids, v = input_ids.cpu().tolist(), valid.cpu().tolist()
-    out = torch.zeros(valid.shape, dtype=torch.bool)
-    for b, (row, vrow) in enumerate(zip(ids, v)):
-        j, S = 1, len(row)
-        while j < S:
-            if not vrow[j - 1]:
-                j += 1
-                continue
-            start = j
-            while j < S and vrow[j - 1]:
-                j += 1
-            hits = [start - 1 + k for k, f in enumerate(repeat_flags(row[start:j], n)) if f]
-            if hits:
-                out[b, hits] = True
-    return out
-
-
 @torch.no_grad()
 def agreement_table(student: torch.nn.Module, feats: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor,
                     targets: TeacherTargets, draft_ids: torch.Tensor, num_stages: int,
@@ -316,4 +285,4 @@ class Validator:
         return {"best": best, "last_validation": self.last}
 
 
-__all__ = ["BEST_DIR", "BEST_FILE", "BEST_KEY", "held_out_batches", "loop_positions", "agreement_table", "evaluate", "Validator"]
+__all__ = ["BEST_DIR", "BEST_FILE", "BEST_KEY", "held_out_batches", "agreement_table", "evaluate", "Validator"]
