@@ -138,14 +138,18 @@ def test_version1_fingerprint_still_loads_with_a_warning(arch, tiny_root, tmp_pa
 @pytest.mark.parametrize("n", [2, 3])
 def test_shipped_head_loads(smollm2_arch, n):
     """The committed SmolLM2 heads (n = 2, the default, and n = 3) keep loading onto SmolLM2-135M-Instruct; they
-    store no LM head (the target's rows at the draft ids are read on load) and are small."""
+    store no LM head (the target's rows at the draft ids are read on load) and are small: at most 40 MB together (the
+    tracked tree travels to the GPU machine), a two-layer SmolLM2 head being 18 MB in bf16."""
     from spd_ds.eval.regression import DEFAULT_HEAD_DIR
 
     head_dir = DEFAULT_HEAD_DIR.parent / f"smollm2-135m-instruct-n{n}"
     meta = SpeculationHead.check_base_model(head_dir, smollm2_arch)
     head = SpeculationHead.load(head_dir, smollm2_arch)
     assert head.draft_vocab_size == meta["draft_vocab_size"] and head.partition.num_stages == n
-    assert meta["lm_head_from_target"] and (head_dir / "head.safetensors").stat().st_size < 16e6
+    assert meta["lm_head_from_target"]
+    sizes = [(DEFAULT_HEAD_DIR.parent / f"smollm2-135m-instruct-n{k}" / "head.safetensors").stat().st_size
+             for k in (2, 3)]
+    assert sum(sizes) <= 40e6, sizes
     name = "model.embed_tokens.weight" if smollm2_arch.tied_embeddings else "lm_head.weight"
     assert torch.equal(head.lm_head.weight, smollm2_arch.load_tensor(name)[head.draft_ids].to(head.lm_head.weight.dtype))
 

@@ -234,14 +234,12 @@ def compare_with_decoder(arch, target, head, prompts, max_new_tokens, eos=None):
     # the same table, position by position, replayed through the decoder's cycle
     table = agreement_table(student, feats, seg, valid, targets, head.draft_ids, n)
     # the loop-free figures are the same agreement over the positions outside loops
-    keep = ~loop_positions(ids, seg, valid)[valid]
+    keep = ~loop_positions(ids, valid)[valid]
     assert val["val_loop_share"] == pytest.approx(1 - keep.double().mean().item(), abs=1e-12)
-    if keep.any():
-        free = predict_acceptance(table[:, keep].double().mean(1).tolist())
-        assert val["val_pred_acceptance_noloop"] == pytest.approx(free.draft_acceptance_rate, abs=1e-12)
-        assert val["val_pred_accept_length_noloop"] == pytest.approx(free.equivalent_accept_length, abs=1e-12)
-    else:
-        assert val["val_pred_acceptance_noloop"] is None
+    assert keep.any()  # an answer's first n-1 tokens are never in a loop
+    free = predict_acceptance(table[:, keep].double().mean(1).tolist())
+    assert val["val_pred_acceptance_noloop"] == pytest.approx(free.draft_acceptance_rate, abs=1e-12)
+    assert val["val_pred_accept_length_noloop"] == pytest.approx(free.equivalent_accept_length, abs=1e-12)
     replays, off = [], 0
     for g in gens:
         replays.append(replay_decoder(lambda j, F, off=off: bool(table[F - 1, off + j - 1]), n, len(g)))
@@ -324,27 +322,31 @@ def test_prediction_matches_the_decoder_smollm2_shipped_head(smollm2_dir, smollm
 # ---------------------------------------------------------------------------------------------------- loops
 def test_loop_positions_by_hand():
     """Loss positions whose next token closes an n-gram already seen in the same answer; a new turn or document is a
-    new answer; nothing outside ``valid``; the share over a packed row equals repeated_ngram_share of its answers."""
+    new answer; nothing outside ``valid``; the share over a packed row equals repeated_ngram_share of its answers; a
+    bad n-gram length is refused."""
     # row: doc 1 = [prompt 1 2 | answer 5 6 5 6 5 | user 1 | answer 5 6 5], doc 2 = [prompt 9 | answer 7 8 7 8 7 8]
     doc1 = [1, 2, 5, 6, 5, 6, 5, 1, 5, 6, 5]
     mask1 = [0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1]
     doc2 = [9, 7, 8, 7, 8, 7, 8]
     mask2 = [0, 1, 1, 1, 1, 1, 1]
     ids = torch.tensor([doc1 + doc2 + [0, 0]])
-    seg = torch.tensor([[1] * len(doc1) + [2] * len(doc2) + [0, 0]])
-    valid = torch.zeros_like(ids, dtype=torch.bool)
+    valid = torch.zeros_like(ids, dtype=torch.bool)  # as collate marks it: never across the document boundary
     for off, m in ((0, mask1), (len(doc1), mask2)):
         valid[0, off:off + len(m) - 1] = torch.tensor(m[1:], dtype=torch.bool)
-    loop = loop_positions(ids, seg, valid, n=2)
+    loop = loop_positions(ids, valid, n=2)
     # bigram (5, 6) closes at doc1[5]: position 4; (6, 5) at doc1[6]: position 5; the second answer starts afresh
-    # (5 6 5: (6, 5) is new there); doc 2: 7 8 7 8 7 8 -> (8, 7) at index 3... repeats from its 4th answer token on
+    # (5 6 5: (6, 5) is new there); doc 2: (7, 8) closes again at doc2[4], then every bigram repeats: off+3..off+5
     off = len(doc1)
     assert torch.nonzero(loop[0]).flatten().tolist() == [4, 5, off + 3, off + 4, off + 5]
     assert not (loop & ~valid).any()
     answers = [[5, 6, 5, 6, 5], [5, 6, 5], [7, 8, 7, 8, 7, 8]]
     flagged = int(loop.sum())
     assert flagged / sum(len(a) - 1 for a in answers) == repeated_ngram_share(answers, 2)
-    assert not loop_positions(ids, seg, valid, n=9).any()  # no answer has a repeated 9-gram
+    assert not loop_positions(ids, valid, n=9).any()  # no answer has a repeated 9-gram
+    with pytest.raises(ValueError, match="n-gram length"):
+        loop_positions(ids, valid, n=0)
+    with pytest.raises(ValueError, match="n-gram length"):
+        repeated_ngram_share(answers, 0)
 
 
 class _ScriptedHead(torch.nn.Module):
@@ -369,7 +371,7 @@ def test_evaluate_loop_free_figures_by_hand():
     seg = torch.ones_like(ids)
     valid = torch.zeros_like(ids, dtype=torch.bool)
     valid[0, 1:-1] = True  # the loss positions predict answer tokens 1..
-    loop = loop_positions(ids, seg, valid, n=4)[valid]
+    loop = loop_positions(ids, valid, n=4)[valid]
     assert loop.tolist() == [False] * 7 + [True] * 5 + [False] * 8  # "5 6 7 8" again, then every 4-gram repeats
     P, V = len(loop), 32
     nxt = ids[0, 2:]
@@ -407,7 +409,7 @@ def test_best_head_is_picked_by_the_loop_free_prediction(tmp_path, monkeypatch):
     valid = torch.zeros_like(ids, dtype=torch.bool)
     valid[0, 1:-1] = True
     batch = {"input_ids": ids, "segments": torch.ones_like(ids), "valid": valid}
-    loop = loop_positions(ids, batch["segments"], valid)[valid]
+    loop = loop_positions(ids, valid)[valid]
     P, V, nxt = len(loop), 64, ids[0, 2:]
     targets = TeacherTargets(torch.zeros(P, V), torch.zeros(P), nxt)
     free = (~loop).nonzero().flatten()

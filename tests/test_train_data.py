@@ -283,7 +283,7 @@ def test_skip_loops_leaves_loop_positions_out_of_the_loss():
     rows = plain.plan(0).micro_batches[0]
     a, b = plain.collate(rows), skip.collate(rows)
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["segments"], b["segments"])
-    loop = loop_positions(a["input_ids"], a["segments"], a["valid"])
+    loop = loop_positions(a["input_ids"], a["valid"])
     assert int(loop.sum()) == len(loop_answer) - 10 - 8  # 30-token answer: 10 new, 8 more before a 9-gram repeats
     assert torch.equal(b["valid"], a["valid"] & ~loop)
     assert int(a["valid"].sum()) - int(b["valid"].sum()) == int(loop.sum())

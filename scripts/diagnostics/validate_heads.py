@@ -12,7 +12,7 @@ Usage (repo root; the data as the training run saw it)::
     python scripts/diagnostics/validate_heads.py HEAD_DIR [HEAD_DIR ...] --data runs/sd runs/train_bench/bench1500.jsonl.gz \
         --records 30 --threads 2
 
-The table of docs/training.md ("Validation", loops) came from this with ``--records 30`` (19,472 positions).
+The table of docs/training.md ("Validation", loops): ``--records 30 --threads 2`` (19,472 positions).
 """
 from __future__ import annotations
 
@@ -65,6 +65,9 @@ def main(argv=None) -> int:
     data = tokenize_records(held, tokenizer, S, cfg.data.min_seq_length, cfg.data.overflow, 0)
     planner = BatchPlanner(data, S, args.rows, 0, 1, cfg.train.seed, True)
     heads = [SpeculationHead.load(h, arch, part).float() for h in args.heads]
+    for path, head in zip(args.heads, heads):  # before the minutes of teacher forwards
+        if not torch.equal(head.draft_ids, heads[0].draft_ids):
+            raise SystemExit(f"{path}: another draft vocabulary than {args.heads[0]}; score it in its own call")
     stages = [TeacherStage(arch, part, s, torch.float32, heads[0].draft_ids.tolist()) for s in range(n)]
     t0, cache = time.perf_counter(), []
     with torch.no_grad():
@@ -77,8 +80,6 @@ def main(argv=None) -> int:
     print(f"teacher: {len(held)} records, {len(cache)} micro-batches, {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
     for path, head in zip(args.heads, heads):
-        if not torch.equal(head.draft_ids, heads[0].draft_ids):
-            raise SystemExit(f"{path}: another draft vocabulary than {args.heads[0]}; score it in its own run")
         outputs = iter(cache)
         val = evaluate(HeadTrainModule(head), lambda _b: next(outputs), [(c[0], True) for c in cache], n,
                        head.draft_ids, "cpu", reduce=False)

@@ -113,9 +113,20 @@ def metric_block(items: Sequence[SPDMetrics], spd: bool, num_stages: int, weight
 
 
 def repeat_flags(tokens: Sequence[int], n: int = REPEAT_NGRAM) -> list[bool]:
-    """Per token of ``tokens`` (one answer's ids): ``True`` where it closes an ``n``-gram already seen earlier in the
-    same answer (always ``False`` for the first ``n-1`` tokens). The loop test behind :func:`repeated_ngram_share`
-    and the training validation's loop-free figures (:func:`spd_ds.train.validate.loop_positions`)."""
+    """The loop test behind :func:`repeated_ngram_share` and the training's loop positions
+    (:func:`spd_ds.train.data.loop_positions`).
+
+    Args:
+        tokens: one answer's token ids.
+        n: n-gram length (>= 1).
+    Returns:
+        one bool per token: ``True`` where it closes an ``n``-gram already seen earlier in the same answer (always
+        ``False`` for the first ``n-1`` tokens).
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"the n-gram length must be >= 1, got {n}")
     flags = [False] * len(tokens)
     seen = set()
     for i in range(n - 1, len(tokens)):

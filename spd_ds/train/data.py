@@ -378,22 +378,26 @@ class EpochPlan:
         return len(self.micro_batches)
 
 
-def loop_positions(input_ids: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor,
-                   n: int = REPEAT_NGRAM) -> torch.Tensor:
+def loop_positions(input_ids: torch.Tensor, valid: torch.Tensor, n: int = REPEAT_NGRAM) -> torch.Tensor:
     """Loss positions whose next token is part of a loop: it closes an ``n``-gram already seen earlier in the same
     answer (:func:`spd_ds.eval.report.repeat_flags`; the test behind the evaluation's ``repeated_ngram_share``). Used
     by the validation's loop-free figures and by ``data.skip_loops``.
 
     An answer is a maximal run of tokens ``j`` with ``valid[j-1]`` (assistant tokens of one document, as
-    :meth:`~spd_ds.train.data.BatchPlanner.collate` marks them): a new user turn or document starts a new answer.
+    :meth:`BatchPlanner.collate` marks them: ``valid`` is never true across a document boundary, so no segment ids are
+    needed): a new user turn or document starts a new answer.
 
     Args:
-        input_ids, segments: ``[B, S]`` int64; valid: ``[B, S]`` bool (``valid[t]``: position ``t`` predicts the
-            assistant token ``t+1`` of the same document). Any device; the work is done on the host.
-        n: n-gram length.
+        input_ids: ``[B, S]`` int64; valid: ``[B, S]`` bool (``valid[t]``: position ``t`` predicts the assistant token
+            ``t+1`` of the same document). Any device; the work is done on the host.
+        n: n-gram length (>= 1).
     Returns:
         ``[B, S]`` bool on the host, ``True`` only where ``valid`` is.
+    Raises:
+        ValueError: ``n < 1``.
     """
+    if n < 1:
+        raise ValueError(f"the n-gram length must be >= 1, got {n}")
     ids, v = input_ids.cpu().tolist(), valid.cpu().tolist()
     out = torch.zeros(valid.shape, dtype=torch.bool)
     for b, (row, vrow) in enumerate(zip(ids, v)):
@@ -488,7 +492,7 @@ class BatchPlanner:
                     valid[b, t:t + L - 1] = torch.tensor(m[1:], dtype=torch.bool)
                 t += L
         if self.skip_loops:
-            valid &= ~loop_positions(ids, seg, valid)
+            valid &= ~loop_positions(ids, valid)
         return {"input_ids": ids, "segments": seg, "valid": valid}
 
 

@@ -141,7 +141,7 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
                 counts[:n] += table.sum(1).double().cpu()
                 counts[n:2 * n] += table.shape[1]
                 if loop_ngram is not None:
-                    loop = loop_positions(mine["input_ids"], mine["segments"], mine["valid"], loop_ngram)
+                    loop = loop_positions(mine["input_ids"], mine["valid"], loop_ngram)
                     keep = ~loop[mine["valid"].cpu()]
                     counts[2 * n:3 * n] += table[:, keep.to(table.device)].sum(1).double().cpu()
                     counts[3 * n:4 * n] += int(keep.sum())
@@ -277,7 +277,7 @@ class Validator:
     def load_state(self, state: dict | None) -> None:
         """Restore :meth:`state` (``None``: a checkpoint written without validation)."""
         if state:
-            self.best, self.last = state.get("best"), state.get("last")
+            self.best, self.last = state.get("best") or None, state.get("last") or None
 
     def summary(self) -> dict:
         """``train_summary.json`` fields: the best evaluation (``step`` and figures, ``dir``) and the last one."""
