@@ -66,12 +66,13 @@ def init_steps(run: Path) -> int:
     return int(json.loads((run / "train_summary.json").read_text()).get("init_steps") or 0)
 
 
-def validation_curve(run: Path) -> list[tuple[float, float]]:
-    """``(training tokens, predicted T = 0 draft acceptance)`` at every validation of the run (``train_log.jsonl``);
-    a run started from a trained head (``head.checkpoint``) counts that head's steps too (:func:`init_steps`)."""
+def validation_curve(run: Path, key: str = "val_pred_acceptance") -> list[tuple[float, float]]:
+    """``(training tokens, predicted T = 0 draft acceptance)`` at every validation of the run (``train_log.jsonl``)
+    that logged ``key`` (``val_pred_acceptance_noloop``: outside loops; runs before that figure have none); a run
+    started from a trained head (``head.checkpoint``) counts that head's steps too (:func:`init_steps`)."""
     per, base = tokens_per_step(run), init_steps(run)
     recs = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
-    return [((base + r["step"]) * per, r["val_pred_acceptance"]) for r in recs if "val_pred_acceptance" in r]
+    return [((base + r["step"]) * per, r[key]) for r in recs if r.get(key) is not None]
 
 
 def measured_acceptance(bench_json: Path, num_stages: int) -> float:
@@ -124,7 +125,8 @@ def main(argv=None) -> int:
             points.append((name, (init_steps(run) + int(step)) * tokens_per_step(run),
                            measured_acceptance(Path(path), num_stages(run))))
         plot_training_acceptance([(run.name, validation_curve(run)) for run in args.runs], points, args.png,
-                                 caption=args.caption)
+                                 caption=args.caption, loop_free={
+                                     run.name: validation_curve(run, "val_pred_acceptance_noloop") for run in args.runs})
         print(f"wrote {args.png}")
     for run in args.runs:
         r = report(run)

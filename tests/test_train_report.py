@@ -29,7 +29,8 @@ def _run_dir(tmp_path: Path, name: str, world: int = 2) -> Path:
                                                         "partition": {"stage_layers": [3, 3]}}))
     recs = [{"step": 100, "loss": 3.0, "tokens_per_s": 900.0},
             {"step": 200, "loss": 2.0, "tokens_per_s": 1000.0, "val_pred_acceptance": 0.3, "val_best": True},
-            {"step": 300, "loss": 1.5, "tokens_per_s": 1100.0, "val_pred_acceptance": 0.4, "val_best": True}]
+            {"step": 300, "loss": 1.5, "tokens_per_s": 1100.0, "val_pred_acceptance": 0.4, "val_best": True,
+             "val_pred_acceptance_noloop": 0.33}]
     (run / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     return run
 
@@ -46,6 +47,7 @@ def test_curve_and_measured_point(tmp_path):
     run = _run_dir(tmp_path, "n2")
     assert tr.tokens_per_step(run) == 4 * 512 * 2
     assert tr.validation_curve(run) == [(200 * 4096, 0.3), (300 * 4096, 0.4)]
+    assert tr.validation_curve(run, "val_pred_acceptance_noloop") == [(300 * 4096, 0.33)]  # logged at step 300 only
     assert tr.measured_acceptance(_bench(tmp_path, 0.37), 2) == pytest.approx(0.37)
     with pytest.raises(ValueError, match="no spd acceptance row for n = 3"):
         tr.measured_acceptance(_bench(tmp_path, 0.37), 3)
@@ -106,3 +108,21 @@ def test_png_and_bad_measured_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         tr.main([str(run), "--measured", f"n2:300:{_bench(tmp_path, 0.35)}"])
     assert "--measured needs --png" in capsys.readouterr().err
+
+
+def test_plot_draws_the_loop_free_curve_dashed_in_the_runs_colour(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from spd_ds.eval import plots
+
+    figs = []
+    monkeypatch.setattr(plots.plt, "close", lambda fig: figs.append(fig))
+    curves = [("a", [(1e6, 0.3), (2e6, 0.4)]), ("b", [(1e6, 0.2)])]
+    plots.plot_training_acceptance(curves, [("a", 2e6, 0.35)], tmp_path / "p.png",
+                                   loop_free={"a": [(1e6, 0.25), (2e6, 0.33)], "b": []})
+    lines = {ln.get_label(): ln for ln in figs[0].axes[0].get_lines()}
+    assert set(lines) == {"a predicted (held-out)", "b predicted (held-out)", "a predicted, loop-free"}
+    free = lines["a predicted, loop-free"]
+    assert free.get_linestyle() == "--" and free.get_color() == lines["a predicted (held-out)"].get_color()
+    assert list(free.get_ydata()) == [0.25, 0.33]
+    plt.close(figs[0])

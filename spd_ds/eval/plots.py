@@ -146,7 +146,8 @@ def plot_cycle_time_split(summary: dict, path: str | Path) -> Path:
 
 
 def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]],
-                             measured: list[tuple[str, float, float]], path: str | Path, caption: str = "") -> Path:
+                             measured: list[tuple[str, float, float]], path: str | Path, caption: str = "",
+                             loop_free: dict[str, list[tuple[float, float]]] | None = None) -> Path:
     """Predicted T = 0 draft acceptance of each training run against training tokens (lines, from the held-out
     validation of ``spd_ds.train.validate``) with decoder-measured acceptance (markers, from suite (c)).
 
@@ -157,6 +158,8 @@ def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]]
             its colour.
         path: output PNG.
         caption: a line under the axes (what the measurements were taken on).
+        loop_free: ``label -> [(training tokens, predicted acceptance outside loops), ...]``: dashed, in the colour
+            of the label's curve (empty or missing for runs that predate the loop-free figures: nothing drawn).
     Returns:
         ``path``.
     """
@@ -165,6 +168,10 @@ def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]]
     for label, pts in curves:
         (line,) = ax.plot([t / 1e6 for t, _ in pts], [a for _, a in pts], label=f"{label} predicted (held-out)")
         colours[label] = line.get_color()
+        free = (loop_free or {}).get(label)
+        if free:
+            ax.plot([t / 1e6 for t, _ in free], [a for _, a in free], linestyle="--", color=colours[label],
+                    label=f"{label} predicted, loop-free")
     for k, (label, tokens, alpha) in enumerate(measured):  # labels stacked so that nearby points stay readable
         ax.scatter([tokens / 1e6], [alpha], marker="o", s=40, zorder=3, color=colours.get(label),
                    label=f"{label} measured (decoder)")
