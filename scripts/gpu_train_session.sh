@@ -22,7 +22,7 @@
 #   when carried in: a fresh machine can skip FlexAttention compiles; not measured yet), EVAL_SETS / EVAL_PROMPTS /
 #   EVAL_TOKENS / EVAL_TEMPS (suite c of every head on the node's CPU cores after training; EVAL_PROMPTS=0 = none),
 #   SPD_EVAL_DIR (materialised prompt sets carried with the tree), DETACH=1 / WAIT_SECONDS / SAVE_EVERY (runs that
-#   outlive the call: see step 2).
+#   outlive the call: see step 2), PORT (first variant's port, default 29600).
 set -uo pipefail
 PY=${PYTHON:-python3}
 WORK=${WORK:-/root/spd_work}
@@ -57,7 +57,7 @@ fi
 # whole run as long as the machine stays warm; checkpoints every SAVE_EVERY steps in case it is not).
 # A finished run is not extended (raising TRAIN_SECONDS later does not reopen it): start a new run from its best head
 # (head.checkpoint) instead.
-port=29600
+port=${PORT:-29600}  # rendezvous port of the first variant (+1 per variant): give concurrent invocations distinct ranges
 pids=()
 DETACH=${DETACH:-0}
 live_pid() {  # the pid of variant $1's detached run if it is still that run and alive (else removes the pid file)

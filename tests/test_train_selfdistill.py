@@ -293,6 +293,38 @@ def test_same_answers_whatever_the_batching(loaded, ending_model, convs, referen
     assert run["calls"] > 0 and run["generated_tokens"] == sum(sum(r["assistant_mask"]) for r in recs)
 
 
+def test_out_of_memory_splits_the_call_and_keeps_the_answers(loaded, ending_model, convs, reference_run, tmp_path,
+                                                            monkeypatch):
+    """A call over 3 rows raises torch.OutOfMemoryError (as a crowded GPU would): it is split, later calls are
+    capped, and the stored answers are those of the unconstrained run."""
+    model, _ = loaded
+    _, _, recs = reference_run
+    real_generate = model.generate
+    sizes = []
+
+    def generate(*a, input_ids, **kw):
+        sizes.append(input_ids.shape[0])
+        if input_ids.shape[0] > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real_generate(*a, input_ids=input_ids, **kw)
+
+    monkeypatch.setattr(model, "generate", generate)
+    run = _run(loaded, ending_model, convs, tmp_path / "oom", cache="dynamic")
+    assert list(sd.iter_records(tmp_path / "oom")) == recs
+    assert run["oom_splits"] >= 1 and run["row_cap"] <= 3
+    first_fit = next(i for i, n in enumerate(sizes) if n <= 3)
+    assert sizes[:first_fit] == [16, 8, 4] and max(sizes[first_fit:]) == 2  # halved until it fits, then capped
+    manifest_run = json.loads((tmp_path / "oom" / "manifest.json").read_text())["runs"][-1]
+    assert manifest_run["oom_splits"] == run["oom_splits"]
+
+    def no_room(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(model, "generate", no_room)
+    with pytest.raises(torch.OutOfMemoryError):  # one row that does not fit is not split forever
+        _run(loaded, ending_model, convs[:1], tmp_path / "none", cache="dynamic")
+
+
 # ---------------------------------------------------------------------------------------------------- storage
 def test_shard_round_trip_exact(tmp_path):
     rng = np.random.default_rng(0)

@@ -190,6 +190,11 @@ class AnswerGenerator:
         eos_ids: token ids that end an answer; pad_id: left-padding id.
         cfg: the run settings (``batch_size``, ``max_batch_tokens``, ``chunk_new_tokens``, ``min_alive``, ``cache``,
             ``compile``, ``max_new_tokens``).
+
+    Out of device memory (a GPU shared with other jobs, a long-prompt prefill): a call that raises
+    ``torch.OutOfMemoryError`` halves ``row_cap`` (the most rows of any later call) and is run again as calls of at
+    most ``row_cap`` rows; ``oom_splits`` counts the failed calls. The answers do not change (sampling is keyed by
+    answer position, not batch row). A single row that does not fit raises.
     """
 
     def __init__(self, model, eos_ids: Sequence[int], pad_id: int, cfg: SelfDistillConfig) -> None:
@@ -201,12 +206,14 @@ class AnswerGenerator:
         self.eos_t = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         self.calls: list[CallStats] = []
+        self.row_cap, self.oom_splits = int(cfg.batch_size), 0
 
     def rows_for(self, width: int, new_tokens: int) -> int:
         """Rows allowed in one call whose longest prompt has ``width`` tokens (a multiple of 64 when capped)."""
         cache_len = _bucket(width, self.cfg.cache_quantum) + new_tokens
-        n = min(self.cfg.batch_size, max(1, self.cfg.max_batch_tokens // cache_len))
-        return n if n == self.cfg.batch_size or n < 64 else n // 64 * 64
+        cap = min(self.cfg.batch_size, self.row_cap)
+        n = min(cap, max(1, self.cfg.max_batch_tokens // cache_len))
+        return n if n == cap or n < 64 else n // 64 * 64
 
     def _generation_config(self, new_tokens: int, cache_len: int):
         from transformers import GenerationConfig
@@ -229,11 +236,15 @@ class AnswerGenerator:
 
         Returns:
             per row, True if the answer is finished (ended with an EOS id, or ``max_new_tokens`` reached).
+
+        Raises:
+            torch.OutOfMemoryError: one row alone does not fit in device memory (larger calls are split instead).
         """
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
         cfg = self.cfg
         t0 = time.perf_counter()
+        given = list(rows)
         real = len(rows)
         if real == 1:  # a batch of one would make torch.compile specialise (and compile) once more: add a copy
             rows = [rows[0], rows[0]]
@@ -259,9 +270,26 @@ class AnswerGenerator:
                                                       cfg.min_alive)])
         if cfg.cache == "static":  # size the static cache for this call, not the longest call so far
             self.model._previous_max_cache_length = -1
-        out = self.model.generate(input_ids=torch.from_numpy(ids).to(dev), attention_mask=torch.from_numpy(att).to(dev),
-                                  generation_config=self._generation_config(new_tokens, cache_len),
-                                  logits_processor=procs, stopping_criteria=stop)
+        try:
+            out = self.model.generate(input_ids=torch.from_numpy(ids).to(dev),
+                                      attention_mask=torch.from_numpy(att).to(dev),
+                                      generation_config=self._generation_config(new_tokens, cache_len),
+                                      logits_processor=procs, stopping_criteria=stop)
+        except torch.OutOfMemoryError:
+            if real == 1:
+                raise
+            out = None  # split outside the handler, so that the failed call's tensors are freed first
+        if out is None:
+            del procs, stop
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            self.row_cap, self.oom_splits = max(1, min(self.row_cap, real // 2)), self.oom_splits + 1
+            finished, i = [], 0
+            while i < real:  # chunks of the cap as it stands (a chunk that fails again lowers it further)
+                n = self.row_cap
+                finished += self.step(given[i:i + n])
+                i += n
+            return finished
         new = out[:real, width:].cpu().numpy()
         finished, tokens = [], 0
         eos = set(self.eos_ids)

@@ -177,7 +177,7 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
             "generated_tokens_per_generate_s": round(new_tokens / max(gen_s, 1e-9), 1),
             "calls": len(gen.calls), "rows_x_steps": int(sum(c.rows * c.steps for c in gen.calls)),
             "discarded_in_flight_tokens": None, "stopped_by_time_budget": stopped,
-            "chains_stopped": dict(chains_stopped),
+            "chains_stopped": dict(chains_stopped), "oom_splits": gen.oom_splits, "row_cap": gen.row_cap,
             "by_round": {str(k): v for k, v in sorted(per_round.items())},
         })
         if len(gen.calls) > 1:  # after the first call, which pays the compile
