@@ -165,8 +165,11 @@ def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]]
     """
     fig, ax = plt.subplots(figsize=(8, 4.4))
     colours = {}
-    for label, pts in curves:
-        (line,) = ax.plot([t / 1e6 for t, _ in pts], [a for _, a in pts], label=f"{label} predicted (held-out)")
+    palette = plt.get_cmap("tab20").colors if len(curves) > 10 else None  # the default cycle repeats after 10 runs
+    for i, (label, pts) in enumerate(curves):
+        style = {"color": palette[i % len(palette)]} if palette else {}
+        (line,) = ax.plot([t / 1e6 for t, _ in pts], [a for _, a in pts], label=f"{label} predicted (held-out)",
+                          **style)
         colours[label] = line.get_color()
         free = (loop_free or {}).get(label)
         if free:
