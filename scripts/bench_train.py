@@ -8,6 +8,7 @@ earlier commit (e.g. ``git archive <commit> spd_ds launch ds_configs draft_vocab
 "before" column; the current checkout is "new".
 
     python scripts/bench_train.py --data runs/train_data/bench.jsonl.gz --stages 2 4 --old-root .old --out $OUT/bench
+    python scripts/bench_train.py --data ... --stages 2 4 --attention flex --compile-teacher inductor  # eager vs compiled teacher
 
 Prints a markdown table (and writes ``bench_train.json`` under ``--out``).
 """
@@ -26,9 +27,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cell(root: Path, n: int, attention: str | None, args, out: Path) -> dict:
+def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile_teacher: str | None = None) -> dict:
     """One short training run; returns its figures (or the error)."""
-    run_dir = out / f"{'after' if root == REPO else 'before'}_n{n}_{attention or 'default'}"
+    run_dir = out / (f"{'after' if root == REPO else 'before'}_n{n}_{attention or 'default'}"
+                     + (f"_teacher_{compile_teacher}" if compile_teacher else ""))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
            str(29500 + (hash((str(root), n, attention)) % 500)),
            str(root / "launch" / "train.py"), "--config", str(root / "launch/configs/train_smollm2_n2.yaml"),
@@ -38,6 +40,8 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path) -> dict
            f"data.max_seq_length={args.seq_len}", f"train.max_steps={args.steps}", "train.epochs=100",
            f"train.log_every={args.log_every}", "train.save_every=1000000", "train.progress=false",
            f"train.output_dir={run_dir}"]
+    if compile_teacher:
+        cmd.append(f"train.compile_teacher={compile_teacher}")
     if attention is not None:
         cmd.append(f"train.attention={attention}")
         if args.profile_steps and n == args.stages[0] and attention != "dense":
@@ -49,7 +53,8 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path) -> dict
         rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2500:]
     except subprocess.TimeoutExpired as e:
         rc, tail = 124, str(e.stdout or "")[-1500:] + str(e.stderr or "")[-1500:]
-    cell = {"code": "after" if root == REPO else "before", "n": n, "attention": attention or "dense (old)", "rc": rc,
+    label = (attention or "dense (old)") + (f", teacher compiled ({compile_teacher})" if compile_teacher else "")
+    cell = {"code": "after" if root == REPO else "before", "n": n, "attention": label, "rc": rc,
             "wall_s": round(time.perf_counter() - t0, 1)}
     log = run_dir / "train_log.jsonl"
     recs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
@@ -70,6 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--attention", nargs="+", default=["flex", "dense"], help="attention modes of the new code")
+    ap.add_argument("--compile-teacher", nargs="*", default=[], metavar="BACKEND",
+                    help="also a flex cell of the new code per backend with train.compile_teacher=BACKEND (inductor)")
     ap.add_argument("--old-root", default=None, help="checkout of the earlier commit (the 'before' column)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--log-every", type=int, default=10)
@@ -90,6 +97,10 @@ def main(argv=None) -> int:
             print(json.dumps(cells[-1])[:400], flush=True)
         for att in args.attention:
             cells.append(run_cell(REPO, n, att, args, out))
+            print(json.dumps(cells[-1])[:400], flush=True)
+            (out / "bench_train.json").write_text(json.dumps(cells, indent=2))
+        for backend in args.compile_teacher:
+            cells.append(run_cell(REPO, n, "flex", args, out, compile_teacher=backend))
             print(json.dumps(cells[-1])[:400], flush=True)
             (out / "bench_train.json").write_text(json.dumps(cells, indent=2))
     print(f"\n| n | code | attention | tokens/s per GPU | x before |\n|---|---|---|---|---|")

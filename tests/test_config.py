@@ -44,6 +44,9 @@ def test_bad_values():
         load_config(None, ["decoding.top_p=2"])
     with pytest.raises(ConfigError, match="data.num_prompts must be >= 1"):
         load_config(None, ["data.num_prompts=0"])
+    with pytest.raises(ConfigError, match="train.compile_teacher must be a torch.compile backend"):
+        load_config(None, ["train.compile_teacher=fastest"])
+    assert load_config(None, ["train.compile_teacher=inductor"]).train.compile_teacher == "inductor"
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent.yaml")
 

@@ -185,3 +185,34 @@ def test_autocast_applies_inside_the_module(arch8):
         got = HeadTrainModule(head, autocast=torch.bfloat16)(feats, segments, valid, 2)
     assert got.dtype == torch.float32 and not torch.equal(got, ref)
     torch.testing.assert_close(got, ref, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_teacher_equals_eager(arch8, backend):
+    """train.compile_teacher: the stages' softmax-attention layers compiled (linear-attention ones stay eager) give the
+    eager teacher's features and targets over packed rows (aot_eager: the eager kernels; inductor: fused kernels,
+    within rounding). Slow tier for inductor: a C++ compile on CPU."""
+    torch.manual_seed(0)
+    part = StagePartition.build(8, stage_layers=(4, 4))
+    draft_ids = list(range(0, arch8.vocab_size, 2))
+    eager = [TeacherStage(arch8, part, s, torch.float32, draft_ids) for s in range(2)]
+    compiled = [TeacherStage(arch8, part, s, torch.float32, draft_ids) for s in range(2)]
+    softmax_layers = sum(not arch8.is_linear(i) for i in range(8))
+    assert sum(st.compile_layers(backend) for st in compiled) == softmax_layers > 0
+    ids = torch.randint(3, arch8.vocab_size, (2, 24))
+    seg = torch.tensor([[1] * 10 + [2] * 14, [1] * 20 + [0] * 4])
+    valid = (seg > 0) & torch.rand(2, 24).gt(0.3)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        want = teacher_forward(eager, ids, seg, valid)
+        for _ in range(2):  # the second call runs the cached graph
+            got = teacher_forward(compiled, ids, seg, valid)
+            tol = 1e-6 if backend == "aot_eager" else 1e-4
+            for g, w in zip(got[:3], want[:3]):
+                torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+            assert torch.equal(got[3], want[3])  # argmax over random logits: no near-ties at this tolerance
+    # compiled for real, and the layers share their graph(s) rather than one per layer
+    assert 1 <= counters["stats"]["unique_graphs"] < softmax_layers

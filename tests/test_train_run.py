@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -236,10 +237,12 @@ def test_teacher_pipeline_degree_n(setup):
     tmp, model, data = setup
     (tmp / "c").mkdir()
     cfg = _experiment(tmp / "c", model, data, teacher_pipe_degree=2, max_steps=8, save_every=100,
-                      compile_cache=str(tmp / "c" / "cc.bin"))  # nothing compiles on CPU: loads and saves nothing
+                      compile_cache=str(tmp / "c" / "cc.bin"),  # no inductor kernels on CPU: loads, saves nothing
+                      compile_teacher="aot_eager")  # each rank compiles its own stage's layers
     proc = _launch(cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "pipe=1, data=0" in proc.stdout + proc.stderr  # a real two-stage pipeline
+    assert re.search(r"teacher: [1-9]\d* decoder layers compiled \(aot_eager\)", proc.stdout + proc.stderr)
     losses = _losses(tmp / "c" / "run")
     assert losses[8] < losses[1]
 

@@ -115,6 +115,26 @@ class TeacherStage(nn.Module):
         t = self.targets(h, valid, index)
         return feats, t.logits_draft, t.lse_full, t.argmax_full
 
+    def compile_layers(self, backend: str = "inductor") -> int:
+        """``torch.compile`` this stage's softmax-attention decoder layers in place (``nn.Module.compile``) so that
+        their elementwise work (norms, rotary, activation, residuals) runs as fused kernels instead of one eager kernel
+        each: an eager teacher step is launch-bound on a small target (docs/training.md, "Training throughput").
+        The layers share one graph (parameters are graph inputs); linear-attention layers run per document at varying
+        shapes and stay eager. Numerics follow the backend (``aot_eager``: the eager kernels; ``inductor``: fused,
+        within rounding of eager).
+
+        Args:
+            backend: a ``torch.compile`` backend name (``torch._dynamo.list_backends()``).
+        Returns:
+            the number of layers compiled.
+        """
+        count = 0
+        for i, layer in zip(self.layer_ids, self.layers):
+            if not self.arch.is_linear(i):
+                layer.compile(backend=backend)
+                count += 1
+        return count
+
     @torch.no_grad()
     def targets(self, hidden: torch.Tensor, valid: torch.Tensor, index: torch.Tensor | None = None) -> TeacherTargets:
         """Distillation targets at the loss positions (``valid`` nonzero, row-major), LM head in chunks.
@@ -156,8 +176,11 @@ def _per_document(layer: nn.Module, h: torch.Tensor, gather: torch.Tensor, valid
 
 
 def build_teacher_module(arch: TargetArch, partition: StagePartition, dtype: torch.dtype, pipe_degree: int,
-                         draft_ids: Sequence[int], temperature: float = 1.0, dynamic_shape: bool = False):
-    """The frozen target as a ``deepspeed.pipe.PipelineModule`` with ``pipe_degree`` pipeline stages.
+                         draft_ids: Sequence[int], temperature: float = 1.0, dynamic_shape: bool = False,
+                         compile_backend: str | None = None):
+    """The frozen target as a ``deepspeed.pipe.PipelineModule`` with ``pipe_degree`` pipeline stages; with
+    ``compile_backend`` (``train.compile_teacher``) the decoder layers of this rank's stages are compiled
+    (:meth:`TeacherStage.compile_layers`; their number in the module's ``compiled_layers``).
 
     Raises:
         ValueError: ``pipe_degree`` is neither 1 nor ``n``.
@@ -168,8 +191,11 @@ def build_teacher_module(arch: TargetArch, partition: StagePartition, dtype: tor
     if pipe_degree not in (1, n):
         raise ValueError(f"train.teacher_pipe_degree must be 1 or partition.num_stages={n}, got {pipe_degree}")
     specs = [LayerSpec(TeacherStage, arch, partition, s, dtype, list(draft_ids), temperature) for s in range(n)]
-    return PipelineModule(layers=specs, num_stages=pipe_degree, partition_method="uniform",
-                          dynamic_shape=dynamic_shape or pipe_degree > 1)
+    module = PipelineModule(layers=specs, num_stages=pipe_degree, partition_method="uniform",
+                            dynamic_shape=dynamic_shape or pipe_degree > 1)
+    module.compiled_layers = sum(stage.compile_layers(compile_backend) for stage in module.modules()
+                                 if compile_backend and isinstance(stage, TeacherStage))
+    return module
 
 
 def with_loss_index(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
