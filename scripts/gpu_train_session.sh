@@ -58,6 +58,7 @@ fi
 # A finished run is not extended (raising TRAIN_SECONDS later does not reopen it): start a new run from its best head
 # (head.checkpoint) instead.
 port=${PORT:-29600}  # rendezvous port of the first variant (+1 per variant): give concurrent invocations distinct ranges
+[[ "$port" =~ ^[0-9]+$ ]] || { say "error: PORT must be a port number, got '$port'"; exit 2; }
 pids=()
 DETACH=${DETACH:-0}
 live_pid() {  # the pid of variant $1's detached run if it is still that run and alive (else removes the pid file)

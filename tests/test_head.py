@@ -139,7 +139,7 @@ def test_version1_fingerprint_still_loads_with_a_warning(arch, tiny_root, tmp_pa
 def test_shipped_head_loads(smollm2_arch, n):
     """The committed SmolLM2 heads (n = 2, the default, and n = 3) keep loading onto SmolLM2-135M-Instruct; they
     store no LM head (the target's rows at the draft ids are read on load) and are small: at most 40 MB together (the
-    tracked tree travels to the GPU machine), a two-layer SmolLM2 head being 18 MB in bf16."""
+    tracked tree travels to the GPU machine): both are two-layer heads in bf16, 18 MB (n = 2) and 21 MB (n = 3)."""
     from spd_ds.eval.regression import DEFAULT_HEAD_DIR
 
     head_dir = DEFAULT_HEAD_DIR.parent / f"smollm2-135m-instruct-n{n}"

@@ -126,3 +126,19 @@ def test_plot_draws_the_loop_free_curve_dashed_in_the_runs_colour(tmp_path, monk
     assert free.get_linestyle() == "--" and free.get_color() == lines["a predicted (held-out)"].get_color()
     assert list(free.get_ydata()) == [0.25, 0.33]
     plt.close(figs[0])
+
+
+def test_plot_of_many_runs_gives_every_run_its_own_colour(tmp_path, monkeypatch):
+    """Past the default cycle's 10 colours the runs take a 20-colour palette: no two curves share a colour."""
+    import matplotlib.pyplot as plt
+
+    from spd_ds.eval import plots
+
+    figs = []
+    monkeypatch.setattr(plots.plt, "close", lambda fig: figs.append(fig))
+    for count in (3, 11):
+        curves = [(f"r{i}", [(1e6, 0.3), (2e6, 0.3 + i / 100)]) for i in range(count)]
+        plots.plot_training_acceptance(curves, [], tmp_path / f"p{count}.png")
+        colours = [ln.get_color() for ln in figs[-1].axes[0].get_lines()]
+        assert len(colours) == count and len(set(map(str, colours))) == count
+        plt.close(figs[-1])

@@ -295,8 +295,9 @@ def test_same_answers_whatever_the_batching(loaded, ending_model, convs, referen
 
 def test_out_of_memory_splits_the_call_and_keeps_the_answers(loaded, ending_model, convs, reference_run, tmp_path,
                                                             monkeypatch):
-    """A call over 3 rows raises torch.OutOfMemoryError (as a crowded GPU would): it is split, later calls are
-    capped, and the stored answers are those of the unconstrained run."""
+    """A call over 3 rows raises torch.OutOfMemoryError (as a crowded GPU would): it is run again as smaller calls,
+    later calls stay under the lowered token cap, and the stored answers are those of the unconstrained run (CPU,
+    fp32: no near-ties between batch shapes here)."""
     model, _ = loaded
     _, _, recs = reference_run
     real_generate = model.generate
@@ -309,13 +310,18 @@ def test_out_of_memory_splits_the_call_and_keeps_the_answers(loaded, ending_mode
         return real_generate(*a, input_ids=input_ids, **kw)
 
     monkeypatch.setattr(model, "generate", generate)
-    run = _run(loaded, ending_model, convs, tmp_path / "oom", cache="dynamic")
+    logs = []
+    cfg = sd.SelfDistillConfig(**{**CFG, "cache": "dynamic"})
+    run = sd.run_selfdistill(convs, ending_model, loaded[1], tmp_path / "oom", cfg, model=model, log=logs.append)
     assert list(sd.iter_records(tmp_path / "oom")) == recs
-    assert run["oom_splits"] >= 1 and run["row_cap"] <= 3
-    first_fit = next(i for i, n in enumerate(sizes) if n <= 3)
-    assert sizes[:first_fit] == [16, 8, 4] and max(sizes[first_fit:]) == 2  # halved until it fits, then capped
+    failed = [n for n in sizes if n > 3]
+    assert sizes[:4] == [16, 8, 4, 2]  # halved until it fits
+    assert run["oom_splits"] == len(failed) == 3 and run["calls"] == len(sizes) - len(failed)
+    assert max(sizes[4:]) <= 3  # later calls stay under the cap: no more failures
+    assert run["token_cap"] < cfg.max_batch_tokens
+    assert sum("out of device memory" in line for line in logs) == 1
     manifest_run = json.loads((tmp_path / "oom" / "manifest.json").read_text())["runs"][-1]
-    assert manifest_run["oom_splits"] == run["oom_splits"]
+    assert (manifest_run["oom_splits"], manifest_run["token_cap"]) == (3, run["token_cap"])
 
     def no_room(*a, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")

@@ -192,9 +192,12 @@ class AnswerGenerator:
             ``compile``, ``max_new_tokens``).
 
     Out of device memory (a GPU shared with other jobs, a long-prompt prefill): a call that raises
-    ``torch.OutOfMemoryError`` halves ``row_cap`` (the most rows of any later call) and is run again as calls of at
-    most ``row_cap`` rows; ``oom_splits`` counts the failed calls. The answers do not change (sampling is keyed by
-    answer position, not batch row). A single row that does not fit raises.
+    ``torch.OutOfMemoryError`` lowers ``token_cap`` (rows x static-cache length of any later call, at first
+    ``max_batch_tokens``) to half of the failed call's (rows rounded up) and is run again as calls under the new cap; ``oom_splits``
+    counts the failed calls. The cap is in tokens, so a long-prompt failure leaves room for more rows of shorter
+    prompts; it does not grow back. The answers are those of a run with smaller calls (sampling is keyed by answer
+    position, not batch row; greedy answers may differ at floating-point near-ties between batch shapes, as with any
+    re-batching). A single row that does not fit raises.
     """
 
     def __init__(self, model, eos_ids: Sequence[int], pad_id: int, cfg: SelfDistillConfig) -> None:
@@ -206,14 +209,14 @@ class AnswerGenerator:
         self.eos_t = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         self.calls: list[CallStats] = []
-        self.row_cap, self.oom_splits = int(cfg.batch_size), 0
+        self.token_cap, self.oom_splits = int(cfg.max_batch_tokens), 0
 
     def rows_for(self, width: int, new_tokens: int) -> int:
-        """Rows allowed in one call whose longest prompt has ``width`` tokens (a multiple of 64 when capped)."""
+        """Rows allowed in one call whose longest prompt has ``width`` tokens (a multiple of 64 when capped by
+        tokens: ``max_batch_tokens``, or the lower ``token_cap`` after an out-of-memory error)."""
         cache_len = _bucket(width, self.cfg.cache_quantum) + new_tokens
-        cap = min(self.cfg.batch_size, self.row_cap)
-        n = min(cap, max(1, self.cfg.max_batch_tokens // cache_len))
-        return n if n == cap or n < 64 else n // 64 * 64
+        n = min(self.cfg.batch_size, max(1, min(self.cfg.max_batch_tokens, self.token_cap) // cache_len))
+        return n if n == self.cfg.batch_size or n < 64 else n // 64 * 64
 
     def _generation_config(self, new_tokens: int, cache_len: int):
         from transformers import GenerationConfig
@@ -283,10 +286,12 @@ class AnswerGenerator:
             del procs, stop
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            self.row_cap, self.oom_splits = max(1, min(self.row_cap, real // 2)), self.oom_splits + 1
+            half = -(-real // 2)  # 3 rows -> 2 + 1
+            self.token_cap = min(self.token_cap, half * cache_len)
+            self.oom_splits += 1
             finished, i = [], 0
-            while i < real:  # chunks of the cap as it stands (a chunk that fails again lowers it further)
-                n = self.row_cap
+            while i < real:  # chunks under the cap as it stands (a chunk that fails again lowers it further)
+                n = min(real - i, max(1, min(half, self.rows_for(width, cfg.chunk_new_tokens))))
                 finished += self.step(given[i:i + n])
                 i += n
             return finished

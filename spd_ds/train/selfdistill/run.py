@@ -156,11 +156,15 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
                     i += len(batch)
                 else:
                     break  # the round is done (or, near the budget, its continuations are)
+                ooms = gen.oom_splits
                 for r, d in zip(batch, gen.step(batch)):
                     if d:
                         finish(r)
                     else:
                         cont.append(r)
+                if gen.oom_splits > ooms:
+                    log(f"selfdistill: out of device memory {gen.oom_splits - ooms}x in a call of {len(batch)} rows: run as smaller "
+                        f"calls; later calls hold at most {gen.token_cap:,} rows x cache tokens")
                 _log_call(log, rnd, gen.calls[-1], len(rows) - i, len(cont), t_start, new_tokens)
                 store.maybe_flush()
             if draining():
@@ -177,7 +181,8 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
             "generated_tokens_per_generate_s": round(new_tokens / max(gen_s, 1e-9), 1),
             "calls": len(gen.calls), "rows_x_steps": int(sum(c.rows * c.steps for c in gen.calls)),
             "discarded_in_flight_tokens": None, "stopped_by_time_budget": stopped,
-            "chains_stopped": dict(chains_stopped), "oom_splits": gen.oom_splits, "row_cap": gen.row_cap,
+            "chains_stopped": dict(chains_stopped), "oom_splits": gen.oom_splits,
+            "token_cap": gen.token_cap,
             "by_round": {str(k): v for k, v in sorted(per_round.items())},
         })
         if len(gen.calls) > 1:  # after the first call, which pays the compile
