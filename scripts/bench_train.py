@@ -32,7 +32,7 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile
     run_dir = out / (f"{'after' if root == REPO else 'before'}_n{n}_{attention or 'default'}"
                      + (f"_teacher_{compile_teacher}" if compile_teacher else ""))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-           str(29500 + (hash((str(root), n, attention)) % 500)),
+           str(29500 + (hash((str(root), n, attention, compile_teacher)) % 500)),
            str(root / "launch" / "train.py"), "--config", str(root / "launch/configs/train_smollm2_n2.yaml"),
            "--deepspeed_config", str(root / "ds_configs/zero2.json"),
            f"model.name={args.model}", f"partition.num_stages={n}", f"data.train_files=[{args.data}]",
@@ -44,7 +44,7 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile
         cmd.append(f"train.compile_teacher={compile_teacher}")
     if attention is not None:
         cmd.append(f"train.attention={attention}")
-        if args.profile_steps and n == args.stages[0] and attention != "dense":
+        if args.profile_steps and n == args.stages[0] and attention != "dense" and not compile_teacher:
             cmd.append(f"train.profile_steps={args.profile_steps}")
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()

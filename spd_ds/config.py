@@ -293,7 +293,7 @@ def validate(cfg: ExperimentConfig) -> None:
     if not 0.0 <= cfg.data.held_out_fraction < 1.0:
         raise ConfigError(f"data.held_out_fraction must be in [0, 1), got {cfg.data.held_out_fraction}")
     if cfg.train.compile_teacher is not None:
-        from torch._dynamo import list_backends
+        from torch.compiler import list_backends
 
         if cfg.train.compile_teacher not in list_backends(exclude_tags=()):
             raise ConfigError(f"train.compile_teacher must be a torch.compile backend (inductor, or aot_eager to debug) "

@@ -210,9 +210,11 @@ def test_compiled_teacher_equals_eager(arch8, backend):
         want = teacher_forward(eager, ids, seg, valid)
         for _ in range(2):  # the second call runs the cached graph
             got = teacher_forward(compiled, ids, seg, valid)
-            tol = 1e-6 if backend == "aot_eager" else 1e-4
             for g, w in zip(got[:3], want[:3]):
-                torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+                if backend == "aot_eager":  # the eager kernels: bit for bit
+                    assert torch.equal(g, w)
+                else:
+                    torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
             assert torch.equal(got[3], want[3])  # argmax over random logits: no near-ties at this tolerance
-    # compiled for real, and the layers share their graph(s) rather than one per layer
-    assert 1 <= counters["stats"]["unique_graphs"] < softmax_layers
+    # compiled for real, and all layers share one graph rather than one each
+    assert counters["stats"]["unique_graphs"] == 1

@@ -242,7 +242,8 @@ def test_teacher_pipeline_degree_n(setup):
     proc = _launch(cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "pipe=1, data=0" in proc.stdout + proc.stderr  # a real two-stage pipeline
-    assert re.search(r"teacher: [1-9]\d* decoder layers compiled \(aot_eager\)", proc.stdout + proc.stderr)
+    assert re.search(r"teacher: [1-9]\d* decoder layers on this rank to compile with aot_eager",
+                     proc.stdout + proc.stderr)
     losses = _losses(tmp / "c" / "run")
     assert losses[8] < losses[1]
 

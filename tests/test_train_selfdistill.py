@@ -318,7 +318,8 @@ def test_out_of_memory_splits_the_call_and_keeps_the_answers(loaded, ending_mode
     assert sizes[:4] == [16, 8, 4, 2]  # halved until it fits
     assert run["oom_splits"] == len(failed) == 3 and run["calls"] == len(sizes) - len(failed)
     assert max(sizes[4:]) <= 3  # later calls stay under the cap: no more failures
-    assert run["token_cap"] < cfg.max_batch_tokens
+    first = run["call_stats"][0]  # the first call that fit: 2 rows at the failed calls' cache length
+    assert first.rows == 2 and run["token_cap"] == 2 * first.cache_len < cfg.max_batch_tokens
     assert sum("out of device memory" in line for line in logs) == 1
     manifest_run = json.loads((tmp_path / "oom" / "manifest.json").read_text())["runs"][-1]
     assert (manifest_run["oom_splits"], manifest_run["token_cap"]) == (3, run["token_cap"])

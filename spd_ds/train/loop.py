@@ -289,7 +289,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     tmod = build_teacher_module(arch, part, tdtype, degree, head.draft_ids.tolist(), tc.kd_temperature,
                                 dynamic_shape=not dc.pack, compile_backend=tc.compile_teacher)
     if tc.compile_teacher:
-        _say(f"teacher: {tmod.compiled_layers} decoder layers compiled ({tc.compile_teacher})", rank)
+        _say(f"teacher: {tmod.compiled_layers} decoder layers on this rank to compile with {tc.compile_teacher}", rank)
     teng, *_ = deepspeed.initialize(model=tmod, config={"train_micro_batch_size_per_gpu": dc.micro_batch_size,
                                                        "gradient_accumulation_steps": 1,
                                                        "steps_per_print": 1 << 30})

@@ -212,8 +212,9 @@ class AnswerGenerator:
         self.token_cap, self.oom_splits = int(cfg.max_batch_tokens), 0
 
     def rows_for(self, width: int, new_tokens: int) -> int:
-        """Rows allowed in one call whose longest prompt has ``width`` tokens (a multiple of 64 when capped by
-        tokens: ``max_batch_tokens``, or the lower ``token_cap`` after an out-of-memory error)."""
+        """Rows allowed in one call whose longest prompt has ``width`` tokens: ``batch_size``, or as many as
+        ``max_batch_tokens`` (or the lower ``token_cap`` after an out-of-memory error) allow, rounded down to a
+        multiple of 64 from 64 rows up."""
         cache_len = _bucket(width, self.cfg.cache_quantum) + new_tokens
         n = min(self.cfg.batch_size, max(1, min(self.cfg.max_batch_tokens, self.token_cap) // cache_len))
         return n if n == self.cfg.batch_size or n < 64 else n // 64 * 64
@@ -234,8 +235,13 @@ class AnswerGenerator:
         return GenerationConfig(**kw)
 
     @torch.no_grad()
-    def step(self, rows: Sequence[Row]) -> list[bool]:
+    def step(self, rows: Sequence[Row], pad_single: bool = True) -> list[bool]:
         """Advance ``rows`` by one ``generate`` call; extends each ``row.answer`` in place.
+
+        Args:
+            rows: the rows of the call.
+            pad_single: a single row runs as a batch of two (itself twice), so that torch.compile does not specialise
+                on a batch of one; off for a row retried alone after an out-of-memory error.
 
         Returns:
             per row, True if the answer is finished (ended with an EOS id, or ``max_new_tokens`` reached).
@@ -249,7 +255,7 @@ class AnswerGenerator:
         t0 = time.perf_counter()
         given = list(rows)
         real = len(rows)
-        if real == 1:  # a batch of one would make torch.compile specialise (and compile) once more: add a copy
+        if real == 1 and pad_single:  # a batch of one would make torch.compile specialise (compile) once more
             rows = [rows[0], rows[0]]
         B = len(rows)
         ctx = [np.concatenate([r.prompt, np.asarray(r.answer, dtype=np.int64)]) if r.answer else r.prompt
@@ -279,20 +285,20 @@ class AnswerGenerator:
                                       generation_config=self._generation_config(new_tokens, cache_len),
                                       logits_processor=procs, stopping_criteria=stop)
         except torch.OutOfMemoryError:
-            if real == 1:
+            if real == 1 and not pad_single:
                 raise
             out = None  # split outside the handler, so that the failed call's tensors are freed first
         if out is None:
             del procs, stop
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            half = -(-real // 2)  # 3 rows -> 2 + 1
+            half = -(-real // 2)  # 3 rows -> 2 + 1; a padded single row -> itself alone
             self.token_cap = min(self.token_cap, half * cache_len)
             self.oom_splits += 1
             finished, i = [], 0
             while i < real:  # chunks under the cap as it stands (a chunk that fails again lowers it further)
                 n = min(real - i, max(1, min(half, self.rows_for(width, cfg.chunk_new_tokens))))
-                finished += self.step(given[i:i + n])
+                finished += self.step(given[i:i + n], pad_single=False)
                 i += n
             return finished
         new = out[:real, width:].cpu().numpy()
