@@ -8,7 +8,7 @@ earlier commit (e.g. ``git archive <commit> spd_ds launch ds_configs draft_vocab
 "before" column; the current checkout is "new".
 
     python scripts/bench_train.py --data runs/train_data/bench.jsonl.gz --stages 2 4 --old-root .old --out $OUT/bench
-    python scripts/bench_train.py --data ... --stages 2 4 --attention flex --compile-teacher inductor  # eager vs compiled teacher
+    python scripts/bench_train.py --data ... --stages 2 4 --attention flex --compile-teacher inductor  # teacher A/B
 
 Prints a markdown table (and writes ``bench_train.json`` under ``--out``).
 """
@@ -103,14 +103,18 @@ def main(argv=None) -> int:
             cells.append(run_cell(REPO, n, "flex", args, out, compile_teacher=backend))
             print(json.dumps(cells[-1])[:400], flush=True)
             (out / "bench_train.json").write_text(json.dumps(cells, indent=2))
-    print(f"\n| n | code | attention | tokens/s per GPU | x before |\n|---|---|---|---|---|")
+    print(f"\n| n | code | attention | tokens/s per GPU | x before | x eager teacher |\n|---|---|---|---|---|---|")
+
+    def rate_of(n: int, attention: str):
+        return next((b.get("tokens_per_s") for b in cells if b["n"] == n and b["attention"] == attention), None)
+
     for c in cells:
-        base = next((b.get("tokens_per_s") for b in cells if b["n"] == c["n"] and b["attention"] == "dense (old)"),
-                    None)
-        rate = c.get("tokens_per_s")
+        rate, base = c.get("tokens_per_s"), rate_of(c["n"], "dense (old)")
+        eager = rate_of(c["n"], "flex") if "teacher compiled" in c["attention"] else None
         x = f"{rate / base:.2f}x" if (rate and base) else "-"
-        print(f"| {c['n']} | {c['code']} | {c['attention']} | {f'{rate:,.0f}' if rate else 'failed rc=' + str(c['rc'])} "
-              f"| {x} |")
+        xe = f"{rate / eager:.2f}x" if (rate and eager) else "-"
+        shown = f"{rate:,.0f}" if rate else f"failed rc={c['rc']}"
+        print(f"| {c['n']} | {c['code']} | {c['attention']} | {shown} | {x} | {xe} |")
     return 0
 
 

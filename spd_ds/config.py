@@ -296,8 +296,8 @@ def validate(cfg: ExperimentConfig) -> None:
         from torch.compiler import list_backends
 
         if cfg.train.compile_teacher not in list_backends(exclude_tags=()):
-            raise ConfigError(f"train.compile_teacher must be a torch.compile backend (inductor, or aot_eager to debug) "
-                              f"or null for eager, got {cfg.train.compile_teacher!r}")
+            raise ConfigError(f"train.compile_teacher must be a torch.compile backend (inductor, or aot_eager to "
+                              f"debug) or null for eager, got {cfg.train.compile_teacher!r}")
     if cfg.train.flex_compile not in ("static", "dynamic"):
         raise ConfigError(f"train.flex_compile must be static or dynamic, got {cfg.train.flex_compile!r}")
     if not 0.0 <= cfg.train.lr_stable_fraction < 1.0:

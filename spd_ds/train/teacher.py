@@ -124,9 +124,10 @@ class TeacherStage(nn.Module):
         within rounding of eager).
 
         Args:
-            backend: a ``torch.compile`` backend name (``torch._dynamo.list_backends()``).
+            backend: a ``torch.compile`` backend name (``torch.compiler.list_backends(exclude_tags=())``).
         Returns:
-            the number of layers compiled.
+            the number of layers compiled (``nn.Module.compile`` is lazy: the compile, and any backend error, come
+            with the first forward; ``train.compile_teacher`` is checked against the backends by ``config.validate``).
         """
         count = 0
         for i, layer in zip(self.layer_ids, self.layers):

@@ -163,8 +163,8 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
                     else:
                         cont.append(r)
                 if gen.oom_splits > ooms:
-                    log(f"selfdistill: out of device memory {gen.oom_splits - ooms}x in a call of {len(batch)} rows: run as smaller "
-                        f"calls; later calls hold at most {gen.token_cap:,} rows x cache tokens")
+                    log(f"selfdistill: out of device memory {gen.oom_splits - ooms}x in a call of {len(batch)} rows: "
+                        f"run as smaller calls; later calls hold at most {gen.token_cap:,} rows x cache tokens")
                 _log_call(log, rnd, gen.calls[-1], len(rows) - i, len(cont), t_start, new_tokens)
                 store.maybe_flush()
             if draining():
