@@ -125,6 +125,13 @@ def test_plot_draws_the_loop_free_curve_dashed_in_the_runs_colour(tmp_path, monk
     free = lines["a predicted, loop-free"]
     assert free.get_linestyle() == "--" and free.get_color() == lines["a predicted (held-out)"].get_color()
     assert list(free.get_ydata()) == [0.25, 0.33]
+    # one legend entry per run in its colour, then what the line styles and the marker mean; the y range holds every
+    # figure with room around it
+    legend = figs[0].axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["a", "b", "predicted (held-out)", "predicted, loop-free",
+                                                          "measured (decoder, T = 0)"]
+    assert legend.legend_handles[0].get_color() == lines["a predicted (held-out)"].get_color()
+    assert figs[0].axes[0].get_ylim() == pytest.approx((0.1, 0.5))
     plt.close(figs[0])
 
 

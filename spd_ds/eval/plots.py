@@ -6,12 +6,14 @@ keeps its legend off the bars. Times are compared per decode token, the unit in 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
 TIME_UNIT = "ms per decode token"
 
@@ -175,17 +177,29 @@ def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]]
         if free:
             ax.plot([t / 1e6 for t, _ in free], [a for _, a in free], linestyle="--", color=colours[label],
                     label=f"{label} predicted, loop-free")
-    for k, (label, tokens, alpha) in enumerate(measured):  # labels stacked so that nearby points stay readable
+    values = [a for _, pts in curves for _, a in pts] + [a for *_, a in measured]
+    for k, (label, tokens, alpha) in enumerate(measured):  # the value beside the marker, alternately above and below
         ax.scatter([tokens / 1e6], [alpha], marker="o", s=40, zorder=3, color=colours.get(label),
                    label=f"{label} measured (decoder)")
-        ax.annotate(f"{label} {alpha:.3f}", (tokens / 1e6, alpha), textcoords="offset points",
-                    xytext=(-70, -16 - 11 * k), fontsize=7, color=colours.get(label),
-                    arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5})
+        ax.annotate(f"{alpha:.3f}", (tokens / 1e6, alpha), textcoords="offset points",
+                    xytext=(5, 4 if k % 2 else -9), fontsize=7, color=colours.get(label))
     ax.set_xlabel("training tokens (M, packed rows)")
     ax.set_ylabel("T = 0 draft acceptance")
-    ax.set_ylim(0, 1)
+    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+    ax.set_ylim(max(0.0, math.floor((lo - 0.05) * 10) / 10), min(1.0, math.ceil((hi + 0.05) * 10) / 10))
+    ax.margins(x=0.08)  # room for the values beside the last markers
     ax.grid(alpha=0.3)
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+    # one legend entry per run (its colour); the line style and the marker say what was predicted or measured
+    handles = [ln for ln in ax.get_lines() if ln.get_label().endswith("predicted (held-out)")]
+    handles = [Line2D([], [], color=h.get_color(), label=h.get_label().removesuffix(" predicted (held-out)"))
+               for h in handles]
+    if curves:
+        handles.append(Line2D([], [], color="0.3", label="predicted (held-out)"))
+    if any((loop_free or {}).values()):
+        handles.append(Line2D([], [], color="0.3", linestyle="--", label="predicted, loop-free"))
+    if measured:
+        handles.append(Line2D([], [], color="0.3", marker="o", linestyle="none", label="measured (decoder, T = 0)"))
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     fig.tight_layout()
     if caption:
         fig.text(0.01, -0.01, caption, fontsize=7, ha="left", va="top", wrap=True)
