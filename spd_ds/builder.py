@@ -81,9 +81,20 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
     return part
 
 
+FULL_VOCAB = "full"  # head.draft_vocab value: draft over the target's whole vocabulary
+
+
+def draft_vocab_ids(draft_vocab: str) -> list[int] | None:
+    """The ids of ``head.draft_vocab``: a draft-vocabulary JSON (:func:`~spd_ds.head.load_draft_vocab`), or ``None``
+    for ``full`` (the whole vocabulary). Raises: as ``load_draft_vocab`` (FileNotFoundError, ValueError)."""
+    return None if draft_vocab == FULL_VOCAB else load_draft_vocab(draft_vocab)
+
+
 def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartition) -> SpeculationHead:
     """Load ``head.checkpoint`` or make an untrained head (draft vocabulary from ``head.draft_vocab``; tower from
-    target layer ``head.tower_init_layer`` when set).
+    target layer ``head.tower_init_layer`` when set). A loaded head keeps its own draft vocabulary unless
+    ``head.draft_vocab`` is set: a head with ``lm_head_from_target`` then drafts over that one
+    (:meth:`~spd_ds.head.SpeculationHead.set_draft_vocab`; ``full`` = every id), another head ignores it (warning).
 
     Raises:
         ValueError: a bad draft vocabulary. ConfigError: a bad ``head.tower_init_layer`` (see
@@ -95,8 +106,20 @@ def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartitio
         if cfg.head.tower_init_layer is not None:
             log.warning("head.tower_init_layer=%s ignored: head.checkpoint %s is loaded as it is",
                         cfg.head.tower_init_layer, cfg.head.checkpoint)
-        return SpeculationHead.load(cfg.head.checkpoint, arch, partition)
-    ids = load_draft_vocab(cfg.head.draft_vocab) if cfg.head.draft_vocab else None
+        head = SpeculationHead.load(cfg.head.checkpoint, arch, partition)
+        if cfg.head.draft_vocab:  # a target-tied head drafts over the given vocabulary (set_draft_vocab)
+            ids = draft_vocab_ids(cfg.head.draft_vocab)
+            if (list(range(arch.vocab_size)) if ids is None else ids) == head.draft_ids.tolist():
+                pass
+            elif head.lm_head_from_target:
+                head.set_draft_vocab(ids)
+                log.info("head %s drafts over head.draft_vocab=%s (%d ids)", cfg.head.checkpoint,
+                         cfg.head.draft_vocab, head.draft_vocab_size)
+            else:
+                log.warning("head.draft_vocab=%s ignored: head %s stores its own LM head for its %d-id vocabulary",
+                            cfg.head.draft_vocab, cfg.head.checkpoint, head.draft_vocab_size)
+        return head
+    ids = draft_vocab_ids(cfg.head.draft_vocab) if cfg.head.draft_vocab else None
     torch.manual_seed(cfg.train.seed)
     head = SpeculationHead(arch, partition, cfg.head.num_layers, ids, cfg.head.intermediate_size,
                            lm_head_from_target=cfg.head.lm_head_from_target)

@@ -43,7 +43,9 @@ class PartitionConfig:
 @dataclasses.dataclass
 class HeadConfig:
     """Speculation head: ``checkpoint`` directory (None = untrained head), tower ``num_layers`` (L_s),
-    ``draft_vocab`` JSON (None = full vocabulary), ``placement`` in the distributed engine
+    ``draft_vocab``: a draft-vocabulary JSON or ``full`` (every id); None = every id for a new head, the checkpoint's
+    own for a loaded one (a loaded head with ``lm_head_from_target`` drafts over a given one), ``placement`` in the
+    distributed engine
     (``colocated``: inside the first stage's process, world n; ``dedicated``: its own rank, world n + 1),
     ``cuda_graph``: draft through a static KV cache replayed as one CUDA graph per cycle
     (``spd_ds.decoding.head_graph``) when the head is on a CUDA device. Opt-in (default false) until its bf16

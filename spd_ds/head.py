@@ -46,6 +46,16 @@ class HeadCheckpointError(HeadMismatchError):
     """A head checkpoint whose files cannot be read (a truncated or corrupted ``head.safetensors``, a bad JSON)."""
 
 
+def _draft_id_tensor(draft_token_ids: Sequence[int] | None, vocab_size: int) -> torch.Tensor:
+    """``[V_d]`` int64 draft ids (``None`` = ``arange(vocab_size)``). Raises ValueError: not sorted, unique, in range."""
+    if draft_token_ids is None:
+        return torch.arange(vocab_size)
+    ids = torch.as_tensor(list(draft_token_ids), dtype=torch.long)
+    if ids.numel() == 0 or (ids[1:] <= ids[:-1]).any() or ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"draft vocabulary must be sorted, unique ids in [0, {vocab_size}); check the draft-vocab file")
+    return ids
+
+
 class SpeculationHead(nn.Module):
     """Drafts the next token from multi-depth features of the in-flight tokens.
 
@@ -82,12 +92,7 @@ class SpeculationHead(nn.Module):
         self.arch, self.partition = arch, partition
         self.num_layers = int(num_layers)
         self.intermediate_size = intermediate_size
-        if draft_token_ids is None:
-            ids = torch.arange(V)
-        else:
-            ids = torch.as_tensor(list(draft_token_ids), dtype=torch.long)
-            if ids.numel() == 0 or (ids[1:] <= ids[:-1]).any() or ids.min() < 0 or ids.max() >= V:
-                raise ValueError(f"draft vocabulary must be sorted, unique ids in [0, {V}); check the draft-vocab file")
+        ids = _draft_id_tensor(draft_token_ids, V)
         self.register_buffer("draft_ids", ids, persistent=True)
         self.aggr = nn.ModuleList(nn.Linear((k + 1) * H, H, bias=False) for k in range(partition.num_types))
         for lin in self.aggr:
@@ -103,10 +108,36 @@ class SpeculationHead(nn.Module):
             if init_from_target:
                 arch.load_into(self.norm, "model.norm.")
             if init_from_target or self.lm_head_from_target:
-                name = "model.embed_tokens.weight" if arch.tied_embeddings else "lm_head.weight"
-                self.lm_head.weight.copy_(arch.load_tensor(name)[ids])
+                self.lm_head.weight.copy_(self._target_lm_rows(ids))
         self.norm.requires_grad_(False)  # the target's final norm stays frozen
         self.lm_head.requires_grad_(not self.lm_head_from_target)
+
+    def _target_lm_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[len(ids), H]`` rows of the target's LM head (its embedding when tied) at target ids ``ids``."""
+        name = "model.embed_tokens.weight" if self.arch.tied_embeddings else "lm_head.weight"
+        return self.arch.load_tensor(name)[ids]
+
+    @torch.no_grad()
+    def set_draft_vocab(self, draft_token_ids: Sequence[int] | None) -> None:
+        """Draft over another vocabulary (``None`` = the target's whole vocabulary): for a head whose LM head is the
+        target's own rows (``lm_head_from_target``), the new vocabulary's rows are read from the target and the rest
+        of the head is unchanged, so an id in both vocabularies keeps its logit. A head distilled over a draft
+        vocabulary (the KL of training is over it, to save compute) can so draft every token at inference: the
+        16k-vocabulary SmolLM2 heads accept 0.006-0.0XX more drafts with the whole vocabulary (docs/benchmarks.md (c)).
+
+        Raises:
+            ValueError: a head that stores its own LM head (rows outside its vocabulary were never trained), or ids
+                that are not sorted, unique and in ``[0, vocab_size)``.
+        """
+        if not self.lm_head_from_target:
+            raise ValueError("only a head with lm_head_from_target=true can change its draft vocabulary: this head's "
+                             "LM head was trained for its own vocabulary; train a head with head.lm_head_from_target=true")
+        ids = _draft_id_tensor(draft_token_ids, self.arch.vocab_size)
+        w = self.lm_head.weight
+        lm_head = nn.Linear(w.shape[1], ids.numel(), bias=False, device=w.device, dtype=w.dtype)
+        lm_head.weight.copy_(self._target_lm_rows(ids))
+        self.lm_head = lm_head.requires_grad_(False)
+        self.draft_ids = ids.to(self.draft_ids.device)
 
     @torch.no_grad()
     def init_tower_from_layer(self, layer: int) -> list[str]:

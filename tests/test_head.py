@@ -62,6 +62,68 @@ def test_lm_head_from_target_is_frozen_and_not_stored(arch, tmp_path):
         assert torch.equal(a, b), k
 
 
+def test_set_draft_vocab_widens_a_target_tied_head_and_keeps_its_logits(arch, tmp_path):
+    """A head with the target's LM-head rows drafts over another vocabulary: the new rows are the target's, the rest
+    of the head is unchanged, so the logits of ids in both vocabularies are equal (the whole vocabulary: the same
+    logits at the old ids, more ids); it saves and loads with its new vocabulary; a head with its own LM head and a
+    bad vocabulary are refused."""
+    part = StagePartition.build(6, 2)
+    ids = list(range(10, 60, 2))
+    head = SpeculationHead(arch, part, draft_token_ids=ids, lm_head_from_target=True)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:  # a trained head: unlike its initialisation, its LM head still the target's rows
+                p.add_(0.01 * torch.randn_like(p))
+    feats = torch.randn(4, part.num_types, arch.hidden_size)
+    hidden = head.tower(head.aggregate(feats, [2, 2, 1, 0])[None], torch.arange(4))
+    before = head.logits(hidden)
+    head.set_draft_vocab(None)
+    assert head.draft_vocab_size == arch.vocab_size and torch.equal(head.draft_ids, torch.arange(arch.vocab_size))
+    assert not head.lm_head.weight.requires_grad
+    torch.testing.assert_close(head.lm_head.weight, arch.load_tensor("lm_head.weight"), rtol=0, atol=0)
+    after = head.logits(head.tower(head.aggregate(feats, [2, 2, 1, 0])[None], torch.arange(4)))
+    assert after.shape[-1] == arch.vocab_size
+    torch.testing.assert_close(after[..., ids], before, rtol=0, atol=0)
+    head.save(tmp_path / "full")
+    assert json.loads((tmp_path / "full" / "head_config.json").read_text())["draft_vocab_size"] == arch.vocab_size
+    back = SpeculationHead.load(tmp_path / "full", arch)
+    assert back.draft_vocab_size == arch.vocab_size
+    torch.testing.assert_close(back.logits(hidden), after, rtol=0, atol=0)
+    back.set_draft_vocab(ids[::2])  # and narrower again
+    torch.testing.assert_close(back.logits(hidden), before[..., ::2], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="sorted, unique"):
+        back.set_draft_vocab([5, 3])
+    own = SpeculationHead(arch, part, draft_token_ids=ids)
+    with pytest.raises(ValueError, match="lm_head_from_target=true"):
+        own.set_draft_vocab(None)
+
+
+def test_head_draft_vocab_config_for_a_loaded_head(arch, tmp_path, caplog):
+    """``head.draft_vocab`` with a checkpoint: ``full`` widens a target-tied head, a file narrows it (a training run
+    warm-started from a widened head trains over the file's vocabulary), unset keeps the checkpoint's; a head with
+    its own LM head keeps its vocabulary, with a warning."""
+    from spd_ds.builder import build_head
+    from spd_ds.config import load_config
+
+    part = StagePartition.build(6, 2)
+    ids = list(range(10, 60, 2))
+    vocab = tmp_path / "v.json"
+    vocab.write_text(json.dumps({"token_ids": ids[:10], "draft_vocab_size": 10}))
+    SpeculationHead(arch, part, draft_token_ids=ids, lm_head_from_target=True).save(tmp_path / "tied")
+    SpeculationHead(arch, part, draft_token_ids=ids).save(tmp_path / "own")
+
+    def load(name, *over):
+        cfg = load_config(None, [f"model.name={arch.model_dir}", f"head.checkpoint={tmp_path / name}", *over])
+        return build_head(cfg, arch, part)
+
+    assert load("tied").draft_vocab_size == len(ids)
+    assert load("tied", "head.draft_vocab=full").draft_vocab_size == arch.vocab_size
+    assert load("tied", f"head.draft_vocab={vocab}").draft_ids.tolist() == ids[:10]
+    with caplog.at_level("WARNING"):
+        assert load("own", "head.draft_vocab=full").draft_ids.tolist() == ids
+    assert "stores its own LM head" in caplog.text
+
+
 def test_load_mismatch_errors(arch, tiny_root, tmp_path):
     part = StagePartition.build(6, 2)
     SpeculationHead(arch, part).save(tmp_path / "h")
@@ -138,14 +200,17 @@ def test_version1_fingerprint_still_loads_with_a_warning(arch, tiny_root, tmp_pa
 @pytest.mark.parametrize("n", [2, 3])
 def test_shipped_head_loads(smollm2_arch, n):
     """The committed SmolLM2 heads (n = 2, the default, and n = 3) keep loading onto SmolLM2-135M-Instruct; they
-    store no LM head (the target's rows at the draft ids are read on load) and are small: at most 40 MB together (the
-    tracked tree travels to the GPU machine): both are two-layer heads in bf16, 18 MB (n = 2) and 21 MB (n = 3)."""
+    store no LM head (the target's rows at the draft ids are read on load), draft over the whole vocabulary (trained
+    over a 16k-id one, widened with set_draft_vocab: docs/training.md, "Draft vocabulary") and are small: at most
+    40 MB together (the tracked tree travels to the GPU machine): both are two-layer heads in bf16, 18 MB (n = 2) and
+    21 MB (n = 3)."""
     from spd_ds.eval.regression import DEFAULT_HEAD_DIR
 
     head_dir = DEFAULT_HEAD_DIR.parent / f"smollm2-135m-instruct-n{n}"
     meta = SpeculationHead.check_base_model(head_dir, smollm2_arch)
     head = SpeculationHead.load(head_dir, smollm2_arch)
-    assert head.draft_vocab_size == meta["draft_vocab_size"] and head.partition.num_stages == n
+    assert head.draft_vocab_size == meta["draft_vocab_size"] == smollm2_arch.vocab_size
+    assert head.partition.num_stages == n
     assert meta["lm_head_from_target"]
     sizes = [(DEFAULT_HEAD_DIR.parent / f"smollm2-135m-instruct-n{k}" / "head.safetensors").stat().st_size
              for k in (2, 3)]

@@ -103,12 +103,13 @@ def _precheck_head(cfg: ExperimentConfig, arch) -> None:
     Raises:
         FileNotFoundError / HeadMismatchError / ValueError: as ``builder.build_head`` would on the head rank.
     """
-    from spd_ds.head import SpeculationHead, load_draft_vocab
+    from spd_ds.builder import draft_vocab_ids
+    from spd_ds.head import SpeculationHead
 
     if cfg.head.checkpoint:
         SpeculationHead.check_base_model(cfg.head.checkpoint, arch)
-    elif cfg.head.draft_vocab:
-        load_draft_vocab(cfg.head.draft_vocab)
+    if cfg.head.draft_vocab:
+        draft_vocab_ids(cfg.head.draft_vocab)
 
 
 def _eos_with_tokenizer(cfg: ExperimentConfig, arch, default: list[int]) -> list[int]:
