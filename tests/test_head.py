@@ -96,6 +96,10 @@ def test_set_draft_vocab_widens_a_target_tied_head_and_keeps_its_logits(arch, tm
     own = SpeculationHead(arch, part, draft_token_ids=ids)
     with pytest.raises(ValueError, match="lm_head_from_target=true"):
         own.set_draft_vocab(None)
+    half = SpeculationHead.load(tmp_path / "full", arch).to(torch.bfloat16)  # a bf16 head stays bf16, frozen
+    half.set_draft_vocab(ids)
+    assert half.lm_head.weight.dtype == torch.bfloat16 and not half.lm_head.weight.requires_grad
+    assert torch.equal(half.lm_head.weight, arch.load_tensor("lm_head.weight")[ids].to(torch.bfloat16))
 
 
 def test_head_draft_vocab_config_for_a_loaded_head(arch, tmp_path, caplog):

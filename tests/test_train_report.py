@@ -119,19 +119,19 @@ def test_plot_draws_the_loop_free_curve_dashed_in_the_runs_colour(tmp_path, monk
     monkeypatch.setattr(plots.plt, "close", lambda fig: figs.append(fig))
     curves = [("a", [(1e6, 0.3), (2e6, 0.4)]), ("b", [(1e6, 0.2)])]
     plots.plot_training_acceptance(curves, [("a", 2e6, 0.35)], tmp_path / "p.png",
-                                   loop_free={"a": [(1e6, 0.25), (2e6, 0.33)], "b": []})
+                                   loop_free={"a": [(1e6, 0.09), (2e6, 0.33)], "b": []})
     lines = {ln.get_label(): ln for ln in figs[0].axes[0].get_lines()}
     assert set(lines) == {"a predicted (held-out)", "b predicted (held-out)", "a predicted, loop-free"}
     free = lines["a predicted, loop-free"]
     assert free.get_linestyle() == "--" and free.get_color() == lines["a predicted (held-out)"].get_color()
-    assert list(free.get_ydata()) == [0.25, 0.33]
+    assert list(free.get_ydata()) == [0.09, 0.33]
     # one legend entry per run in its colour, then what the line styles and the marker mean; the y range holds every
-    # figure with room around it
+    # figure, the loop-free ones too, with room around it (0.09 - 0.05 -> 0.0; 0.4 + 0.05 -> 0.5)
     legend = figs[0].axes[0].get_legend()
     assert [t.get_text() for t in legend.get_texts()] == ["a", "b", "predicted (held-out)", "predicted, loop-free",
                                                           "measured (decoder, T = 0)"]
     assert legend.legend_handles[0].get_color() == lines["a predicted (held-out)"].get_color()
-    assert figs[0].axes[0].get_ylim() == pytest.approx((0.1, 0.5))
+    assert figs[0].axes[0].get_ylim() == pytest.approx((0.0, 0.5))
     plt.close(figs[0])
 
 

@@ -177,7 +177,8 @@ def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]]
         if free:
             ax.plot([t / 1e6 for t, _ in free], [a for _, a in free], linestyle="--", color=colours[label],
                     label=f"{label} predicted, loop-free")
-    values = [a for _, pts in curves for _, a in pts] + [a for *_, a in measured]
+    values = [a for pts in [p for _, p in curves] + list((loop_free or {}).values()) for _, a in pts]
+    values += [a for *_, a in measured]
     for k, (label, tokens, alpha) in enumerate(measured):  # the value beside the marker, alternately above and below
         ax.scatter([tokens / 1e6], [alpha], marker="o", s=40, zorder=3, color=colours.get(label),
                    label=f"{label} measured (decoder)")
@@ -186,7 +187,7 @@ def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]]
     ax.set_xlabel("training tokens (M, packed rows)")
     ax.set_ylabel("T = 0 draft acceptance")
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
-    ax.set_ylim(max(0.0, math.floor((lo - 0.05) * 10) / 10), min(1.0, math.ceil((hi + 0.05) * 10) / 10))
+    ax.set_ylim(max(0.0, math.floor(round((lo - 0.05) * 10, 6)) / 10), min(1.0, math.ceil(round((hi + 0.05) * 10, 6)) / 10))
     ax.margins(x=0.08)  # room for the values beside the last markers
     ax.grid(alpha=0.3)
     # one legend entry per run (its colour); the line style and the marker say what was predicted or measured
