@@ -126,6 +126,22 @@ def test_head_draft_vocab_config_for_a_loaded_head(arch, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert load("own", "head.draft_vocab=full").draft_ids.tolist() == ids
     assert "stores its own LM head" in caplog.text
+    # the engine's every-rank check before any collective: the same vocabulary errors, `full` passes
+    from spd_ds.pipe.runner import _precheck_head
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"token_ids": [5, 3], "draft_vocab_size": 2}))
+
+    def precheck(v):
+        _precheck_head(load_config(None, [f"model.name={arch.model_dir}", f"head.checkpoint={tmp_path / 'tied'}",
+                                          f"head.draft_vocab={v}"]), arch)
+
+    precheck("full")
+    precheck(vocab)
+    with pytest.raises(ValueError, match="sorted"):
+        precheck(bad)
+    with pytest.raises(FileNotFoundError):
+        precheck(tmp_path / "none.json")
 
 
 def test_load_mismatch_errors(arch, tiny_root, tmp_path):
