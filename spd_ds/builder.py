@@ -109,8 +109,8 @@ def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartitio
         head = SpeculationHead.load(cfg.head.checkpoint, arch, partition)
         if cfg.head.draft_vocab:  # a target-tied head drafts over the given vocabulary (set_draft_vocab)
             ids = draft_vocab_ids(cfg.head.draft_vocab)
-            if (list(range(arch.vocab_size)) if ids is None else ids) == head.draft_ids.tolist():
-                pass
+            if torch.equal(torch.arange(arch.vocab_size) if ids is None else torch.tensor(ids), head.draft_ids.cpu()):
+                pass  # already its vocabulary
             elif head.lm_head_from_target:
                 head.set_draft_vocab(ids)
                 log.info("head %s drafts over head.draft_vocab=%s (%d ids)", cfg.head.checkpoint,

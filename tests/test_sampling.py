@@ -66,16 +66,22 @@ def test_speculative_sampling_rule_is_exact():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter_kind,vary", [("head", "seed"), ("oracle_mix", "seed"), ("head", "request")])
+@pytest.mark.parametrize("drafter_kind,vary", [("head", "seed"), ("oracle_mix", "seed"), ("head", "request"),
+                                               ("widened_head", "seed")])
 def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind, vary):
     """Chi-square: joint distribution of the 2nd and 3rd new tokens under SPD (n=3) vs the target's exact one, over
-    seeds, or over the requests of one run (one seed: the prompts of a run)."""
+    seeds, or over the requests of one run (one seed: the prompts of a run). ``widened_head``: a target-tied head
+    made for 3 ids and widened to every id by ``set_draft_vocab``, as the shipped heads are."""
     V = 6
     arch = TargetArch(make_tiny_model(tiny_root, "llama", 3, seed=2, vocab_size=V))
     part = StagePartition.build(3, 3)
     target = Target(arch, part, torch.float32, "cpu")
     torch.manual_seed(0)
     head = SpeculationHead(arch, part)
+    if drafter_kind == "widened_head":
+        head = SpeculationHead(arch, part, draft_token_ids=[0, 2, 4], lm_head_from_target=True)
+        head.set_draft_vocab(None)
+        assert head.draft_vocab_size == V
     with torch.no_grad():  # make the untrained head's q sharper, so acceptances and rejections both happen
         head.lm_head.weight.mul_(3.0)
     params = dict(temperature=0.9, top_k=5)

@@ -98,3 +98,41 @@ def test_head_with_draft_vocab_decodes_identically_after_reload(tmp_path, temper
     assert outs[0].tokens == outs[1].tokens
     assert outs[0].metrics.num_accepted_tokens == outs[1].metrics.num_accepted_tokens
     assert outs[0].metrics.num_drafts > 0
+
+
+def test_widened_head_decodes_exactly_as_ar(tmp_path):
+    """The lossless line through ``set_draft_vocab``: a target-tied head made for a few ids, widened to every id,
+    drafts tokens outside its old vocabulary, and greedy SPD still returns the AR decoder's tokens (rollbacks
+    included); narrow and widened heads give the same tokens. (T > 0: the chi-square test of
+    tests/test_sampling.py runs a widened head.)"""
+    from spd_ds.decoding.ar import ARDecoder
+
+    arch = TargetArch(make_chat_model(tmp_path, num_layers=4))
+    part = StagePartition.build(4, num_stages=2)
+    target = Target(arch, part, torch.float32, "cpu")
+    prompt = [1, 40, 50, 60, 2, 3]
+    want = ARDecoder(target, max_len=64).generate(prompt, 30).tokens
+    torch.manual_seed(1)
+    ids = list(range(0, 32))
+    head = SpeculationHead(arch, part, 1, ids, lm_head_from_target=True)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    outs, drafted = [], []
+    for widen in (False, True):
+        if widen:
+            head.set_draft_vocab(None)
+        drafter = HeadDrafter(head, 64, torch.float32, "cpu")
+        propose = drafter.propose
+
+        def recording(*a, _propose=propose, **k):
+            d = _propose(*a, **k)
+            drafted.append((widen, d.token))
+            return d
+
+        drafter.propose = recording
+        outs.append(SPDReferenceDecoder(target, drafter, SamplingParams(), max_len=64).generate(prompt, 30))
+    assert outs[0].tokens == outs[1].tokens == want
+    assert any(w and t not in ids for w, t in drafted)  # the widened head used ids outside its old vocabulary
+    assert outs[1].metrics.num_rollbacks > 0 and outs[1].metrics.num_drafts > 0
