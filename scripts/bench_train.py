@@ -42,6 +42,8 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile
            f"train.output_dir={run_dir}"]
     if compile_teacher:
         cmd.append(f"train.compile_teacher={compile_teacher}")
+    elif root == REPO:  # the new code's default (auto) compiles the teacher on CUDA: the eager cells say eager
+        cmd.append("train.compile_teacher=null")
     if attention is not None:
         cmd.append(f"train.attention={attention}")
         if args.profile_steps and n == args.stages[0] and attention != "dense" and not compile_teacher:

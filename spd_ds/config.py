@@ -167,8 +167,8 @@ class TrainConfig:
     eval_batches: Optional[int] = 16  # held-out micro-batches per evaluation, over all ranks (None = every one)
     compile_cache: Optional[str] = None  # a file of torch.compile artifacts: loaded before the first compile, rewritten
     # at the end by the logging rank (spd_ds.compile_cache; carries compiled kernels to a fresh machine)
-    compile_teacher: Optional[str] = None  # torch.compile backend for the frozen target's decoder layers in training
-    # ("inductor": fused elementwise kernels; "aot_eager": eager kernels, for debugging); null = eager
+    compile_teacher: Optional[str] = "auto"  # torch.compile backend for the frozen target's decoder layers in training:
+    # auto (inductor on CUDA, eager elsewhere) | "inductor" (fused elementwise kernels) | "aot_eager" (debug) | null = eager
 
 
 # The default evaluation prompt sets. gsm8k comes from the hub only: when it cannot be had, a run on this list (in
@@ -294,12 +294,12 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"decoding.oracle_alpha must be in [0, 1], got {d.oracle_alpha}")
     if not 0.0 <= cfg.data.held_out_fraction < 1.0:
         raise ConfigError(f"data.held_out_fraction must be in [0, 1), got {cfg.data.held_out_fraction}")
-    if cfg.train.compile_teacher is not None:
+    if cfg.train.compile_teacher not in (None, "auto"):
         from torch.compiler import list_backends
 
         if cfg.train.compile_teacher not in list_backends(exclude_tags=()):
-            raise ConfigError(f"train.compile_teacher must be a torch.compile backend (inductor, or aot_eager to "
-                              f"debug) or null for eager, got {cfg.train.compile_teacher!r}")
+            raise ConfigError(f"train.compile_teacher must be auto, a torch.compile backend (inductor, or aot_eager "
+                              f"to debug) or null for eager, got {cfg.train.compile_teacher!r}")
     if cfg.train.flex_compile not in ("static", "dynamic"):
         raise ConfigError(f"train.flex_compile must be static or dynamic, got {cfg.train.flex_compile!r}")
     if not 0.0 <= cfg.train.lr_stable_fraction < 1.0:

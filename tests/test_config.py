@@ -44,11 +44,24 @@ def test_bad_values():
         load_config(None, ["decoding.top_p=2"])
     with pytest.raises(ConfigError, match="data.num_prompts must be >= 1"):
         load_config(None, ["data.num_prompts=0"])
-    with pytest.raises(ConfigError, match="train.compile_teacher must be a torch.compile backend"):
+    with pytest.raises(ConfigError, match="train.compile_teacher must be auto, a torch.compile backend"):
         load_config(None, ["train.compile_teacher=fastest"])
     assert load_config(None, ["train.compile_teacher=inductor"]).train.compile_teacher == "inductor"
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent.yaml")
+
+
+def test_compile_teacher_auto_is_inductor_on_cuda_and_eager_elsewhere():
+    import torch
+
+    from spd_ds.train.teacher import teacher_compile_backend
+
+    assert load_config(None).train.compile_teacher == "auto"
+    assert load_config(None, ["train.compile_teacher=null"]).train.compile_teacher is None
+    assert teacher_compile_backend("auto", torch.device("cuda", 0)) == "inductor"
+    assert teacher_compile_backend("auto", torch.device("cpu")) is None
+    assert teacher_compile_backend("aot_eager", torch.device("cpu")) == "aot_eager"
+    assert teacher_compile_backend(None, torch.device("cuda", 0)) is None
 
 
 def test_head_cuda_graph_is_opt_in_and_old_saved_configs_load(tmp_path):

@@ -232,7 +232,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     from spd_ds.models.adapter import resolve_dtype
     from spd_ds.dist import init_process_group, init_timeout_s
     from spd_ds.train.student import HeadTrainModule, WorldDataParallel, resolve_attention, set_flex_compile
-    from spd_ds.train.teacher import Teacher, build_teacher_module
+    from spd_ds.train.teacher import Teacher, build_teacher_module, teacher_compile_backend
 
     tc, dc = cfg.train, cfg.data
     resume = tc.resume if resume is None else resume
@@ -286,10 +286,11 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
          f"draft vocab {head.draft_vocab_size}, world {world}, teacher pipe degree {degree}, device {device}", rank)
 
     # 3. the teacher: a PipelineModule run by DeepSpeed's PipelineEngine (frozen, no optimizer)
+    backend = teacher_compile_backend(tc.compile_teacher, device)
     tmod = build_teacher_module(arch, part, tdtype, degree, head.draft_ids.tolist(), tc.kd_temperature,
-                                dynamic_shape=not dc.pack, compile_backend=tc.compile_teacher)
-    if tc.compile_teacher:
-        _say(f"teacher: {tmod.compiled_layers} decoder layers on this rank to compile with {tc.compile_teacher}", rank)
+                                dynamic_shape=not dc.pack, compile_backend=backend)
+    if backend:
+        _say(f"teacher: {tmod.compiled_layers} decoder layers on this rank to compile with {backend}", rank)
     teng, *_ = deepspeed.initialize(model=tmod, config={"train_micro_batch_size_per_gpu": dc.micro_batch_size,
                                                        "gradient_accumulation_steps": 1,
                                                        "steps_per_print": 1 << 30})
