@@ -27,10 +27,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile_teacher: str | None = None) -> dict:
-    """One short training run; returns its figures (or the error)."""
+def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile_teacher: str | None = None,
+             profile: bool = False) -> dict:
+    """One short training run; returns its figures (or the error). ``profile``: a separate run with
+    ``train.profile_steps`` (its operator table in ``<run dir>/profile.txt``), kept out of the table."""
     run_dir = out / (f"{'after' if root == REPO else 'before'}_n{n}_{attention or 'default'}"
-                     + (f"_teacher_{compile_teacher}" if compile_teacher else ""))
+                     + (f"_teacher_{compile_teacher}" if compile_teacher else "") + ("_profile" if profile else ""))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
            str(29500 + (hash((str(root), n, attention, compile_teacher)) % 500)),
            str(root / "launch" / "train.py"), "--config", str(root / "launch/configs/train_smollm2_n2.yaml"),
@@ -46,8 +48,8 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile
         cmd.append("train.compile_teacher=null")
     if attention is not None:
         cmd.append(f"train.attention={attention}")
-        if args.profile_steps and n == args.stages[0] and attention != "dense" and not compile_teacher:
-            cmd.append(f"train.profile_steps={args.profile_steps}")
+    if profile:
+        cmd.append(f"train.profile_steps={args.profile_steps}")
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     try:
@@ -85,7 +87,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", type=int, default=1, help="logged intervals dropped from the median (warm-up)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--profile-steps", type=int, default=0, help="profile the new flex run at the first n")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after the table's cells, one more run of the new code at the first n (the first "
+                         "--attention, the first --compile-teacher backend if any) profiled over this many steps: <out>/*_profile/profile.txt")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
     ap.add_argument("--out", default="runs/bench_train")
     args = ap.parse_args(argv)
@@ -105,6 +109,10 @@ def main(argv=None) -> int:
             cells.append(run_cell(REPO, n, "flex", args, out, compile_teacher=backend))
             print(json.dumps(cells[-1])[:400], flush=True)
             (out / "bench_train.json").write_text(json.dumps(cells, indent=2))
+    if args.profile_steps:  # its own run: profiling slows the steps it covers, so its rate is not a table cell
+        backend = args.compile_teacher[0] if args.compile_teacher else None
+        prof = run_cell(REPO, args.stages[0], args.attention[0], args, out, compile_teacher=backend, profile=True)
+        print(json.dumps(prof)[:400], flush=True)
     print(f"\n| n | code | attention | tokens/s per GPU | x before | x eager teacher |\n|---|---|---|---|---|---|")
 
     def rate_of(n: int, attention: str):
