@@ -24,7 +24,12 @@
 #   PAIRS_PER_WAVE=NUM_GPUS (SPD/PPSD pairs trained at once; 4 with 2 GPUs trains all eight heads in one wave,
 #   four to a GPU, which saves a wave's start-up time), SESSION_SECONDS (train.session_time_s: each command trains
 #   at most this long, keeps the paused heads' checkpoints, and the next command with the same settings resumes them;
-#   TRAIN_SECONDS=900 SESSION_SECONDS=450 trains every head for 900 s, one LR schedule, in two device commands).
+#   TRAIN_SECONDS=900 SESSION_SECONDS=450 trains every head for 900 s, one LR schedule, in two device commands),
+#   PPSD_STAGES (the n values that also get a PPSD head; default STAGES), ONE_AT_A_TIME=1 (every head alone on GPU 0,
+#   one after another: heads sharing a GPU ran at a third of the lone rate each, docs/training.md; run the script
+#   detached, setsid nohup, when the whole sweep outlives a device command), SD_DIR (a folder of self-distilled shards
+#   trained on too, e.g. runs/sd3), EXTRA (overrides for every head, e.g. the two-layer recipe:
+#   "head.num_layers=2 head.lm_head_from_target=true head.tower_init_layer=-1 train.lr_stable_fraction=0.6").
 source "$(dirname "$0")/gpu_common.sh"
 STAGES=${STAGES:-"2 3 5 6"}
 PHASES=${PHASES:-"regen train eval"}
@@ -56,6 +61,12 @@ if has regen && [[ ! -f "$REGEN" ]]; then
 fi
 TRAIN_FILES="$DATA"
 if [[ -f "$REGEN" ]]; then TRAIN_FILES="$REGEN,$DATA"; fi
+if [[ -n "${SD_DIR:-}" ]]; then
+  [[ -f "$SD_DIR/manifest.json" ]] || { say "error: SD_DIR=$SD_DIR holds no manifest.json (a selfdistill output folder)"; exit 2; }
+  TRAIN_FILES="$(readlink -f "$SD_DIR"),$TRAIN_FILES"
+fi
+PPSD_STAGES=${PPSD_STAGES:-$STAGES}
+wants_ppsd() { [[ " $PPSD_STAGES " == *" $1 "* ]]; }
 
 train_one() {  # variant n gpu port
   local variant=$1 n=$2 gpu=$3 port=$4 anchors=()
@@ -76,7 +87,7 @@ train_one() {  # variant n gpu port
     data.max_conversations=null "data.micro_batch_size=${MICRO_BATCH:-8}" "data.max_seq_length=${SEQ_LEN:-2048}" \
     "train.lr=${LR:-1e-3}" "train.max_time_s=$TRAIN_SECONDS" train.epochs=4 "train.output_dir=$dir" \
     train.save_every=1000000 train.progress=false train.log_every=10 \
-    ${SESSION_SECONDS:+train.session_time_s=$SESSION_SECONDS} > "$OUT/train_${variant}_n$n.log" 2>&1 || rc=$?
+    ${SESSION_SECONDS:+train.session_time_s=$SESSION_SECONDS} ${EXTRA:-} > "$OUT/train_${variant}_n$n.log" 2>&1 || rc=$?
   grep -q '"finished": false' "$dir/train_summary.json" 2>/dev/null || rm -rf "$dir/checkpoints"
   say "train $variant n=$n on gpu $gpu: exit $rc in $((SECONDS - t0)) s"
 }
@@ -84,9 +95,14 @@ train_one() {  # variant n gpu port
 if has train; then
   i=0 port=$((29500 + RANDOM % 1000))
   for n in $STAGES; do
+    if [[ "${ONE_AT_A_TIME:-0}" = 1 ]]; then
+      train_one spd "$n" 0 "$port"
+      if wants_ppsd "$n"; then train_one ppsd "$n" 0 "$port"; fi
+      continue
+    fi
     gpu=$((i % NUM_GPUS))
     train_one spd "$n" "$gpu" "$port" &
-    train_one ppsd "$n" $(( ${SPLIT_PAIRS:-0} ? (gpu + 1) % NUM_GPUS : gpu )) $((port + 1)) &
+    if wants_ppsd "$n"; then train_one ppsd "$n" $(( ${SPLIT_PAIRS:-0} ? (gpu + 1) % NUM_GPUS : gpu )) $((port + 1)) & fi
     port=$((port + 2)) i=$((i + 1))
     if (( i % ${PAIRS_PER_WAVE:-$NUM_GPUS} == 0 )); then wait; fi
   done
@@ -111,6 +127,7 @@ if has eval; then
   i=0
   for n in $STAGES; do
     for variant in spd ppsd; do
+      [[ $variant == ppsd ]] && ! wants_ppsd "$n" && continue
       eval_one "$variant" "$n" $((i % NUM_GPUS)) &
       i=$((i + 1))
     done
