@@ -51,15 +51,19 @@ def test_bad_values():
         load_config("/nonexistent.yaml")
 
 
-def test_compile_teacher_auto_is_inductor_on_cuda_and_eager_elsewhere():
+def test_compile_teacher_auto_is_inductor_on_cuda_and_eager_elsewhere(monkeypatch):
     import torch
 
+    from spd_ds.train import teacher
     from spd_ds.train.teacher import teacher_compile_backend
 
     assert load_config(None).train.compile_teacher == "auto"
     assert load_config(None, ["train.compile_teacher=null"]).train.compile_teacher is None
+    monkeypatch.setattr(teacher, "_has_triton", lambda: True)
     assert teacher_compile_backend("auto", torch.device("cuda", 0)) == "inductor"
     assert teacher_compile_backend("auto", torch.device("cpu")) is None
+    monkeypatch.setattr(teacher, "_has_triton", lambda: False)  # inductor's GPU kernels need Triton: eager then
+    assert teacher_compile_backend("auto", torch.device("cuda", 0)) is None
     assert teacher_compile_backend("aot_eager", torch.device("cpu")) == "aot_eager"
     assert teacher_compile_backend(None, torch.device("cuda", 0)) is None
 

@@ -179,10 +179,11 @@ def _per_document(layer: nn.Module, h: torch.Tensor, gather: torch.Tensor, valid
 def teacher_compile_backend(mode: str | None, device: torch.device) -> str | None:
     """The ``torch.compile`` backend for the teacher's decoder layers from ``train.compile_teacher``.
 
-    ``"auto"`` (the default) is ``"inductor"`` on CUDA — an eager teacher step on a small target is launch-bound:
-    SmolLM2-135M, n = 2, one H200, 154k -> 203k training tokens/s in one bench run (docs/training.md, "Training
-    throughput") — and eager (``None``) elsewhere, where compiling costs more start-up than it saves; any other value
-    is returned as it is (``None`` = eager; backend names are checked by ``config.validate``).
+    ``"auto"`` (the default) is ``"inductor"`` on CUDA when Triton is installed (inductor's GPU kernels need it) — an
+    eager teacher step on a small target is launch-bound: SmolLM2-135M, n = 2, one H200, 154k -> 203k training
+    tokens/s in one bench run (docs/training.md, "Training throughput") — and eager (``None``) elsewhere, where
+    compiling costs more start-up than it saves; any other value is returned as it is (``None`` = eager; backend
+    names are checked by ``config.validate``).
 
     Args:
         mode: ``train.compile_teacher``: ``"auto"``, a backend name or ``None``.
@@ -191,8 +192,14 @@ def teacher_compile_backend(mode: str | None, device: torch.device) -> str | Non
         the backend name, or ``None`` for an eager teacher.
     """
     if mode == "auto":
-        return "inductor" if device.type == "cuda" else None
+        return "inductor" if device.type == "cuda" and _has_triton() else None
     return mode
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def build_teacher_module(arch: TargetArch, partition: StagePartition, dtype: torch.dtype, pipe_degree: int,
