@@ -168,7 +168,8 @@ class TrainConfig:
     compile_cache: Optional[str] = None  # a file of torch.compile artifacts: loaded before the first compile, rewritten
     # at the end by the logging rank (spd_ds.compile_cache; carries compiled kernels to a fresh machine)
     compile_teacher: Optional[str] = "auto"  # torch.compile backend for the frozen target's decoder layers in training:
-    # auto (inductor on CUDA with Triton, else eager) | "inductor" (fused elementwise kernels) | "aot_eager" | null = eager
+    # auto (inductor on CUDA with Triton, else eager) | "inductor" (fused elementwise kernels) | "aot_eager" |
+    # null = eager
 
 
 # The default evaluation prompt sets. gsm8k comes from the hub only: when it cannot be had, a run on this list (in
