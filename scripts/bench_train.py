@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the table's cells, one more run of the new code at the first n (the first "
-                         "--attention, the first --compile-teacher backend if any) profiled over this many steps: <out>/*_profile/profile.txt")
+                         "--attention, the first --compile-teacher backend if any) profiled over this many steps: "
+                         "<out>/*_profile/profile.txt")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
     ap.add_argument("--out", default="runs/bench_train")
     args = ap.parse_args(argv)

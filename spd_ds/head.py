@@ -47,12 +47,17 @@ class HeadCheckpointError(HeadMismatchError):
 
 
 def _draft_id_tensor(draft_token_ids: Sequence[int] | None, vocab_size: int) -> torch.Tensor:
-    """``[V_d]`` int64 draft ids (``None`` = ``arange(vocab_size)``). Raises ValueError: not sorted, unique, in range."""
+    """``[V_d]`` int64 draft ids (``None`` = ``arange(vocab_size)``).
+
+    Raises:
+        ValueError: ids not sorted, not unique or outside ``[0, vocab_size)``.
+    """
     if draft_token_ids is None:
         return torch.arange(vocab_size)
     ids = torch.as_tensor(list(draft_token_ids), dtype=torch.long)
     if ids.numel() == 0 or (ids[1:] <= ids[:-1]).any() or ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"draft vocabulary must be sorted, unique ids in [0, {vocab_size}); check the draft-vocab file")
+        raise ValueError(f"draft vocabulary must be sorted, unique ids in [0, {vocab_size}); "
+                         "check the draft-vocab file")
     return ids
 
 
@@ -123,8 +128,8 @@ class SpeculationHead(nn.Module):
         target's own rows (``lm_head_from_target``), the new vocabulary's rows are read from the target and the rest
         of the head is unchanged, so an id in both vocabularies keeps its logit. A head distilled over a draft
         vocabulary (the KL of training is over it, to save compute) can so draft every token at inference: the
-        16k-vocabulary SmolLM2 heads accept 0.006 (n = 2) and 0.013 (n = 3) more of their drafts with the whole
-        vocabulary (docs/training.md, "Draft vocabulary").
+        shipped 16k-vocabulary SmolLM2 heads accept 0.008 (n = 2) and 0.013 (n = 3) more of their drafts with the
+        whole vocabulary (docs/training.md, "Draft vocabulary").
 
         Replaces ``self.lm_head`` (``[V_d', H]``, the old one's dtype and device, frozen) and ``draft_ids``
         (``[V_d']`` int64): call it before anything holds them (an optimizer, a drafter, a CUDA-graph head).
@@ -138,7 +143,8 @@ class SpeculationHead(nn.Module):
         """
         if not self.lm_head_from_target:
             raise ValueError("only a head with lm_head_from_target=true can change its draft vocabulary: this head's "
-                             "LM head was trained for its own vocabulary; train a head with head.lm_head_from_target=true")
+                             "LM head was trained for its own vocabulary; "
+                             "train a head with head.lm_head_from_target=true")
         ids = _draft_id_tensor(draft_token_ids, self.arch.vocab_size)
         w = self.lm_head.weight
         lm_head = nn.Linear(w.shape[1], ids.numel(), bias=False, device=w.device, dtype=w.dtype)

@@ -187,7 +187,8 @@ def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]]
     ax.set_xlabel("training tokens (M, packed rows)")
     ax.set_ylabel("T = 0 draft acceptance")
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
-    ax.set_ylim(max(0.0, math.floor(round((lo - 0.05) * 10, 6)) / 10), min(1.0, math.ceil(round((hi + 0.05) * 10, 6)) / 10))
+    ax.set_ylim(max(0.0, math.floor(round((lo - 0.05) * 10, 6)) / 10),
+                min(1.0, math.ceil(round((hi + 0.05) * 10, 6)) / 10))
     ax.margins(x=0.08)  # room for the values beside the last markers
     ax.grid(alpha=0.3)
     # one legend entry per run (its colour); the line style and the marker say what was predicted or measured
