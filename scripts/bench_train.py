@@ -57,7 +57,7 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile
         rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2500:]
     except subprocess.TimeoutExpired as e:
         rc, tail = 124, str(e.stdout or "")[-1500:] + str(e.stderr or "")[-1500:]
-    label = (attention or "dense (old)") + (f", teacher compiled ({compile_teacher})" if compile_teacher else "")
+    label = (attention or "its defaults") + (f", teacher compiled ({compile_teacher})" if compile_teacher else "")
     cell = {"code": "after" if root == REPO else "before", "n": n, "attention": label, "rc": rc,
             "wall_s": round(time.perf_counter() - t0, 1)}
     log = run_dir / "train_log.jsonl"
@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--data", required=True, help="data.train_files entry (a conversations file)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--attention", nargs="+", default=["flex", "dense"], help="attention modes of the new code")
+    ap.add_argument("--attention", nargs="*", default=["flex", "dense"],
+                    help="attention modes of the new code's eager-teacher cells (none: compiled-teacher cells only)")
     ap.add_argument("--compile-teacher", nargs="*", default=[], metavar="BACKEND",
                     help="also a flex cell of the new code per backend with train.compile_teacher=BACKEND (inductor)")
     ap.add_argument("--old-root", default=None, help="checkout of the earlier commit (the 'before' column)")
@@ -112,16 +113,18 @@ def main(argv=None) -> int:
             (out / "bench_train.json").write_text(json.dumps(cells, indent=2))
     if args.profile_steps:  # its own run: profiling slows the steps it covers, so its rate is not a table cell
         backend = args.compile_teacher[0] if args.compile_teacher else None
-        prof = run_cell(REPO, args.stages[0], args.attention[0], args, out, compile_teacher=backend, profile=True)
+        attention = args.attention[0] if args.attention else "flex"
+        prof = run_cell(REPO, args.stages[0], attention, args, out, compile_teacher=backend, profile=True)
         print(json.dumps(prof)[:400], flush=True)
     print(f"\n| n | code | attention | tokens/s per GPU | x before | x eager teacher |\n|---|---|---|---|---|---|")
 
-    def rate_of(n: int, attention: str):
-        return next((b.get("tokens_per_s") for b in cells if b["n"] == n and b["attention"] == attention), None)
+    def rate_of(n: int, code: str, attention: str | None = None):
+        return next((b.get("tokens_per_s") for b in cells
+                     if b["n"] == n and b["code"] == code and attention in (None, b["attention"])), None)
 
     for c in cells:
-        rate, base = c.get("tokens_per_s"), rate_of(c["n"], "dense (old)")
-        eager = rate_of(c["n"], "flex") if "teacher compiled" in c["attention"] else None
+        rate, base = c.get("tokens_per_s"), rate_of(c["n"], "before")
+        eager = rate_of(c["n"], "after", "flex") if "teacher compiled" in c["attention"] else None
         x = f"{rate / base:.2f}x" if (rate and base) else "-"
         xe = f"{rate / eager:.2f}x" if (rate and eager) else "-"
         shown = f"{rate:,.0f}" if rate else f"failed rc={c['rc']}"

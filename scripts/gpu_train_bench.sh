@@ -4,7 +4,8 @@
 #   source .devkit/on_device.sh && OUT=$OUT bash scripts/gpu_train_bench.sh
 # Needs: runs/train_bench/bench1500.jsonl.gz (launch/prepare_train_data.py export --data sharegpt --limit 1500) and
 # .old/ (git archive <before-commit> spd_ds launch ds_configs draft_vocab | tar -x -C .old) carried.
-# Knobs: STAGES="2 4", ATTENTION="flex", COMPILE_TEACHER=inductor (also a compiled-teacher cell per n; empty: none),
+# Knobs: STAGES="2 4", ATTENTION="flex" (eager-teacher cells; empty: none), COMPILE_TEACHER=inductor (also a
+#   compiled-teacher cell per n; empty: none),
 #   STEPS=30, CELL_TIMEOUT=240 (a cold machine's first cell spends > 180 s compiling), OLD_ROOT=.old (empty: no
 #   'before' cells), TESTS=1. The profile (5 steps, its own run at the first n) goes to $OUT/profile.txt.
 set -uo pipefail
@@ -19,7 +20,7 @@ fi
 OLD_ROOT=${OLD_ROOT-.old}
 CT=${COMPILE_TEACHER-inductor}
 timeout "${BENCH_TIMEOUT:-520}" $PY scripts/bench_train.py --data runs/train_bench/bench1500.jsonl.gz \
-  --stages ${STAGES:-2 4} --attention ${ATTENTION:-flex} ${OLD_ROOT:+--old-root $OLD_ROOT} --steps "${STEPS:-30}" \
+  --stages ${STAGES:-2 4} --attention ${ATTENTION-flex} ${OLD_ROOT:+--old-root $OLD_ROOT} --steps "${STEPS:-30}" \
   ${CT:+--compile-teacher $CT} \
   --log-every 10 --profile-steps 5 --timeout "${CELL_TIMEOUT:-240}" --out /tmp/bench | tee -a "$OUT/bench.txt"
 cp /tmp/bench/*_profile/profile.txt "$OUT/" 2>/dev/null

@@ -170,6 +170,8 @@ class TrainConfig:
     compile_teacher: Optional[str] = "auto"  # torch.compile backend for the frozen target's decoder layers in training:
     # auto (inductor on CUDA with Triton, else eager) | "inductor" (fused elementwise kernels) | "aot_eager" |
     # null = eager
+    compile_loss: Optional[str] = "auto"  # torch.compile backend for each chunk of the distillation loss and its
+    # gradient (spd_ds.train.loss.kl_chunk), same values as compile_teacher
 
 
 # The default evaluation prompt sets. gsm8k comes from the hub only: when it cannot be had, a run on this list (in
@@ -295,12 +297,14 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"decoding.oracle_alpha must be in [0, 1], got {d.oracle_alpha}")
     if not 0.0 <= cfg.data.held_out_fraction < 1.0:
         raise ConfigError(f"data.held_out_fraction must be in [0, 1), got {cfg.data.held_out_fraction}")
-    if cfg.train.compile_teacher not in (None, "auto"):
-        from torch.compiler import list_backends
+    for key in ("compile_teacher", "compile_loss"):
+        mode = getattr(cfg.train, key)
+        if mode not in (None, "auto"):
+            from torch.compiler import list_backends
 
-        if cfg.train.compile_teacher not in list_backends(exclude_tags=()):
-            raise ConfigError(f"train.compile_teacher must be auto, a torch.compile backend (inductor, or aot_eager "
-                              f"to debug) or null for eager, got {cfg.train.compile_teacher!r}")
+            if mode not in list_backends(exclude_tags=()):
+                raise ConfigError(f"train.{key} must be auto, a torch.compile backend (inductor, or aot_eager to "
+                                  f"debug) or null for eager, got {mode!r}")
     if cfg.train.flex_compile not in ("static", "dynamic"):
         raise ConfigError(f"train.flex_compile must be static or dynamic, got {cfg.train.flex_compile!r}")
     if not 0.0 <= cfg.train.lr_stable_fraction < 1.0:

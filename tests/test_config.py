@@ -47,6 +47,9 @@ def test_bad_values():
     with pytest.raises(ConfigError, match="train.compile_teacher must be auto, a torch.compile backend"):
         load_config(None, ["train.compile_teacher=fastest"])
     assert load_config(None, ["train.compile_teacher=inductor"]).train.compile_teacher == "inductor"
+    with pytest.raises(ConfigError, match="train.compile_loss must be auto, a torch.compile backend"):
+        load_config(None, ["train.compile_loss=fastest"])
+    assert load_config(None, ["train.compile_loss=aot_eager"]).train.compile_loss == "aot_eager"
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent.yaml")
 
@@ -57,7 +60,7 @@ def test_compile_teacher_auto_is_inductor_on_cuda_and_eager_elsewhere(monkeypatc
     from spd_ds.train import teacher
     from spd_ds.train.teacher import teacher_compile_backend
 
-    assert load_config(None).train.compile_teacher == "auto"
+    assert load_config(None).train.compile_teacher == load_config(None).train.compile_loss == "auto"
     assert load_config(None, ["train.compile_teacher=null"]).train.compile_teacher is None
     monkeypatch.setattr(teacher, "_has_triton", lambda: True)
     assert teacher_compile_backend("auto", torch.device("cuda", 0)) == "inductor"

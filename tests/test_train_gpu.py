@@ -18,18 +18,46 @@ from tests.tiny_models import make_tiny_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention backward)")
 
 
-@pytest.mark.parametrize("num_stages,flex_compile", [(2, "static"), (4, "static"), (4, "dynamic")])
-def test_flex_gradients_equal_dense_on_cuda(tmp_path, num_stages, flex_compile):
+@pytest.mark.parametrize("num_stages,flex_compile,seq_len", [(2, "static", 300), (4, "static", 300),
+                                                         (4, "dynamic", 300), (2, "static", 384), (4, "static", 256)])
+def test_flex_gradients_equal_dense_on_cuda(tmp_path, num_stages, flex_compile, seq_len):
+    """seq_len 300: the block mask from create_block_mask; a multiple of the 128-row tile: from the segments' tiles."""
     from spd_ds.train.student import set_flex_compile
 
     set_flex_compile(flex_compile)
     try:
-        _flex_equals_dense(tmp_path, num_stages)
+        _flex_equals_dense(tmp_path, num_stages, seq_len)
     finally:
         set_flex_compile("static")  # the default, for whatever runs next in this process
 
 
-def _flex_equals_dense(tmp_path, num_stages):
+def test_fast_block_mask_lists_the_tiles_of_create_block_mask_on_cuda():
+    """The tiles built from the segments equal create_block_mask's compiled ones at the training shape (B 8, S 2048)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from spd_ds.train.mask import structural_block_mask, structural_mask_mod
+
+    torch.manual_seed(0)
+    segments = torch.zeros(8, 2048, dtype=torch.long)
+    for b in range(8):  # packed documents of random lengths, some rows ending in padding
+        cuts = sorted(torch.randint(1, 2048, (b + 1,)).tolist())
+        for d, (lo, hi) in enumerate(zip([0] + cuts, cuts + [2048 - 100 * (b % 2)])):
+            segments[b, lo:hi] = d + 1
+    segments = segments.cuda()
+    for fill in range(1, 5):
+        fast = structural_block_mask(segments, fill)
+        R = (fill + 1) * 2048
+        ref = create_block_mask(structural_mask_mod(segments, fill), 8, None, R, R, device="cuda", _compile=True)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            a, b = getattr(fast, name), getattr(ref, name)
+            if "indices" in name:  # only the listed entries of each row are meant
+                n = getattr(ref, name.replace("indices", "num_blocks"))
+                keep = torch.arange(a.shape[-1], device="cuda") < n[..., None]
+                a, b = a * keep, b * keep
+            assert torch.equal(a, b), f"{name} fill {fill}"
+
+
+def _flex_equals_dense(tmp_path, num_stages, seq_len):
     torch.manual_seed(0)
     arch = TargetArch(make_tiny_model(tmp_path, "llama", num_layers=8))
     part = StagePartition.build(8, num_stages=num_stages)
@@ -37,10 +65,10 @@ def _flex_equals_dense(tmp_path, num_stages):
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    B, S = 2, 300  # S not a multiple of the 128-row tile
+    B, S = 2, seq_len
     feats = torch.randn(B, S, part.num_types, arch.hidden_size, device="cuda")
     segments = torch.zeros(B, S, dtype=torch.long)
-    segments[0, :120], segments[0, 120:290] = 1, 2
+    segments[0, :120], segments[0, 120:S - 10] = 1, 2
     segments[1, :] = 1
     segments = segments.cuda()
     valid = (segments > 0) & (torch.rand(B, S, device="cuda") < 0.6)

@@ -77,9 +77,14 @@ def test_lr_schedule_and_ds_config(tmp_path):
         load_ds_config(str(tmp_path / "none.json"), 1)
 
 
-@pytest.mark.parametrize("temperature,chunk", [(1.0, 7), (2.0, 64), (0.7, 1)])
-def test_chunked_kl_equals_kd_loss_value_and_gradient(temperature, chunk):
-    """The chunked loss with its hand-written gradient equals autograd through :func:`kd_loss` (fp32)."""
+@pytest.mark.parametrize("temperature,chunk,backend", [(1.0, 7, None), (2.0, 64, None), (0.7, 1, None),
+                                                       (1.0, 7, "aot_eager"), (2.0, 64, "aot_eager"),
+                                                       pytest.param(0.7, 5, "inductor", marks=pytest.mark.slow)])
+def test_chunked_kl_equals_kd_loss_value_and_gradient(temperature, chunk, backend):
+    """The chunked loss with its gradient written in the forward pass equals autograd through :func:`kd_loss`
+    (fp32), eager and compiled (``train.compile_loss``; aot_eager: the graph with the eager kernels, one graph for
+    every chunk size; inductor, slow tier (a C++ compile on CPU): fused kernels, within rounding), and the gradient
+    follows the incoming one (here 3x)."""
     from spd_ds.train.loss import TeacherTargets, kd_loss, kd_loss_chunked, position_weights
 
     torch.manual_seed(1)
@@ -91,11 +96,16 @@ def test_chunked_kl_equals_kd_loss_value_and_gradient(temperature, chunk):
     s1 = (torch.randn(N, Vd) * 2).requires_grad_(True)
     s2 = s1.detach().clone().requires_grad_(True)
     ref = kd_loss(s1, t, w, temperature)
-    got = kd_loss_chunked(s2, t, w, temperature, chunk=chunk)
-    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    got = kd_loss_chunked(s2, t, w, temperature, chunk=chunk, compile_backend=backend)
+    torch.testing.assert_close(got, ref, rtol=1e-5 if backend == "inductor" else 1e-6, atol=1e-6)
     (3.0 * ref).backward()
     (3.0 * got).backward()
     torch.testing.assert_close(s2.grad, s1.grad, rtol=1e-5, atol=1e-7)
+    assert counters["stats"]["unique_graphs"] == (1 if backend else 0)  # full and last chunk share the graph
 
 
 def test_flex_compile_setting():

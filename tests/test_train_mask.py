@@ -23,7 +23,8 @@ from spd_ds.decoding.reference import SPDReferenceDecoder
 from spd_ds.models.adapter import Target, TargetArch
 from spd_ds.partition import StagePartition
 from spd_ds.train.mask import (
-    COMPLETE, block_types, key_kind, packed_causal_mask, row_kinds, sample_fill, segment_positions, structural_mask,
+    COMPLETE, block_types, key_kind, packed_causal_mask, row_kinds, sample_fill, segment_positions,
+    structural_block_mask, structural_mask, structural_mask_mod,
 )
 from tests.tiny_models import make_tiny_model
 
@@ -282,3 +283,168 @@ def test_segment_positions_and_packed_causal_mask():
     assert m[0, 4].tolist() == [False, False, False, True, True, False, False]
     assert m[0, 5].tolist() == [False] * 5 + [True, False]
     assert torch.equal(m[1], torch.tril(torch.ones(7, 7, dtype=torch.bool)))
+
+
+# ---------------------------------------------------------------------------------------------------- block mask
+def _rows(lengths: list[list[int]], S: int) -> torch.Tensor:
+    """Packed rows from document lengths (ids 1, 2, .. per row; cut at S; the rest padding)."""
+    seg = torch.zeros(len(lengths), S, dtype=torch.long)
+    for b, row in enumerate(lengths):
+        t = 0
+        for d, L in enumerate(row, 1):
+            seg[b, t:t + L] = d
+            t += L
+    return seg
+
+
+def _packed_rows(S: int, bs: int) -> torch.Tensor:
+    """Documents crossing tile edges, a one-token document, padding at the end, a fully padded row, a row-long
+    document, a document ending exactly on a tile edge."""
+    return _rows([[bs // 2 + 3, 1, bs + 1, 2, S], [], [S], [bs, bs // 2, 1, S], [3, 1, 1, S - 2 * bs - 9]], S)
+
+
+def _tiles(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``[B, Q, KV]`` bool tiles listed by a BlockMask's ``(num_blocks [B, 1, Q], indices [B, 1, Q, KV])``."""
+    nkv = idx.shape[-1]
+    keep = torch.arange(nkv) < num[..., None]
+    dense = torch.zeros(*idx.shape[:-1], nkv + 1, dtype=torch.bool)
+    dense.scatter_(-1, torch.where(keep, idx, nkv).long(), True)
+    return dense[:, 0, :, :nkv]
+
+
+def _expand(bm, B: int, R: int) -> torch.Tensor:
+    """What the FlexAttention kernel attends with ``bm``: FULL tiles all True, PARTIAL tiles ``mask_mod``, unlisted
+    tiles False; ``[B, 1, R, R]``."""
+    bq, bk = bm.BLOCK_SIZE
+
+    def up(tiles):
+        return tiles.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[:, :R, :R]
+
+    full = up(_tiles(bm.full_kv_num_blocks, bm.full_kv_indices))
+    part = up(_tiles(bm.kv_num_blocks, bm.kv_indices))
+    i = torch.arange(R)
+    mod = bm.mask_mod(torch.arange(B)[:, None, None], 0, i[None, :, None], i[None, None, :])
+    return (full | (part & mod))[:, None]
+
+
+def _reference_block_mask(segments: torch.Tensor, fill: int, bs: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, S = segments.shape
+    R = (fill + 1) * S
+    return create_block_mask(structural_mask_mod(segments, fill), B, None, R, R, device="cpu", BLOCK_SIZE=bs)
+
+
+_TILE_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("fill", range(1, 9))  # every fill of n = 1..8 (the mask depends on n only through F <= n)
+def test_fast_block_mask_is_exact_and_lists_the_tiles_of_create_block_mask(fill, monkeypatch):
+    """S a multiple of the tile: the tiles come from the segments (create_block_mask is never called); expanding the
+    BlockMask as the kernel does gives the dense structural mask entry for entry, and the PARTIAL and FULL tile lists
+    are create_block_mask's, index for index."""
+    import torch.nn.attention.flex_attention as fa
+
+    rng = random.Random(fill)
+    cases = [(_packed_rows(k * 16, 16), 16) for k in (2, 3)]
+    cases += [(_random_segments(rng, 3, k * bs), bs) for k, bs in ((2, 4), (3, 8), (4, 2))]
+    reference = {id(seg): _reference_block_mask(seg, fill, bs) for seg, bs in cases}
+    monkeypatch.setattr(fa, "create_block_mask", None)  # the fast path must not evaluate the mask_mod per entry
+    for seg, bs in cases:
+        B, S = seg.shape
+        R, Q = (fill + 1) * S, (fill + 1) * S // bs
+        bm = structural_block_mask(seg, fill, block_size=bs)
+        assert bm.BLOCK_SIZE == (bs, bs) and bm.seq_lengths == (R, R)
+        assert bm.kv_num_blocks.shape == bm.full_kv_num_blocks.shape == (B, 1, Q)
+        assert bm.kv_indices.shape == bm.full_kv_indices.shape == (B, 1, Q, Q)
+        assert bm.kv_indices.dtype == bm.full_kv_num_blocks.dtype == torch.int32
+        partial, full = _tiles(bm.kv_num_blocks, bm.kv_indices), _tiles(bm.full_kv_num_blocks, bm.full_kv_indices)
+        assert not (partial & full).any()
+        assert torch.equal(_expand(bm, B, R), structural_mask(seg, fill)), (fill, bs, seg.tolist())
+        ref = reference[id(seg)]
+        for name in _TILE_FIELDS:
+            assert torch.equal(getattr(bm, name), getattr(ref, name)), (name, fill, bs, seg.tolist())
+
+
+def test_fast_block_mask_tile_counts():
+    """A hand-counted case (S = 8, tiles of 4, F = 1): row [1 1 1 1 | 1 2 2 0]. Query block 0 (depth 0) reads the
+    COMPLETE block at distances >= 1 and itself at distance 0; the COMPLETE block reads itself causally."""
+    seg = torch.tensor([[1, 1, 1, 1, 1, 2, 2, 0]])
+    bm = structural_block_mask(seg, 1, block_size=4)
+    partial, full = _tiles(bm.kv_num_blocks, bm.kv_indices)[0], _tiles(bm.full_kv_num_blocks, bm.full_kv_indices)[0]
+    # tiles: q rows (depth0 x0, depth0 x1, COMPLETE x0, COMPLETE x1) against the same kv columns
+    assert partial.int().tolist() == [[1, 0, 1, 0], [0, 1, 1, 1], [0, 0, 1, 0], [0, 0, 1, 1]]
+    assert not full.any()  # no tile lies inside one document
+    bm = structural_block_mask(torch.tensor([[1] * 8]), 1, block_size=4)
+    full = _tiles(bm.full_kv_num_blocks, bm.full_kv_indices)[0]
+    # depth 0, x1 reads COMPLETE x0 at distances 1..7 >= F = 1; COMPLETE x1 reads COMPLETE x0 at 1..7 >= 0
+    assert full.int().tolist() == [[0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0], [0, 0, 1, 0]]
+
+
+@pytest.mark.parametrize("fill", [1, 2, 4])
+def test_flex_attention_with_fast_block_mask(fill):
+    """flex_attention's forward (eager, CPU) with the fast BlockMask equals it with create_block_mask's and the
+    dense-masked SDPA (fp32). The eager kernel applies only mask_mod; the tile lists are checked by the expansion test
+    and, compiled, by test_compiled_flex_attention_reads_the_fast_tiles."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.manual_seed(fill)
+    bs = 16
+    seg = _packed_rows(3 * bs, bs)
+    B, S = seg.shape
+    R = (fill + 1) * S
+    q, k, v = (torch.randn(B, 2, R, 8) for _ in range(3))
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=structural_mask(seg, fill))
+    fast = flex_attention(q, k, v, block_mask=structural_block_mask(seg, fill, block_size=bs))
+    ref = flex_attention(q, k, v, block_mask=_reference_block_mask(seg, fill, bs))
+    assert fast.shape == (B, 2, R, 8)
+    torch.testing.assert_close(fast, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fast, dense, rtol=0, atol=1e-5)
+
+
+def test_block_mask_without_whole_tiles_uses_create_block_mask():
+    """S not a multiple of the tile: the BlockMask is create_block_mask's (last tile cut at R) and just as exact."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.manual_seed(0)
+    seg = torch.tensor([[1] * 7 + [2] * 9 + [0] * 3, [1] * 4 + [2] * 4 + [3] * 11])
+    B, S = seg.shape
+    for fill, bs in ((1, 16), (3, 16), (2, 128)):
+        R = (fill + 1) * S
+        bm = structural_block_mask(seg, fill, block_size=bs)
+        ref = _reference_block_mask(seg, fill, bs)
+        assert bm.seq_lengths == (R, R) and bm.kv_indices.shape == (B, 1, -(-R // bs), -(-R // bs))
+        for name in _TILE_FIELDS:
+            assert torch.equal(getattr(bm, name), getattr(ref, name)), name
+        assert torch.equal(_expand(bm, B, R), structural_mask(seg, fill))
+        q, k, v = (torch.randn(B, 2, R, 8) for _ in range(3))
+        dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=structural_mask(seg, fill))
+        torch.testing.assert_close(flex_attention(q, k, v, block_mask=bm), dense, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError):
+        structural_block_mask(seg, 0)
+    with pytest.raises(ValueError):
+        structural_block_mask(seg[0], 1)
+
+
+@pytest.mark.slow
+def test_compiled_flex_attention_reads_the_fast_tiles():
+    """Compiled on CPU, FlexAttention skips unlisted tiles and does not apply mask_mod on FULL ones: with the fast
+    BlockMask it equals the dense-masked SDPA, and dropping the FULL tiles changes the result (so the lists are read).
+    Slow tier: a C++ compile."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    torch.manual_seed(0)
+    bs, fill = 32, 3
+    seg = _packed_rows(3 * bs, bs)
+    B, S = seg.shape
+    R = (fill + 1) * S
+    q, k, v = (torch.randn(B, 2, R, 16) for _ in range(3))
+    bm = structural_block_mask(seg, fill, block_size=bs)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=structural_mask(seg, fill))
+    compiled = torch.compile(flex_attention)
+    torch.testing.assert_close(compiled(q, k, v, block_mask=bm), dense, rtol=0, atol=1e-5)
+    no_full = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, torch.zeros_like(bm.full_kv_num_blocks),
+                                       bm.full_kv_indices, BLOCK_SIZE=bs, mask_mod=bm.mask_mod, seq_lengths=(R, R))
+    assert int(bm.full_kv_num_blocks.sum()) > 0
+    assert not torch.allclose(compiled(q, k, v, block_mask=no_full), dense, atol=1e-3)

@@ -289,8 +289,10 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     backend = teacher_compile_backend(tc.compile_teacher, device)
     tmod = build_teacher_module(arch, part, tdtype, degree, head.draft_ids.tolist(), tc.kd_temperature,
                                 dynamic_shape=not dc.pack, compile_backend=backend)
-    if backend:
-        _say(f"teacher: {tmod.compiled_layers} decoder layers on this rank to compile with {backend}", rank)
+    loss_backend = teacher_compile_backend(tc.compile_loss, device)
+    if backend or loss_backend:
+        _say(f"compiled: {tmod.compiled_layers} teacher decoder layers on this rank ({backend}), loss ({loss_backend})",
+             rank)
     teng, *_ = deepspeed.initialize(model=tmod, config={"train_micro_batch_size_per_gpu": dc.micro_batch_size,
                                                        "gradient_accumulation_steps": 1,
                                                        "steps_per_print": 1 << 30})
@@ -400,7 +402,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         logits = engine(feats, mine["segments"], mine["valid"], fill, mine["loss_index"])
         weights = position_weights(targets, head.draft_ids, tc.kd_temperature, tc.outside_vocab)
         if npos:
-            loss = kd_loss_chunked(logits, targets, weights, tc.kd_temperature, tc.loss_chunk)
+            loss = kd_loss_chunked(logits, targets, weights, tc.kd_temperature, tc.loss_chunk, loss_backend)
         else:  # no loss position on this rank: a zero step (all ranks raise together at the log step below)
             loss = logits.sum() * 0.0
             meter.empty += 1

@@ -100,41 +100,70 @@ def kd_loss(student_logits: torch.Tensor, teacher: TeacherTargets, weights: torc
     return temperature ** 2 * (weights * kl).sum() / total
 
 
-class _ChunkedKL(torch.autograd.Function):
-    """``T² · Σ_t w_t KL_t / W`` (see module doc) computed ``chunk`` rows at a time, gradient recomputed per chunk.
+def kl_chunk(student_logits: torch.Tensor, teacher_logits: torch.Tensor, weights: torch.Tensor, temperature: float,
+             grad_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row chunk of the distillation loss and its gradient, in one pass (see module doc).
 
-    The backward needs only the inputs: ``∂loss/∂s_t = T · (w_t / W) · (q_t − p_t)``. No ``[N, V_d]`` fp32
-    temporary outlives a chunk, so peak memory is the logits themselves plus one chunk.
+    Args:
+        student_logits: ``[c, V_d]`` head logits (any float dtype; computed in fp32).
+        teacher_logits: ``[c, V_d]`` teacher logits at the draft-vocabulary ids.
+        weights: ``[c]`` fp32 per-position weights.
+        temperature: ``T > 0``.
+        grad_scale: 0-d fp32 ``T / W`` (``W`` the weights' sum over all chunks).
+    Returns:
+        ``(Σ_t w_t KL_t`` 0-d fp32, ``∂(T² · Σ_t w_t KL_t / W)/∂s = T · (w_t / W) · (q_t − p_t)``
+        ``[c, V_d]`` in ``student_logits``' dtype``)``.
+    """
+    log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_p = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    p = log_p.exp()
+    kl = (weights * (p * (log_p - log_q)).sum(-1)).sum()
+    grad = (log_q.exp() - p) * (grad_scale * weights)[:, None]
+    return kl, grad.to(student_logits.dtype)
+
+
+_COMPILED_KL: dict[str, object] = {}
+
+
+def _kl_chunk_fn(backend: str | None):
+    if backend is None:
+        return kl_chunk
+    if backend not in _COMPILED_KL:  # dynamic: the number of loss positions changes every micro-batch
+        _COMPILED_KL[backend] = torch.compile(kl_chunk, backend=backend, dynamic=True)
+    return _COMPILED_KL[backend]
+
+
+class _ChunkedKL(torch.autograd.Function):
+    """``T² · Σ_t w_t KL_t / W`` (see module doc) computed ``chunk`` rows at a time; the gradient
+    (:func:`kl_chunk`) is written in the same pass and only scaled by the incoming gradient in ``backward``.
+
+    No ``[N, V_d]`` fp32 temporary outlives a chunk: peak memory is the logits, the gradient and one chunk.
     """
 
     @staticmethod
-    def forward(ctx, student_logits, teacher_logits, weights, temperature: float, chunk: int):
+    def forward(ctx, student_logits, teacher_logits, weights, temperature: float, chunk: int, backend):
         total = weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
+        fn = _kl_chunk_fn(backend)
         acc = student_logits.new_zeros((), dtype=torch.float32)
+        grad = torch.empty_like(student_logits)
+        scale = temperature / total
         for c in range(0, student_logits.shape[0], chunk):
-            log_q = F.log_softmax(student_logits[c:c + chunk].float() / temperature, dim=-1)
-            log_p = F.log_softmax(teacher_logits[c:c + chunk].float() / temperature, dim=-1)
-            acc = acc + (weights[c:c + chunk] * (log_p.exp() * (log_p - log_q)).sum(-1)).sum()
-        ctx.save_for_backward(student_logits, teacher_logits, weights, total)
-        ctx.temperature, ctx.chunk = temperature, chunk
+            kl, grad[c:c + chunk] = fn(student_logits[c:c + chunk], teacher_logits[c:c + chunk],
+                                       weights[c:c + chunk], temperature, scale)
+            acc = acc + kl
+        ctx.save_for_backward(grad)
         return temperature ** 2 * acc / total
 
     @staticmethod
-    def backward(ctx, grad):
-        s, t, w, total = ctx.saved_tensors
-        T, chunk = ctx.temperature, ctx.chunk
-        out = torch.empty_like(s)
-        scale = grad * T / total
-        for c in range(0, s.shape[0], chunk):
-            q = F.softmax(s[c:c + chunk].float() / T, dim=-1)
-            p = F.softmax(t[c:c + chunk].float() / T, dim=-1)
-            out[c:c + chunk] = ((q - p) * (scale * w[c:c + chunk])[:, None]).to(s.dtype)
-        return out, None, None, None, None
+    def backward(ctx, grad_out):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_out.to(grad.dtype), None, None, None, None, None
 
 
 def kd_loss_chunked(student_logits: torch.Tensor, teacher: TeacherTargets, weights: torch.Tensor,
-                    temperature: float = 1.0, chunk: int = 4096) -> torch.Tensor:
-    """:func:`kd_loss` computed in row chunks with its gradient written directly (no host sync, bounded memory).
+                    temperature: float = 1.0, chunk: int = 4096, compile_backend: str | None = None) -> torch.Tensor:
+    """:func:`kd_loss` computed in row chunks with its gradient written in the same pass (no host sync, bounded
+    memory; ``compile_backend``: each chunk's pass as one ``torch.compile`` graph, ``train.compile_loss``).
 
     Same value and gradient as :func:`kd_loss` (fp32). Unlike it, it does not check that the weights sum to a
     positive number (that check reads the device): an all-zero-weight batch gives loss 0 and zero gradient, and the
@@ -146,6 +175,8 @@ def kd_loss_chunked(student_logits: torch.Tensor, teacher: TeacherTargets, weigh
         weights: ``[N]`` fp32 per-position weights (:func:`position_weights`; treated as constants).
         temperature: ``T > 0``.
         chunk: rows per chunk (bounds the fp32 ``[chunk, V_d]`` temporaries).
+        compile_backend: a ``torch.compile`` backend for :func:`kl_chunk` (``None``: eager; ``inductor`` fuses the
+            two log-softmaxes, the KL and the gradient into a few kernels; dynamic in the chunk's rows).
 
     Returns:
         Scalar fp32 loss.
@@ -161,7 +192,7 @@ def kd_loss_chunked(student_logits: torch.Tensor, teacher: TeacherTargets, weigh
     if student_logits.shape[0] == 0:
         raise EmptyMaskError("this batch has no loss position (empty assistant mask)")
     return _ChunkedKL.apply(student_logits, teacher.logits_draft, weights.detach().float(), float(temperature),
-                            int(chunk))
+                            int(chunk), compile_backend)
 
 
 @torch.no_grad()

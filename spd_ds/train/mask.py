@@ -183,25 +183,104 @@ def structural_block_mask(segments: torch.Tensor, fill: int, block_size: int = 1
     COMPLETE block causally plus ``F - d`` diagonal keys); the block mask keeps only the tiles that hold a True entry,
     so FlexAttention's work and memory follow the True entries, not the square.
 
+    When ``block_size`` divides ``S`` (every tile then lies inside one kind block and covers one token range of the
+    query and one of the key), the tiles are derived from ``segments`` directly (:func:`_structural_tiles`: a few
+    vectorised ops on ``[B, S]`` and ``[B, (F+1)·S/block_size, (F+1)·S/block_size]`` tensors on ``segments.device``,
+    no host sync) instead of evaluating ``mask_mod`` on all ``B·R²`` entries as ``create_block_mask`` does. This path
+    relies on the contract of :func:`structural_mask`: each document id is one contiguous run. It lists the same
+    tiles as ``create_block_mask`` (FULL tiles skip ``mask_mod``, PARTIAL ones apply it per entry), except that with
+    ``block_size = 1`` a padding token's own tile is listed as PARTIAL rather than FULL. Otherwise the mask is built
+    by ``create_block_mask``: with a compiled kernel on CUDA (no ``[B, R, R]`` tensor), eagerly elsewhere.
+
     Args:
-        segments: ``[B, S]`` int64 document ids (``0`` = padding).
+        segments: ``[B, S]`` int64 document ids (``0`` = padding; one contiguous run per document).
         fill: pipeline fill ``F`` (``1..n``).
         block_size: tile edge in rows (FlexAttention's default 128).
 
     Returns:
-        A ``BlockMask`` for ``B`` batch rows, all heads, ``(F+1)·S`` queries and keys; built with a compiled kernel on
-        CUDA (no ``[B, R, R]`` tensor), eagerly elsewhere.
+        A ``BlockMask`` for ``B`` batch rows, all heads (head dimension 1), ``R = (F+1)·S`` queries and keys, tiles
+        ``block_size x block_size``, ``mask_mod`` = :func:`structural_mask_mod`; its ``kv_num_blocks`` /
+        ``full_kv_num_blocks`` are ``[B, 1, ceil(R/block_size)]`` int32 and its ``kv_indices`` / ``full_kv_indices``
+        ``[B, 1, ceil(R/block_size), ceil(R/block_size)]`` int32 (listed tiles first, in increasing order), on
+        ``segments.device``.
 
     Raises:
         ValueError: ``fill < 1`` or ``segments`` not 2-D.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     _check_layout(segments, fill)
     B, S = segments.shape
     R = (fill + 1) * S
-    return create_block_mask(structural_mask_mod(segments, fill), B, None, R, R, device=segments.device,
-                             BLOCK_SIZE=block_size, _compile=segments.device.type == "cuda")
+    mask_mod = structural_mask_mod(segments, fill)
+    if S % block_size:
+        return create_block_mask(mask_mod, B, None, R, R, device=segments.device, BLOCK_SIZE=block_size,
+                                 _compile=segments.device.type == "cuda")
+    partial, full = _structural_tiles(segments, fill, block_size)
+    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=(R, R))
+
+
+def _structural_tiles(segments: torch.Tensor, fill: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which ``block_size`` tiles of :func:`structural_mask` hold a True entry, and which hold only True entries.
+
+    Tile ``(i, j)`` is query kind block ``qb = i // K``, token block ``x = i % K`` against key kind block ``kb`` and
+    token block ``y`` (``K = S / block_size``). By the rule of :func:`structural_mask_mod`, a real query reads the
+    keys of its own document at distances ``tq - tk`` in an interval ``[lo, hi]`` fixed by ``(qb, kb)`` alone:
+    ``[F - qb, ∞)`` (``[0, ∞)`` for ``qb = F``) in the COMPLETE column, ``{kb - qb}`` for ``qb <= kb < F``, none
+    otherwise. Within tile ``(x, y)`` the distances of same-document pairs form an interval too (documents are
+    contiguous runs): for ``x > y`` the one document crossing from the last token of ``y`` to the first of ``x``
+    gives ``[x0 - y1, end - start]`` (``x0``/``y1`` first/last token of ``x``/``y``, ``start``/``end`` that document
+    clipped to ``y``/``x``); for ``x = y`` the longest run inside the block gives ``[0, length - 1]``. The tile holds
+    a True entry iff the two intervals meet, or it is on the diagonal of a kind block (``qb = kb``, ``x = y``: every
+    row sees itself there, padding included). It holds only True entries iff every distance in the tile lies in
+    ``[lo, hi]`` and one document covers all its queries and keys.
+
+    Returns:
+        ``(partial, full)``: ``[B, (F+1)·K, (F+1)·K]`` bool, disjoint; ``partial | full`` are the tiles with a True
+        entry.
+    """
+    B, S = segments.shape
+    K, nb, dev = S // block_size, fill + 1, segments.device
+    idx = torch.arange(S, device=dev)
+    first = torch.ones_like(segments, dtype=torch.bool)
+    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    start = torch.cummax(torch.where(first, idx, 0), dim=1).values  # first token of each token's run
+    end = torch.cummin(torch.where(last, idx, S).flip(1), dim=1).values.flip(1)  # last token of each token's run
+    # the longest same-document distance inside each token block (-1: only padding)
+    inner = idx - torch.maximum(start, idx // block_size * block_size)
+    longest = torch.where(segments > 0, inner, -1).view(B, K, block_size).amax(-1)  # [B, K]
+    x0 = torch.arange(K, device=dev) * block_size  # first token of each token block
+    x1 = x0 + block_size - 1  # last token
+    gap = x0[:, None] - x0[None, :]  # [K(x), K(y)]
+    span_lo, span_hi = gap - (block_size - 1), gap + (block_size - 1)  # distances covered by tile (x, y)
+    cross = (segments[:, x0, None] == segments[:, None, x1]) & (segments[:, x0, None] > 0) & (gap > 0)
+    cross_hi = torch.minimum(end[:, x0], x1)[:, :, None] - torch.maximum(start[:, x1], x0)[:, None, :]
+    pair_hi = torch.where(cross, cross_hi, torch.where(gap == 0, longest[:, :, None], -1))  # [B, K, K]
+    pair_lo = span_lo.clamp(min=0)
+    # distances [lo, hi] each (query kind block, key kind block) reads; lo > hi: none
+    k = torch.arange(nb, device=dev)
+    qk, kk = k[:, None], k[None, :]
+    lo = torch.where(kk == fill, (fill - qk).clamp(min=0), torch.where(kk >= qk, kk - qk, S))  # [nb, nb]
+    hi = torch.where(kk == fill, S, torch.where(kk >= qk, kk - qk, -1))
+
+    # broadcast to [B, nb(qb), K(x), nb(kb), K(y)]
+    lo, hi, own = lo[:, None, :, None], hi[:, None, :, None], (qk == kk)[:, None, :, None]
+    pair_lo, span_lo, span_hi, diag = pair_lo[:, None], span_lo[:, None], span_hi[:, None], (gap == 0)[:, None]
+    pair_hi = pair_hi[:, None, :, None]
+    listed = (torch.maximum(lo, pair_lo) <= torch.minimum(hi, pair_hi)) | (own & diag)
+    full = (lo <= span_lo) & (hi >= span_hi) & (pair_hi == span_hi)
+    R = nb * K
+    return (listed & ~full).view(B, R, R), full.view(B, R, R)
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BlockMask's ``(num_blocks [B, 1, Q], indices [B, 1, Q, KV])`` int32 from ``[B, Q, KV]`` bool tiles."""
+    num = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
+    return num[:, None], order.to(torch.int32)[:, None]
 
 
 def structural_mask_bytes(batch: int, seq_len: int, fill: int) -> int:

@@ -72,6 +72,7 @@ class TeacherStage(nn.Module):
                 name = "model.embed_tokens.weight" if arch.tied_embeddings else "lm_head.weight"
                 self.lm_head.weight.copy_(arch.load_tensor(name))
         self.register_buffer("draft_ids", torch.as_tensor(list(draft_ids), dtype=torch.long), persistent=False)
+        self._reduce = target_reductions
         self.to(dtype=dtype)
         self.rotary.inv_freq = self.rotary.inv_freq.float()
         self.eval().requires_grad_(False)
@@ -125,10 +126,15 @@ class TeacherStage(nn.Module):
 
         Args:
             backend: a ``torch.compile`` backend name (``torch.compiler.list_backends(exclude_tags=())``).
+        The last stage also compiles :func:`target_reductions` (one fused pass over each ``[chunk, V]`` LM-head
+        output instead of a cast, a division and three reductions; dynamic in the number of positions).
+
         Returns:
             the number of layers compiled (``nn.Module.compile`` is lazy: the compile, and any backend error, come
             with the first forward; ``train.compile_teacher`` is checked against the backends by ``config.validate``).
         """
+        if self.last:
+            self._reduce = torch.compile(target_reductions, backend=backend, dynamic=True)
         count = 0
         for i, layer in zip(self.layer_ids, self.layers):
             if not self.arch.is_linear(i):
@@ -151,15 +157,29 @@ class TeacherStage(nn.Module):
         rows = flat.index_select(0, index) if index is not None else flat[valid.reshape(-1).bool()]
         ld, lse, am = [], [], []
         for c in range(0, rows.shape[0], self.logits_chunk):
-            z = self.lm_head(self.norm(rows[c:c + self.logits_chunk])).float()
-            ld.append(z[:, self.draft_ids])
-            lse.append(torch.logsumexp(z / self.temperature, dim=-1))
-            am.append(z.argmax(-1))
+            z = self.lm_head(self.norm(rows[c:c + self.logits_chunk]))
+            for out, part in zip((ld, lse, am), self._reduce(z, self.draft_ids, self.temperature)):
+                out.append(part)
         if not ld:
             Vd = self.draft_ids.numel()
             return TeacherTargets(rows.new_zeros(0, Vd, dtype=torch.float32), rows.new_zeros(0, dtype=torch.float32),
                                   torch.zeros(0, dtype=torch.long, device=rows.device))
         return TeacherTargets(torch.cat(ld), torch.cat(lse), torch.cat(am))
+
+
+def target_reductions(z: torch.Tensor, draft_ids: torch.Tensor,
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the loss needs from one chunk of the teacher's LM-head output (the fields of :class:`TeacherTargets`).
+
+    Args:
+        z: ``[P, V]`` full-vocabulary logits (any float dtype; reduced in fp32).
+        draft_ids: ``[V_d]`` int64 target ids of the draft vocabulary.
+        temperature: distillation temperature ``T > 0``.
+    Returns:
+        ``(z[:, draft_ids] [P, V_d] fp32, logsumexp(z / T) [P] fp32, argmax(z) [P] int64)``.
+    """
+    z = z.float()
+    return z[:, draft_ids], torch.logsumexp(z / temperature, dim=-1), z.argmax(-1)
 
 
 def _per_document(layer: nn.Module, h: torch.Tensor, gather: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
