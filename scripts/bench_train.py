@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the table's cells, one more run of the new code at the first n (the first "
                          "--attention, the first --compile-teacher backend if any) profiled over this many steps: "
-                         "<out>/*_profile/profile.txt")
+                         "<out>/*_profile/ profile.txt, profile_cpu.txt, trace.json.gz")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
     ap.add_argument("--out", default="runs/bench_train")
     args = ap.parse_args(argv)

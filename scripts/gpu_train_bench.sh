@@ -7,7 +7,8 @@
 # Knobs: STAGES="2 4", ATTENTION="flex" (eager-teacher cells; empty: none), COMPILE_TEACHER=inductor (also a
 #   compiled-teacher cell per n; empty: none),
 #   STEPS=30, CELL_TIMEOUT=240 (a cold machine's first cell spends > 180 s compiling), OLD_ROOT=.old (empty: no
-#   'before' cells), TESTS=1. The profile (5 steps, its own run at the first n) goes to $OUT/profile.txt.
+#   'before' cells), TESTS=1. The profile (5 steps, its own run at the first n) goes to $OUT/profile.txt,
+#   profile_cpu.txt and trace.json.gz.
 set -uo pipefail
 PY=${PYTHON:-python3}
 { nvidia-smi --query-gpu=name,memory.total --format=csv
@@ -23,6 +24,6 @@ timeout "${BENCH_TIMEOUT:-520}" $PY scripts/bench_train.py --data runs/train_ben
   --stages ${STAGES:-2 4} --attention ${ATTENTION-flex} ${OLD_ROOT:+--old-root $OLD_ROOT} --steps "${STEPS:-30}" \
   ${CT:+--compile-teacher $CT} \
   --log-every 10 --profile-steps 5 --timeout "${CELL_TIMEOUT:-240}" --out /tmp/bench | tee -a "$OUT/bench.txt"
-cp /tmp/bench/*_profile/profile.txt "$OUT/" 2>/dev/null
+cp /tmp/bench/*_profile/{profile.txt,profile_cpu.txt,trace.json.gz} "$OUT/" 2>/dev/null
 cat /tmp/bench/*.log 2>/dev/null | grep -iE "error|Traceback" | tail -20 >> "$OUT/bench.txt"
 true

@@ -162,7 +162,7 @@ class TrainConfig:
     loss_chunk: int = 4096  # loss positions per chunk of the KL over the draft vocabulary (bounds fp32 temporaries)
     prefetch: int = 4  # micro-batches collated ahead in a DataLoader worker process (0 = in the training process)
     profile_steps: Optional[int] = None  # profile this many steps (after 5 warm-up steps) with torch.profiler;
-    # the table of the costliest operators goes to output_dir/profile.txt
+    # output_dir gets profile.txt / profile_cpu.txt (costliest operators by device / host time), trace.json.gz
     eval_every: int = 200  # validate every this many optimizer steps and at the end (0 = never)
     eval_batches: Optional[int] = 16  # held-out micro-batches per evaluation, over all ranks (None = every one)
     compile_cache: Optional[str] = None  # a file of torch.compile artifacts: loaded before the first compile, rewritten

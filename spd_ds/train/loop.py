@@ -37,6 +37,7 @@ from spd_ds.config import ConfigError, ExperimentConfig, to_yaml
 from spd_ds.train.chat import EmptyMaskError, set_chat_template
 from spd_ds.train.data import BatchPlanner, iterate, load_records, tokenize_records
 from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
+from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
@@ -385,7 +386,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     t_run = t_log = time.perf_counter()
     t_start = t_run - elapsed_before
     tokens_total, stop, paused, first_step = 0, False, False, step
-    profiler = _profiler(tc.profile_steps, device) if (tc.profile_steps and is_logger) else None
+    profiler = start_profiler(tc.profile_steps, device) if (tc.profile_steps and is_logger) else None
 
     host_group = torch.distributed.new_group(backend="gloo")  # a collective: every rank, same point
     # 8. the loop (teacher pipe degree 1: no device-to-host read per step; counts come from the host batch, sums
@@ -484,7 +485,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if tb is not None:
         tb.close()
     if profiler is not None:
-        _write_profile(profiler, out_dir)
+        _say(write_profile(profiler, out_dir), 0)
     final = None
     if is_logger:
         final = out_dir / "head"
@@ -555,33 +556,6 @@ def _regenerate_shared(cfg: ExperimentConfig, records, tokenizer, arch, out_dir:
     if not out:
         raise EmptyMaskError("data.regenerate produced no answer (no conversation with a user turn?)")
     return out
-
-
-def _profiler(steps: int, device):
-    """A started ``torch.profiler.profile`` that records ``steps`` steps after 5 warm-up steps (CPU + CUDA)."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    prof = profile(activities=acts, schedule=schedule(wait=0, warmup=5, active=int(steps), repeat=1))
-    prof.start()
-    return prof
-
-
-def _write_profile(prof, out_dir: Path) -> None:
-    """Stop the profiler and write the 40 costliest operators (by device time on CUDA, else CPU) to profile.txt."""
-    prof.stop()
-    try:
-        avg = prof.key_averages()
-        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        try:
-            table = avg.table(sort_by=key, row_limit=40)
-        except Exception:  # noqa: BLE001 - older torch names the device column differently
-            table = avg.table(sort_by="self_device_time_total", row_limit=40)
-        (out_dir / "profile.txt").write_text(table)
-        _say(f"profile of {len(prof.profiler.function_events) if prof.profiler else 0} events -> "
-             f"{out_dir / 'profile.txt'}", 0)
-    except Exception as e:  # noqa: BLE001 - profiling must never fail a training run
-        _say(f"profile not written: {type(e).__name__}: {e}", 0)
 
 
 def _tensorboard(out_dir: Path):
