@@ -18,7 +18,7 @@
 #   self-distilled answers made once into $SD_DIR and trained on first), SD_DIR (default $WORK/selfdistill; a
 #   carried folder of earlier shards, e.g. runs/sd made by scripts/gpu_selfdistill.sh, is used as it is), REGEN_ARGS, EXTRA (overrides for
 #   every variant), FETCH=1 (heads back under $OUT as heads.tgz.part-NN, <= 15 MB each, and the variants'
-#   torch.compile caches as compile_cache.tar), CACHE_DIR (default runs/compile_cache: train_<variant>.bin, loaded
+#   torch.compile caches as compile_cache.tgz.part-NN, gzip'd, at most CACHE_RETURN_MB=45 in all), CACHE_DIR (default runs/compile_cache: train_<variant>.bin, loaded
 #   when carried in: a fresh machine can skip FlexAttention compiles; not measured yet), EVAL_SETS / EVAL_PROMPTS /
 #   EVAL_TOKENS / EVAL_TEMPS (suite c of every head on the node's CPU cores after training; EVAL_PROMPTS=0 = none),
 #   SPD_EVAL_DIR (materialised prompt sets carried with the tree), DETACH=1 / WAIT_SECONDS / SAVE_EVERY (runs that
@@ -132,12 +132,14 @@ if [[ "${FETCH:-0}" = 1 ]]; then
     ls -d $h heads/$n/best.json heads/$n/train_log.jsonl heads/$n/train_summary.json heads/$n/config.yaml 2>/dev/null; done) | gzip -1) \
     | split -b 15000000 -d - "$OUT/heads.tgz.part-"
   say "heads: $(ls "$OUT"/heads.tgz.part-* | wc -l) part(s)"
-  if ls "$CACHE_DIR"/train_*.bin >/dev/null 2>&1; then
-    tar cf "$OUT/compile_cache.tar" -C "$CACHE_DIR" $(cd "$CACHE_DIR" && ls train_*.bin)
-    if (( $(stat -c %s "$OUT/compile_cache.tar") > 15000000 )); then
-      rm -f "$OUT/compile_cache.tar"; say "compile caches over 15 MB together: not returned"
+  if ls "$CACHE_DIR"/train_*.bin >/dev/null 2>&1; then  # gzip'd, <= 15 MB parts, at most CACHE_RETURN_MB in all
+    tar cf - -C "$CACHE_DIR" $(cd "$CACHE_DIR" && ls train_*.bin) | gzip -6 > "$WORK/compile_cache.tgz"
+    size=$(stat -c %s "$WORK/compile_cache.tgz")
+    if (( size > ${CACHE_RETURN_MB:-45} * 1000000 )); then
+      say "compile caches: $size bytes gzip'd, over CACHE_RETURN_MB=${CACHE_RETURN_MB:-45}: not returned"
     else
-      say "compile caches -> \$OUT/compile_cache.tar (tar xf it into $CACHE_DIR here and carry $CACHE_DIR)"
+      split -b 15000000 -d "$WORK/compile_cache.tgz" "$OUT/compile_cache.tgz.part-"
+      say "compile caches ($size bytes gzip'd) -> \$OUT/compile_cache.tgz.part-* (here: cat them | tar xzf - -C $CACHE_DIR; carry $CACHE_DIR)"
     fi
   fi
 fi
