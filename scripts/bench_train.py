@@ -70,6 +70,8 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile
     if rc != 0 or not rates:
         cell["error_tail"] = tail
     (out / f"{run_dir.name}.log").write_text(tail)
+    if profile and rc != 124:  # the whole log: it names every host sync of the profiled steps (sync debug mode)
+        (out / f"{run_dir.name}.full.log").write_text(proc.stdout + proc.stderr)
     return cell
 
 

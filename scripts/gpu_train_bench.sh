@@ -24,6 +24,6 @@ timeout "${BENCH_TIMEOUT:-520}" $PY scripts/bench_train.py --data runs/train_ben
   --stages ${STAGES:-2 4} --attention ${ATTENTION-flex} ${OLD_ROOT:+--old-root $OLD_ROOT} --steps "${STEPS:-30}" \
   ${CT:+--compile-teacher $CT} \
   --log-every 10 --profile-steps 5 --timeout "${CELL_TIMEOUT:-240}" --out /tmp/bench | tee -a "$OUT/bench.txt"
-cp /tmp/bench/*_profile/{profile.txt,profile_cpu.txt,trace.json.gz} "$OUT/" 2>/dev/null
+cp /tmp/bench/*_profile/{profile.txt,profile_cpu.txt,trace.json.gz} /tmp/bench/*_profile.full.log "$OUT/" 2>/dev/null
 cat /tmp/bench/*.log 2>/dev/null | grep -iE "error|Traceback" | tail -20 >> "$OUT/bench.txt"
 true

@@ -144,9 +144,8 @@ def structural_mask(segments: torch.Tensor, fill: int) -> torch.Tensor:
     mask = blocks[None] & doc[:, None, None]  # [B, nbq, nbk, S, S]
     mask = mask.permute(0, 1, 3, 2, 4).reshape(B, nb * S, nb * S)
     pad = (segments == 0).repeat(1, nb)  # [B, nb*S]
-    if bool(pad.any()):
-        idx = torch.arange(nb * S, device=dev)
-        mask[:, idx, idx] |= pad
+    idx = torch.arange(nb * S, device=dev)
+    mask[:, idx, idx] |= pad  # unconditionally: testing for padding first would read the device
     return mask[:, None]
 
 
@@ -330,9 +329,7 @@ def packed_causal_mask(segments: torch.Tensor) -> torch.Tensor:
     t = torch.arange(S, device=segments.device)
     causal = t[:, None] >= t[None, :]
     m = (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] > 0) & causal
-    pad = segments == 0
-    if bool(pad.any()):
-        m[:, t, t] |= pad
+    m[:, t, t] |= segments == 0  # unconditionally: testing for padding first would read the device (a sync per stage)
     return m[:, None]
 
 

@@ -2,7 +2,9 @@
 
 ``profile.txt`` (the 40 costliest operators by device time on CUDA, else CPU time), ``profile_cpu.txt`` (the same by
 host time: what the launching thread spends per operator) and ``trace.json.gz`` (the Chrome trace of the profiled
-steps, for chrome://tracing or Perfetto: where the device idles between kernels and why).
+steps, for chrome://tracing or Perfetto: where the device idles between kernels and why). On CUDA the profiled
+span also runs under ``torch.cuda.set_sync_debug_mode("warn")``: every operation that makes the host wait for the
+device warns once per source line, so the run's log names each host sync of a step.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import torch
 
 
 def start_profiler(steps: int, device: torch.device):
-    """A started ``torch.profiler.profile`` that records ``steps`` steps after 5 warm-up steps (CPU + CUDA)."""
+    """A started ``torch.profiler.profile`` that records ``steps`` steps after 5 warm-up steps (CPU + CUDA); on CUDA,
+    host syncs warn until :func:`write_profile`."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("warn")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     prof = profile(activities=acts, schedule=schedule(wait=0, warmup=5, active=int(steps), repeat=1))
     prof.start()
@@ -32,6 +37,8 @@ def write_profile(prof, out_dir: Path) -> str:
         a one-line report for the log: the files written, or why not. Never raises: profiling must not fail a run.
     """
     prof.stop()
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("default")
     written: list[Path] = []
     try:
         avg = prof.key_averages()
