@@ -158,6 +158,8 @@ class TrainConfig:
     save_dtype: str = "float32"  # dtype of the final head's weights (bfloat16 halves the file)
     progress: bool = True  # tqdm progress bar on the logging rank
     attention: str = "auto"  # head attention in training: auto (flex on CUDA, dense elsewhere) | flex | dense
+    teacher_attention: str = "auto"  # the frozen target's attention over packed rows: auto (flex on CUDA: tiles
+    # between documents skipped; sdpa elsewhere) | flex | sdpa (the packed-causal boolean mask)
     flex_compile: str = "static"  # CUDA FlexAttention: static (a compile per fill) | dynamic (automatic dynamic shapes)
     loss_chunk: int = 4096  # loss positions per chunk of the KL over the draft vocabulary (bounds fp32 temporaries)
     prefetch: int = 4  # micro-batches collated ahead in a DataLoader worker process (0 = in the training process)
@@ -305,6 +307,8 @@ def validate(cfg: ExperimentConfig) -> None:
             if mode not in list_backends(exclude_tags=()):
                 raise ConfigError(f"train.{key} must be auto, a torch.compile backend (inductor, or aot_eager to "
                                   f"debug) or null for eager, got {mode!r}")
+    if cfg.train.teacher_attention not in ("auto", "sdpa", "flex"):
+        raise ConfigError(f"train.teacher_attention must be auto, sdpa or flex, got {cfg.train.teacher_attention!r}")
     if cfg.train.flex_compile not in ("static", "dynamic"):
         raise ConfigError(f"train.flex_compile must be static or dynamic, got {cfg.train.flex_compile!r}")
     if not 0.0 <= cfg.train.lr_stable_fraction < 1.0:

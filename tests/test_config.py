@@ -50,6 +50,8 @@ def test_bad_values():
     with pytest.raises(ConfigError, match="train.compile_loss must be auto, a torch.compile backend"):
         load_config(None, ["train.compile_loss=fastest"])
     assert load_config(None, ["train.compile_loss=aot_eager"]).train.compile_loss == "aot_eager"
+    with pytest.raises(ConfigError, match="train.teacher_attention must be auto, sdpa or flex"):
+        load_config(None, ["train.teacher_attention=eager"])
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent.yaml")
 
@@ -69,6 +71,19 @@ def test_compile_teacher_auto_is_inductor_on_cuda_and_eager_elsewhere(monkeypatc
     assert teacher_compile_backend("auto", torch.device("cuda", 0)) is None
     assert teacher_compile_backend("aot_eager", torch.device("cpu")) == "aot_eager"
     assert teacher_compile_backend(None, torch.device("cuda", 0)) is None
+
+
+def test_teacher_attention_auto_is_flex_on_cuda_and_sdpa_elsewhere():
+    import torch
+
+    from spd_ds.train.teacher import teacher_attention
+
+    assert load_config(None).train.teacher_attention == "auto"
+    assert teacher_attention("auto", torch.device("cuda", 0)) == "flex"
+    assert teacher_attention("auto", torch.device("cpu")) == "sdpa"
+    assert teacher_attention("flex", torch.device("cpu")) == "flex"
+    with pytest.raises(ValueError, match="train.teacher_attention must be"):
+        teacher_attention("eager", torch.device("cpu"))
 
 
 def test_head_cuda_graph_is_opt_in_and_old_saved_configs_load(tmp_path):

@@ -85,3 +85,34 @@ def _flex_equals_dense(tmp_path, num_stages, seq_len):
         assert g1.keys() == g2.keys()
         for k in g1:
             torch.testing.assert_close(g2[k], g1[k], rtol=2e-3, atol=2e-5, msg=lambda m: f"{k} fill {fill}: {m}")
+
+
+def test_flex_teacher_equals_sdpa_teacher_on_cuda(tmp_path):
+    """train.teacher_attention=flex with the layers compiled (the CUDA defaults) gives the SDPA teacher's features and
+    targets over packed rows (fp32, within the fused kernels' rounding) at the training row length."""
+    from spd_ds.train.teacher import TeacherStage
+
+    torch.manual_seed(0)
+    arch = TargetArch(make_tiny_model(tmp_path, "llama", num_layers=8))
+    part = StagePartition.build(8, num_stages=2)
+    ids_ = list(range(0, arch.vocab_size, 2))
+    sdpa = [TeacherStage(arch, part, s, torch.float32, ids_).cuda() for s in range(2)]
+    flex = [TeacherStage(arch, part, s, torch.float32, ids_, attention="flex").cuda() for s in range(2)]
+    for a, b in zip(sdpa, flex):
+        b.load_state_dict(a.state_dict())
+        b.compile_layers("inductor")
+    B, S = 2, 256
+    ids = torch.randint(3, arch.vocab_size, (B, S), device="cuda")
+    seg = torch.zeros(B, S, dtype=torch.long)
+    seg[0, :100], seg[0, 100:230], seg[1, :] = 1, 2, 1
+    seg = seg.cuda()
+    valid = (seg > 0) & (torch.rand(B, S, device="cuda") < 0.6)
+    outs = []
+    with torch.no_grad():
+        for stages in (sdpa, flex):
+            x = (ids, seg, valid.long(), valid.reshape(-1).nonzero().flatten())
+            for st in stages:
+                x = st(x)
+            outs.append(x)
+    for g, w in zip(outs[1][:3], outs[0][:3]):
+        torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)

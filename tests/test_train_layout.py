@@ -9,6 +9,9 @@ also for hybrid (Qwen3.5) targets, whose linear-attention layers see each packed
 
 from __future__ import annotations
 
+import functools
+from unittest import mock
+
 import pytest
 import torch
 
@@ -17,8 +20,9 @@ from spd_ds.decoding.reference import SPDReferenceDecoder
 from spd_ds.head import SpeculationHead
 from spd_ds.models.adapter import Target, TargetArch
 from spd_ds.partition import StagePartition
+from spd_ds.train import mask as mask_lib
 from spd_ds.train.loss import kd_loss, position_weights
-from spd_ds.train.student import HeadTrainModule
+from spd_ds.train.student import FLEX_ATTENTION, HeadTrainModule
 from spd_ds.train.teacher import TeacherStage
 from tests.tiny_models import make_tiny_model
 
@@ -199,6 +203,43 @@ def test_inductor_teacher_equals_eager_within_rounding(tmp_path):
     """The same with inductor's fused kernels (what train.compile_teacher=inductor runs), on a Llama: within rounding.
     Slow tier: a C++ compile on CPU (the families' wiring is the aot_eager test's)."""
     _check_compiled_teacher(TargetArch(make_tiny_model(tmp_path, "llama", num_layers=8)), "inductor")
+
+
+def test_flex_teacher_equals_sdpa_teacher(arch8):
+    """train.teacher_attention=flex: FlexAttention under the packed-causal block mask gives the SDPA teacher's features
+    and targets over packed rows with padding (fp32, eager flex on CPU), for every family (linear-attention layers
+    run per document either way); a block size dividing the row (tiles from the segments) and one that does not."""
+    torch.manual_seed(0)
+    part = StagePartition.build(8, stage_layers=(4, 4))
+    draft_ids = list(range(0, arch8.vocab_size, 2))
+    sdpa = [TeacherStage(arch8, part, s, torch.float32, draft_ids) for s in range(2)]
+    flex = [TeacherStage(arch8, part, s, torch.float32, draft_ids, attention="flex") for s in range(2)]
+    for a, b in zip(sdpa, flex):
+        b.load_state_dict(a.state_dict())
+    soft = [layer for st in flex for i, layer in zip(st.layer_ids, st.layers) if not arch8.is_linear(i)]
+    assert soft and all(layer.self_attn.config._attn_implementation == FLEX_ATTENTION for layer in soft)
+    ids = torch.randint(3, arch8.vocab_size, (2, 32))
+    seg = torch.tensor([[1] * 10 + [2] * 17 + [3] * 5, [1] * 20 + [0] * 12])
+    valid = (seg > 0) & torch.rand(2, 32).gt(0.3)
+    with torch.no_grad():
+        want = teacher_forward(sdpa, ids, seg, valid)
+        for block in (16, 12):  # 16 divides S = 32: tiles from the segments; 12 does not: create_block_mask
+            with mock.patch("spd_ds.train.teacher.packed_causal_block_mask",
+                            functools.partial(mask_lib.packed_causal_block_mask, block_size=block)):
+                got = teacher_forward(flex, ids, seg, valid)
+            for g, w in zip(got[:3], want[:3]):  # fp32, another kernel's summation order
+                torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+            assert torch.equal(got[3], want[3])
+        # the mask is what the layers attend under: one that lets every row see the whole row changes the features
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def see_all(segments):
+            return create_block_mask(lambda b, h, q, k: q >= 0, 2, None, 32, 32, device="cpu", BLOCK_SIZE=16)
+
+        with mock.patch("spd_ds.train.teacher.packed_causal_block_mask", see_all):
+            assert not torch.allclose(teacher_forward(flex, ids, seg, valid)[0], want[0], atol=1e-3)
+    with pytest.raises(ValueError, match="teacher attention must be one of"):
+        TeacherStage(arch8, part, 0, torch.float32, draft_ids, attention="eager")
 
 
 def _check_compiled_teacher(arch8, backend):

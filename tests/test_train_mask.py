@@ -23,7 +23,7 @@ from spd_ds.decoding.reference import SPDReferenceDecoder
 from spd_ds.models.adapter import Target, TargetArch
 from spd_ds.partition import StagePartition
 from spd_ds.train.mask import (
-    COMPLETE, block_types, key_kind, packed_causal_mask, row_kinds, sample_fill, segment_positions,
+    COMPLETE, block_types, key_kind, packed_causal_block_mask, packed_causal_mask, row_kinds, sample_fill, segment_positions,
     structural_block_mask, structural_mask, structural_mask_mod,
 )
 from tests.tiny_models import make_tiny_model
@@ -365,6 +365,25 @@ def test_fast_block_mask_is_exact_and_lists_the_tiles_of_create_block_mask(fill,
         ref = reference[id(seg)]
         for name in _TILE_FIELDS:
             assert torch.equal(getattr(bm, name), getattr(ref, name)), (name, fill, bs, seg.tolist())
+
+
+def test_packed_causal_block_mask_is_the_packed_causal_mask():
+    """The teacher's FlexAttention mask (train.teacher_attention=flex): expanded as the kernel reads it, it is
+    packed_causal_mask entry for entry, from the segments' tiles (create_block_mask's tiles, index for index) and,
+    when the tile does not divide the row, from create_block_mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    rng = random.Random(0)
+    for seg, bs in [(_packed_rows(48, 16), 16), (_random_segments(rng, 3, 32), 8), (_random_segments(rng, 2, 19), 4)]:
+        B, S = seg.shape
+        bm = packed_causal_block_mask(seg, block_size=bs)
+        assert bm.seq_lengths == (S, S)
+        assert torch.equal(_expand(bm, B, S), packed_causal_mask(seg)), (bs, seg.tolist())
+        ref = create_block_mask(bm.mask_mod, B, None, S, S, device="cpu", BLOCK_SIZE=bs)
+        for name in _TILE_FIELDS:
+            assert torch.equal(getattr(bm, name), getattr(ref, name)), (name, bs, seg.tolist())
+    with pytest.raises(ValueError, match="segments must be"):
+        packed_causal_block_mask(torch.ones(4, dtype=torch.long))
 
 
 def test_fast_block_mask_tile_counts():

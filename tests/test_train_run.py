@@ -238,12 +238,14 @@ def test_teacher_pipeline_degree_n(setup):
     (tmp / "c").mkdir()
     cfg = _experiment(tmp / "c", model, data, teacher_pipe_degree=2, max_steps=8, save_every=100,
                       compile_cache=str(tmp / "c" / "cc.bin"),  # no inductor kernels on CPU: loads, saves nothing
-                      compile_teacher="aot_eager", compile_loss="aot_eager")  # each rank: its own stage's layers
+                      compile_teacher="aot_eager", compile_loss="aot_eager",  # each rank: its own stage's layers
+                      teacher_attention="flex")  # FlexAttention inside the compiled layers (CUDA's default path)
     proc = _launch(cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "pipe=1, data=0" in proc.stdout + proc.stderr  # a real two-stage pipeline
     assert re.search(r"compiled: [1-9]\d* teacher decoder layers on this rank \(aot_eager\), loss \(aot_eager\)",
                      proc.stdout + proc.stderr)
+    assert "teacher attention: flex" in proc.stdout + proc.stderr
     losses = _losses(tmp / "c" / "run")
     assert losses[8] < losses[1]
 

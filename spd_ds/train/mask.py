@@ -206,9 +206,14 @@ def structural_block_mask(segments: torch.Tensor, fill: int, block_size: int = 1
     Raises:
         ValueError: ``fill < 1`` or ``segments`` not 2-D.
     """
+    _check_layout(segments, fill)
+    return _block_mask(segments, fill, block_size)
+
+
+def _block_mask(segments: torch.Tensor, fill: int, block_size: int):
+    """:func:`structural_block_mask` for ``fill >= 0`` (``0``: :func:`packed_causal_block_mask`), unchecked."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-    _check_layout(segments, fill)
     B, S = segments.shape
     R = (fill + 1) * S
     mask_mod = structural_mask_mod(segments, fill)
@@ -321,6 +326,28 @@ def document_gather(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     gather = torch.full((D, L), B * S, dtype=torch.long, device=segments.device)
     gather[doc[real], pos[real]] = torch.arange(B * S, device=segments.device)[real]
     return gather, gather < B * S
+
+
+def packed_causal_block_mask(segments: torch.Tensor, block_size: int = 128):
+    """:func:`packed_causal_mask` as a FlexAttention ``BlockMask`` (the teacher's attention with
+    ``train.teacher_attention=flex``): only the tiles inside one document's causal triangle are computed, so the
+    attention work follows ``Σ_doc len²/2`` instead of ``S²``.
+
+    It is the structural mask of a zero-fill layout (the COMPLETE block alone: a query reads the earlier keys of its
+    document; padding sees itself), built as :func:`structural_block_mask` builds it: from the segments' tiles when
+    ``block_size`` divides ``S``, else with ``create_block_mask``.
+
+    Args:
+        segments: ``[B, S]`` int64 document ids (``0`` = padding; one contiguous run per document).
+        block_size: tile edge in rows.
+    Returns:
+        A ``BlockMask`` over ``B`` rows, all heads, ``S`` queries and keys, on ``segments.device``.
+    Raises:
+        ValueError: ``segments`` not 2-D.
+    """
+    if segments.dim() != 2:
+        raise ValueError(f"segments must be [B, S], got shape {tuple(segments.shape)}")
+    return _block_mask(segments, 0, block_size)
 
 
 def packed_causal_mask(segments: torch.Tensor) -> torch.Tensor:

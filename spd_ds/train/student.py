@@ -54,7 +54,8 @@ def structural_flex_attention(module, query, key, value, attention_mask, scaling
     Args:
         module: the attention module (unused).
         query: ``[B, h, R, d]``; key, value: ``[B, h_kv, R, d]`` (grouped-query heads allowed).
-        attention_mask: the ``BlockMask`` of :func:`~spd_ds.train.mask.structural_block_mask`.
+        attention_mask: a ``BlockMask`` (:func:`~spd_ds.train.mask.structural_block_mask` for the head,
+            :func:`~spd_ds.train.mask.packed_causal_block_mask` for the teacher).
         scaling: softmax scale (default ``d ** -0.5``).
 
     Returns:
@@ -78,7 +79,8 @@ def structural_flex_attention(module, query, key, value, attention_mask, scaling
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register() -> None:
+def register_flex_attention() -> None:
+    """Register :func:`structural_flex_attention` with transformers as :data:`FLEX_ATTENTION` (idempotent)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(FLEX_ATTENTION, structural_flex_attention)
@@ -123,7 +125,7 @@ class HeadTrainModule(nn.Module):
         self._fallback = fallback  # flex failed on first use (e.g. no Triton): warn once and train with dense
         self.autocast = autocast
         if attention == "flex":
-            _register()
+            register_flex_attention()
 
     def forward(self, feats: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor, fill: int,
                 loss_index: torch.Tensor | None = None) -> torch.Tensor:

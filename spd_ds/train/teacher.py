@@ -22,6 +22,7 @@ micro-batch as one right-padded batch, :func:`~spd_ds.train.mask.document_gather
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -30,7 +31,10 @@ from torch import nn
 from spd_ds.models.adapter import TargetArch
 from spd_ds.partition import StagePartition
 from spd_ds.train.loss import TeacherTargets
-from spd_ds.train.mask import document_gather, packed_causal_mask, segment_positions
+from spd_ds.train.mask import document_gather, packed_causal_block_mask, packed_causal_mask, segment_positions
+
+#: ``train.teacher_attention`` values once resolved (:func:`teacher_attention`).
+TEACHER_ATTENTION = ("sdpa", "flex")
 
 
 class TeacherStage(nn.Module):
@@ -44,11 +48,28 @@ class TeacherStage(nn.Module):
         draft_ids: ``[V_d]`` sorted target ids of the draft vocabulary (last stage only).
         temperature: distillation temperature (for ``lse_full``).
         logits_chunk: loss positions per LM-head chunk (bounds the ``[chunk, V]`` temporary).
+        attention: the softmax-attention layers' attention (``train.teacher_attention`` resolved): ``sdpa`` under
+            :func:`~spd_ds.train.mask.packed_causal_mask`, or ``flex``: FlexAttention under
+            :func:`~spd_ds.train.mask.packed_causal_block_mask` (only tiles inside a document's causal triangle).
+
+    Raises:
+        ValueError: an unknown ``attention``.
     """
 
     def __init__(self, arch: TargetArch, partition: StagePartition, stage: int, dtype: torch.dtype,
-                 draft_ids: Sequence[int], temperature: float = 1.0, logits_chunk: int = 4096) -> None:
+                 draft_ids: Sequence[int], temperature: float = 1.0, logits_chunk: int = 4096,
+                 attention: str = "sdpa") -> None:
         super().__init__()
+        if attention not in TEACHER_ATTENTION:
+            raise ValueError(f"teacher attention must be one of {TEACHER_ATTENTION}, got {attention!r}")
+        self.attention = attention
+        layer_config = None
+        if attention == "flex":
+            from spd_ds.train.student import FLEX_ATTENTION, register_flex_attention
+
+            register_flex_attention()
+            layer_config = copy.copy(arch.config)
+            layer_config._attn_implementation = FLEX_ATTENTION
         self.arch, self.stage = arch, stage
         n, H, V = partition.num_stages, arch.hidden_size, arch.vocab_size
         self.first, self.last = stage == 0, stage == n - 1
@@ -58,7 +79,8 @@ class TeacherStage(nn.Module):
         self.capture = {a - 1: k_of[a] for a in partition.stage_anchors(stage) if a >= 1}
         self.layer_ids = list(partition.stage_range(stage))
         self.embedding = nn.Embedding(V, H) if self.first else None
-        self.layers = nn.ModuleList(arch.make_layer(i) for i in self.layer_ids)
+        self.layers = nn.ModuleList(arch.make_layer(i, None if arch.is_linear(i) else layer_config)
+                                    for i in self.layer_ids)
         self.rotary = arch.make_rotary()
         self.norm = arch.make_norm() if self.last else None
         self.lm_head = nn.Linear(H, V, bias=False) if self.last else None
@@ -99,7 +121,7 @@ class TeacherStage(nn.Module):
         else:
             h, segments, valid, feats, index = inputs
         pos = segment_positions(segments)
-        mask = packed_causal_mask(segments)
+        mask = packed_causal_block_mask(segments) if self.attention == "flex" else packed_causal_mask(segments)
         pos_emb = self.rotary(h, pos)
         docs = document_gather(segments) if any(self.arch.is_linear(i) for i in self.layer_ids) else None
         for i, layer in zip(self.layer_ids, self.layers):
@@ -222,12 +244,27 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def teacher_attention(mode: str, device: torch.device) -> str:
+    """``train.teacher_attention`` -> ``sdpa`` or ``flex`` (``auto``: ``flex`` on CUDA, where packed rows of several
+    documents skip the tiles between documents, and ``sdpa`` elsewhere, where FlexAttention runs unfused).
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if mode not in TEACHER_ATTENTION:
+        raise ValueError(f"train.teacher_attention must be auto, sdpa or flex, got {mode!r}")
+    return mode
+
+
 def build_teacher_module(arch: TargetArch, partition: StagePartition, dtype: torch.dtype, pipe_degree: int,
                          draft_ids: Sequence[int], temperature: float = 1.0, dynamic_shape: bool = False,
-                         compile_backend: str | None = None):
+                         compile_backend: str | None = None, attention: str = "sdpa"):
     """The frozen target as a ``deepspeed.pipe.PipelineModule`` with ``pipe_degree`` pipeline stages; with
     ``compile_backend`` (``train.compile_teacher``) the decoder layers of this rank's stages are compiled
-    (:meth:`TeacherStage.compile_layers`; their number in the module's ``compiled_layers``).
+    (:meth:`TeacherStage.compile_layers`; their number in the module's ``compiled_layers``); ``attention``: the
+    stages' attention (:class:`TeacherStage`).
 
     Raises:
         ValueError: ``pipe_degree`` is neither 1 nor ``n``.
@@ -237,7 +274,8 @@ def build_teacher_module(arch: TargetArch, partition: StagePartition, dtype: tor
     n = partition.num_stages
     if pipe_degree not in (1, n):
         raise ValueError(f"train.teacher_pipe_degree must be 1 or partition.num_stages={n}, got {pipe_degree}")
-    specs = [LayerSpec(TeacherStage, arch, partition, s, dtype, list(draft_ids), temperature) for s in range(n)]
+    specs = [LayerSpec(TeacherStage, arch, partition, s, dtype, list(draft_ids), temperature, attention=attention)
+             for s in range(n)]
     module = PipelineModule(layers=specs, num_stages=pipe_degree, partition_method="uniform",
                             dynamic_shape=dynamic_shape or pipe_degree > 1)
     module.compiled_layers = sum(stage.compile_layers(compile_backend) for stage in module.modules()
