@@ -128,7 +128,7 @@ class SpeculationHead(nn.Module):
         target's own rows (``lm_head_from_target``), the new vocabulary's rows are read from the target and the rest
         of the head is unchanged, so an id in both vocabularies keeps its logit. A head distilled over a draft
         vocabulary (the KL of training is over it, to save compute) can so draft every token at inference: the
-        shipped 16k-vocabulary SmolLM2 heads accept 0.008 (n = 2) and 0.013 (n = 3) more of their drafts with the
+        shipped 16k-vocabulary SmolLM2 heads accept 0.008 (n = 2) and 0.014 (n = 3) more of their drafts with the
         whole vocabulary (docs/training.md, "Draft vocabulary").
 
         Replaces ``self.lm_head`` (``[V_d', H]``, the old one's dtype and device, frozen) and ``draft_ids``
