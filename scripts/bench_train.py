@@ -5,7 +5,10 @@ Each (code version, n, attention) cell is a short real training run (``launch/tr
 one GPU, the same data, micro-batch and sequence length); its rate is the median ``tokens_per_s`` of the logged
 intervals after the first ``--skip`` (which hold start-up and compilation). ``--old-root`` points to a checkout of an
 earlier commit (e.g. ``git archive <commit> spd_ds launch ds_configs draft_vocab | tar -x -C .old``) for the
-"before" column; the current checkout is "new".
+"before" column; the current checkout is "new". The new code's eager-teacher cells (``--attention``) run the teacher,
+its attention (SDPA) and the loss eagerly; its compiled-teacher cells (``--compile-teacher``) run its defaults
+otherwise (``train.compile_loss`` and ``train.teacher_attention`` ``auto``: compiled loss, FlexAttention teacher on
+CUDA); "before" cells run the old checkout's defaults.
 
     python scripts/bench_train.py --data runs/train_data/bench.jsonl.gz --stages 2 4 --old-root .old --out $OUT/bench
     python scripts/bench_train.py --data ... --stages 2 4 --attention flex --compile-teacher inductor  # teacher A/B
@@ -44,8 +47,9 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile
            f"train.output_dir={run_dir}"]
     if compile_teacher:
         cmd.append(f"train.compile_teacher={compile_teacher}")
-    elif root == REPO:  # the new code's default (auto) compiles the teacher on CUDA: the eager cells say eager
-        cmd.append("train.compile_teacher=null")
+    elif root == REPO:  # the new code's defaults (auto) compile the teacher and the loss and run the teacher's
+        # attention as FlexAttention on CUDA: the eager-teacher cells say eager, SDPA
+        cmd += ["train.compile_teacher=null", "train.compile_loss=null", "train.teacher_attention=sdpa"]
     if attention is not None:
         cmd.append(f"train.attention={attention}")
     if profile:

@@ -82,6 +82,7 @@ def test_teacher_attention_auto_is_flex_on_cuda_and_sdpa_elsewhere():
     assert teacher_attention("auto", torch.device("cuda", 0)) == "flex"
     assert teacher_attention("auto", torch.device("cpu")) == "sdpa"
     assert teacher_attention("flex", torch.device("cpu")) == "flex"
+    assert teacher_attention("auto", torch.device("cuda", 0), packed=False) == "sdpa"  # a compile per row length
     with pytest.raises(ValueError, match="train.teacher_attention must be"):
         teacher_attention("eager", torch.device("cpu"))
 

@@ -121,3 +121,15 @@ def test_flex_compile_setting():
     assert student._flex_dynamic is None and student._compiled_flex is None
     student.set_flex_compile("static")
     assert student._flex_dynamic is False
+    # one compiled FlexAttention serves 2n + 1 shapes of a run (fills x grad mode, the teacher): the recompile limit
+    # rises to what the run needs, and is never lowered
+    import torch._dynamo.config as dynamo_config
+
+    before = dynamo_config.recompile_limit
+    try:
+        student.set_flex_compile("static", shapes=before + 6)
+        assert dynamo_config.recompile_limit == before + 6
+        student.set_flex_compile("static", shapes=2)
+        assert dynamo_config.recompile_limit == before + 6
+    finally:
+        dynamo_config.recompile_limit = before

@@ -288,7 +288,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
     # 3. the teacher: a PipelineModule run by DeepSpeed's PipelineEngine (frozen, no optimizer)
     backend = teacher_compile_backend(tc.compile_teacher, device)
-    tattn = teacher_attention(tc.teacher_attention, device)
+    tattn = teacher_attention(tc.teacher_attention, device, packed=dc.pack)
     tmod = build_teacher_module(arch, part, tdtype, degree, head.draft_ids.tolist(), tc.kd_temperature,
                                 dynamic_shape=not dc.pack, compile_backend=backend, attention=tattn)
     loss_backend = teacher_compile_backend(tc.compile_loss, device)
@@ -330,7 +330,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                           f"gradient_accumulation_steps={gas}; use more data or smaller batches")
     try:
         attention = resolve_attention(tc.attention, device)
-        set_flex_compile(tc.flex_compile)
+        set_flex_compile(tc.flex_compile, shapes=2 * n + 2)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     # autocast goes inside the module: DeepSpeed's engine switches an outer torch.autocast off around its forward

@@ -153,8 +153,11 @@ def structural_mask_mod(segments: torch.Tensor, fill: int):
     """The structural mask as a FlexAttention ``mask_mod`` (same rule as :func:`structural_mask`, never materialised).
 
     Args:
-        segments: ``[B, S]`` int64 document ids (``0`` = padding), on the device attention runs on.
-        fill: pipeline fill ``F`` (``1..n``).
+        segments: ``[B, S]`` int64 document ids (``0`` = padding), on the device attention runs on. The rule itself
+            allows any ids; the tiles :func:`structural_block_mask` derives from the segments (when the tile divides
+            ``S``) assume each document is one contiguous run, as ``BatchPlanner`` packs them (ids 1, 2, ... left to
+            right): a repeated id elsewhere in the row would lose tiles.
+        fill: pipeline fill ``F`` (``1..n``; ``0``: the packed-causal mask of :func:`packed_causal_block_mask`).
 
     Returns:
         ``mask_mod(b, h, q_idx, kv_idx) -> bool`` over the ``(F+1)·S`` rows of the training layout: True where

@@ -2,9 +2,10 @@
 
 ``profile.txt`` (the 40 costliest operators by device time on CUDA, else CPU time), ``profile_cpu.txt`` (the same by
 host time: what the launching thread spends per operator) and ``trace.json.gz`` (the Chrome trace of the profiled
-steps, for chrome://tracing or Perfetto: where the device idles between kernels and why). On CUDA the profiled
-span also runs under ``torch.cuda.set_sync_debug_mode("warn")``: every operation that makes the host wait for the
-device warns once per source line, so the run's log names each host sync of a step.
+steps, for chrome://tracing or Perfetto: where the device idles between kernels and why). On CUDA the warm-up and
+recorded steps also run under ``torch.cuda.set_sync_debug_mode("warn")`` (switched off when the recorded steps end):
+every operation that makes the host wait for the device warns once per source line, so the run's log names each
+host sync of a step.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import torch
 
 def start_profiler(steps: int, device: torch.device):
     """A started ``torch.profiler.profile`` that records ``steps`` steps after 5 warm-up steps (CPU + CUDA); on CUDA,
-    host syncs warn until :func:`write_profile`."""
+    host syncs warn from now until the recorded steps end."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.set_sync_debug_mode("warn")
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    prof = profile(activities=acts, schedule=schedule(wait=0, warmup=5, active=int(steps), repeat=1))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=acts, schedule=schedule(wait=0, warmup=5, active=int(steps), repeat=1),
+                   on_trace_ready=(lambda _: torch.cuda.set_sync_debug_mode("default")) if cuda else None)
     prof.start()
     return prof
 
@@ -37,7 +40,7 @@ def write_profile(prof, out_dir: Path) -> str:
         a one-line report for the log: the files written, or why not. Never raises: profiling must not fail a run.
     """
     prof.stop()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # a run that ended inside the recorded steps
         torch.cuda.set_sync_debug_mode("default")
     written: list[Path] = []
     try:

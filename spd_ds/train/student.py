@@ -36,9 +36,18 @@ _compiled_flex = None
 _flex_dynamic: bool | None = False
 
 
-def set_flex_compile(mode: str) -> None:
+def set_flex_compile(mode: str, shapes: int = 8) -> None:
     """Choose how the CUDA FlexAttention path compiles (:data:`FLEX_COMPILE_MODES`); drops an earlier compile.
 
+    One compiled function serves every FlexAttention call of a run (the head's, in training and validation, and the
+    teacher's), so with ``static`` it holds one graph per shape and grad mode: ``2n + 1`` for a run of ``n`` stages
+    (n training fills, n validation fills, the teacher). Past dynamo's recompile limit (8 by default) a call would fall
+    back to unfused FlexAttention, which materialises the whole score matrix (tens of GB at n = 6); so the limit is
+    raised to ``shapes`` when lower (never lowered).
+
+    Args:
+        mode: ``train.flex_compile``.
+        shapes: graphs the run may need.
     Raises:
         ValueError: an unknown mode.
     """
@@ -46,6 +55,9 @@ def set_flex_compile(mode: str) -> None:
     if mode not in FLEX_COMPILE_MODES:
         raise ValueError(f"train.flex_compile must be one of {', '.join(FLEX_COMPILE_MODES)}, got {mode!r}")
     _flex_dynamic, _compiled_flex = FLEX_COMPILE_MODES[mode], None
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, int(shapes))
 
 
 def structural_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -144,12 +144,12 @@ class TeacherStage(nn.Module):
         each: an eager teacher step is launch-bound on a small target (docs/training.md, "Training throughput").
         The layers share one graph (parameters are graph inputs); linear-attention layers run per document at varying
         shapes and stay eager. Numerics follow the backend (``aot_eager``: the eager kernels; ``inductor``: fused,
-        within rounding of eager).
+        within rounding of eager). The last stage also compiles :func:`target_reductions` (one fused pass over each
+        ``[chunk, V]`` LM-head output instead of a cast, a division and three reductions; dynamic in the number of
+        positions).
 
         Args:
             backend: a ``torch.compile`` backend name (``torch.compiler.list_backends(exclude_tags=())``).
-        The last stage also compiles :func:`target_reductions` (one fused pass over each ``[chunk, V]`` LM-head
-        output instead of a cast, a division and three reductions; dynamic in the number of positions).
 
         Returns:
             the number of layers compiled (``nn.Module.compile`` is lazy: the compile, and any backend error, come
@@ -244,15 +244,16 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def teacher_attention(mode: str, device: torch.device) -> str:
-    """``train.teacher_attention`` -> ``sdpa`` or ``flex`` (``auto``: ``flex`` on CUDA, where packed rows of several
-    documents skip the tiles between documents, and ``sdpa`` elsewhere, where FlexAttention runs unfused).
+def teacher_attention(mode: str, device: torch.device, packed: bool = True) -> str:
+    """``train.teacher_attention`` -> ``sdpa`` or ``flex`` (``auto``: ``flex`` on CUDA with packed rows, whose
+    documents skip the tiles between them; ``sdpa`` elsewhere: FlexAttention runs unfused off CUDA, and unpacked
+    rows change shape every micro-batch, a compile each).
 
     Raises:
         ValueError: an unknown mode.
     """
     if mode == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        return "flex" if device.type == "cuda" and packed else "sdpa"
     if mode not in TEACHER_ATTENTION:
         raise ValueError(f"train.teacher_attention must be auto, sdpa or flex, got {mode!r}")
     return mode
