@@ -82,7 +82,9 @@ def structural_flex_attention(module, query, key, value, attention_mask, scaling
     if dropout:
         raise ValueError("attention dropout is not supported by the structural FlexAttention path")
     fn = flex_attention
-    if query.device.type == "cuda":
+    # eager callers get the compiled kernel; inside a compiled region (the teacher's compiled layers) dynamo captures
+    # flex_attention itself and generates the kernel with the rest of the graph
+    if query.device.type == "cuda" and not torch.compiler.is_compiling():
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=_flex_dynamic)
         fn = _compiled_flex
