@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         attention = args.attention[0] if args.attention else "flex"
         prof = run_cell(REPO, args.stages[0], attention, args, out, compile_teacher=backend, profile=True)
         print(json.dumps(prof)[:400], flush=True)
-    print(f"\n| n | code | attention | tokens/s per GPU | x before | x eager teacher |\n|---|---|---|---|---|---|")
+    print("\n| n | code | attention | tokens/s per GPU | x before | x eager teacher |\n|---|---|---|---|---|---|")
 
     def rate_of(n: int, code: str, attention: str | None = None):
         return next((b.get("tokens_per_s") for b in cells
