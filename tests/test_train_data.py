@@ -263,6 +263,9 @@ def test_batch_planner_shards_and_collates(pack):
             assert b["valid"][r, t:t + len(ids)].tolist() == [bool(x) for x in m[1:]] + [False]
             t += len(ids)
         assert not b["valid"][r, t:].any() and not b["segments"][r, t:].any()
+        # documents 1, 2, ... left to right, each one contiguous run (what the segment-tile block masks assume)
+        expected = [d for d, i in enumerate(row, 1) for _ in data.input_ids[i]]
+        assert b["segments"][r, :t].tolist() == expected
 
 
 def test_planner_refuses_too_little_data():
