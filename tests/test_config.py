@@ -60,17 +60,17 @@ def test_compile_teacher_auto_is_inductor_on_cuda_and_eager_elsewhere(monkeypatc
     import torch
 
     from spd_ds.train import teacher
-    from spd_ds.train.teacher import teacher_compile_backend
+    from spd_ds.train.teacher import compile_backend
 
     assert load_config(None).train.compile_teacher == load_config(None).train.compile_loss == "auto"
     assert load_config(None, ["train.compile_teacher=null"]).train.compile_teacher is None
     monkeypatch.setattr(teacher, "_has_triton", lambda: True)
-    assert teacher_compile_backend("auto", torch.device("cuda", 0)) == "inductor"
-    assert teacher_compile_backend("auto", torch.device("cpu")) is None
+    assert compile_backend("auto", torch.device("cuda", 0)) == "inductor"
+    assert compile_backend("auto", torch.device("cpu")) is None
     monkeypatch.setattr(teacher, "_has_triton", lambda: False)  # inductor's GPU kernels need Triton: eager then
-    assert teacher_compile_backend("auto", torch.device("cuda", 0)) is None
-    assert teacher_compile_backend("aot_eager", torch.device("cpu")) == "aot_eager"
-    assert teacher_compile_backend(None, torch.device("cuda", 0)) is None
+    assert compile_backend("auto", torch.device("cuda", 0)) is None
+    assert compile_backend("aot_eager", torch.device("cpu")) == "aot_eager"
+    assert compile_backend(None, torch.device("cuda", 0)) is None
 
 
 def test_teacher_attention_auto_is_flex_on_cuda_and_sdpa_elsewhere():

@@ -233,7 +233,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     from spd_ds.models.adapter import resolve_dtype
     from spd_ds.dist import init_process_group, init_timeout_s
     from spd_ds.train.student import HeadTrainModule, WorldDataParallel, resolve_attention, set_flex_compile
-    from spd_ds.train.teacher import Teacher, build_teacher_module, teacher_attention, teacher_compile_backend
+    from spd_ds.train.teacher import Teacher, build_teacher_module, teacher_attention, compile_backend
 
     tc, dc = cfg.train, cfg.data
     resume = tc.resume if resume is None else resume
@@ -287,11 +287,11 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
          f"draft vocab {head.draft_vocab_size}, world {world}, teacher pipe degree {degree}, device {device}", rank)
 
     # 3. the teacher: a PipelineModule run by DeepSpeed's PipelineEngine (frozen, no optimizer)
-    backend = teacher_compile_backend(tc.compile_teacher, device)
+    backend = compile_backend(tc.compile_teacher, device)
     tattn = teacher_attention(tc.teacher_attention, device, packed=dc.pack)
     tmod = build_teacher_module(arch, part, tdtype, degree, head.draft_ids.tolist(), tc.kd_temperature,
                                 dynamic_shape=not dc.pack, compile_backend=backend, attention=tattn)
-    loss_backend = teacher_compile_backend(tc.compile_loss, device)
+    loss_backend = compile_backend(tc.compile_loss, device)
     if backend or loss_backend:
         _say(f"compiled: {tmod.compiled_layers} teacher decoder layers on this rank ({backend}), loss ({loss_backend})",
              rank)

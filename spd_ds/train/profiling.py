@@ -20,7 +20,14 @@ import torch
 
 def start_profiler(steps: int, device: torch.device):
     """A started ``torch.profiler.profile`` that records ``steps`` steps after 5 warm-up steps (CPU + CUDA); on CUDA,
-    host syncs warn from now until the recorded steps end."""
+    host syncs warn from now until the recorded steps end.
+
+    Args:
+        steps: training steps to record (each ends with the profiler's ``step()``).
+        device: the training device (CUDA adds device activity and the sync-debug mode).
+    Returns:
+        the started ``torch.profiler.profile``; pass it to :func:`write_profile` when the run ends.
+    """
     from torch.profiler import ProfilerActivity, profile, schedule
 
     cuda = device.type == "cuda"

@@ -218,8 +218,9 @@ def _per_document(layer: nn.Module, h: torch.Tensor, gather: torch.Tensor, valid
     return res.view(B, S, H)
 
 
-def teacher_compile_backend(mode: str | None, device: torch.device) -> str | None:
-    """The ``torch.compile`` backend for the teacher's decoder layers from ``train.compile_teacher``.
+def compile_backend(mode: str | None, device: torch.device) -> str | None:
+    """The ``torch.compile`` backend from ``train.compile_teacher`` (the teacher's decoder layers and target
+    reductions) or ``train.compile_loss`` (:func:`~spd_ds.train.loss.kl_chunk`): one rule for both settings.
 
     ``"auto"`` (the default) is ``"inductor"`` on CUDA when Triton is installed (inductor's GPU kernels need it) — an
     eager teacher step on a small target is launch-bound: SmolLM2-135M, n = 2, one H200, 154k -> 203k training
@@ -228,10 +229,10 @@ def teacher_compile_backend(mode: str | None, device: torch.device) -> str | Non
     names are checked by ``config.validate``).
 
     Args:
-        mode: ``train.compile_teacher``: ``"auto"``, a backend name or ``None``.
+        mode: ``"auto"``, a backend name or ``None``.
         device: the training device.
     Returns:
-        the backend name, or ``None`` for an eager teacher.
+        the backend name, or ``None`` for eager.
     """
     if mode == "auto":
         return "inductor" if device.type == "cuda" and _has_triton() else None
@@ -249,6 +250,12 @@ def teacher_attention(mode: str, device: torch.device, packed: bool = True) -> s
     documents skip the tiles between them; ``sdpa`` elsewhere: FlexAttention runs unfused off CUDA, and unpacked
     rows change shape every micro-batch, a compile each).
 
+    Args:
+        mode: ``"auto"``, ``"sdpa"`` or ``"flex"``.
+        device: the training device.
+        packed: whether the rows are packed to a fixed length (``data.pack``).
+    Returns:
+        ``"sdpa"`` or ``"flex"`` (:data:`TEACHER_ATTENTION`).
     Raises:
         ValueError: an unknown mode.
     """
