@@ -7,11 +7,12 @@ intervals after the first ``--skip`` (which hold start-up and compilation). ``--
 earlier commit (e.g. ``git archive <commit> spd_ds launch ds_configs draft_vocab | tar -x -C .old``) for the
 "before" column; the current checkout is "new". The new code's eager-teacher cells (``--attention``) run the teacher,
 its attention (SDPA) and the loss eagerly; its compiled-teacher cells (``--compile-teacher``) run its defaults
-otherwise (``train.compile_loss`` and ``train.teacher_attention`` ``auto``: compiled loss, FlexAttention teacher on
-CUDA); "before" cells run the old checkout's defaults.
+otherwise (``train.compile_loss`` ``auto``: the loss compiled on CUDA; ``train.teacher_attention`` ``auto`` = SDPA),
+one per ``--teacher-attention`` mode if given; "before" cells run the old checkout's defaults.
 
     python scripts/bench_train.py --data runs/train_data/bench.jsonl.gz --stages 2 4 --old-root .old --out $OUT/bench
     python scripts/bench_train.py --data ... --stages 2 4 --attention flex --compile-teacher inductor  # teacher A/B
+    python scripts/bench_train.py --data ... --stages 2 --attention --compile-teacher inductor --teacher-attention sdpa flex
 
 Prints a markdown table (and writes ``bench_train.json`` under ``--out``).
 """
@@ -31,13 +32,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile_teacher: str | None = None,
-             profile: bool = False) -> dict:
+             profile: bool = False, teacher_attention: str | None = None) -> dict:
     """One short training run; returns its figures (or the error). ``profile``: a separate run with
     ``train.profile_steps`` (its operator table in ``<run dir>/profile.txt``), kept out of the table."""
     run_dir = out / (f"{'after' if root == REPO else 'before'}_n{n}_{attention or 'default'}"
-                     + (f"_teacher_{compile_teacher}" if compile_teacher else "") + ("_profile" if profile else ""))
+                     + (f"_teacher_{compile_teacher}" if compile_teacher else "")
+                     + (f"_{teacher_attention}" if teacher_attention else "") + ("_profile" if profile else ""))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-           str(29500 + (hash((str(root), n, attention, compile_teacher)) % 500)),
+           str(29500 + (hash((str(root), n, attention, compile_teacher, teacher_attention)) % 500)),
            str(root / "launch" / "train.py"), "--config", str(root / "launch/configs/train_smollm2_n2.yaml"),
            "--deepspeed_config", str(root / "ds_configs/zero2.json"),
            f"model.name={args.model}", f"partition.num_stages={n}", f"data.train_files=[{args.data}]",
@@ -47,6 +49,8 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile
            f"train.output_dir={run_dir}"]
     if compile_teacher:
         cmd.append(f"train.compile_teacher={compile_teacher}")
+        if teacher_attention:
+            cmd.append(f"train.teacher_attention={teacher_attention}")
     elif root == REPO:  # the new code's defaults (auto) compile the teacher and the loss and run the teacher's
         # attention as FlexAttention on CUDA: the eager-teacher cells say eager, SDPA
         cmd += ["train.compile_teacher=null", "train.compile_loss=null", "train.teacher_attention=sdpa"]
@@ -61,7 +65,8 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile
         rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2500:]
     except subprocess.TimeoutExpired as e:
         rc, tail = 124, str(e.stdout or "")[-1500:] + str(e.stderr or "")[-1500:]
-    label = (attention or "its defaults") + (f", teacher compiled ({compile_teacher})" if compile_teacher else "")
+    label = ((attention or "its defaults") + (f", teacher compiled ({compile_teacher})" if compile_teacher else "")
+             + (f", teacher attention {teacher_attention}" if teacher_attention else ""))
     cell = {"code": "after" if root == REPO else "before", "n": n, "attention": label, "rc": rc,
             "wall_s": round(time.perf_counter() - t0, 1)}
     log = run_dir / "train_log.jsonl"
@@ -88,6 +93,9 @@ def main(argv=None) -> int:
                     help="attention modes of the new code's eager-teacher cells (none: compiled-teacher cells only)")
     ap.add_argument("--compile-teacher", nargs="*", default=[], metavar="BACKEND",
                     help="also a flex cell of the new code per backend with train.compile_teacher=BACKEND (inductor)")
+    ap.add_argument("--teacher-attention", nargs="*", default=[None], metavar="MODE",
+                    help="train.teacher_attention of the compiled-teacher cells, one cell per mode (sdpa, flex; "
+                         "default: the code's own default)")
     ap.add_argument("--old-root", default=None, help="checkout of the earlier commit (the 'before' column)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--log-every", type=int, default=10)
@@ -114,9 +122,10 @@ def main(argv=None) -> int:
             print(json.dumps(cells[-1])[:400], flush=True)
             (out / "bench_train.json").write_text(json.dumps(cells, indent=2))
         for backend in args.compile_teacher:
-            cells.append(run_cell(REPO, n, "flex", args, out, compile_teacher=backend))
-            print(json.dumps(cells[-1])[:400], flush=True)
-            (out / "bench_train.json").write_text(json.dumps(cells, indent=2))
+            for tattn in args.teacher_attention or [None]:
+                cells.append(run_cell(REPO, n, "flex", args, out, compile_teacher=backend, teacher_attention=tattn))
+                print(json.dumps(cells[-1])[:400], flush=True)
+                (out / "bench_train.json").write_text(json.dumps(cells, indent=2))
     if args.profile_steps:  # its own run: profiling slows the steps it covers, so its rate is not a table cell
         backend = args.compile_teacher[0] if args.compile_teacher else None
         attention = args.attention[0] if args.attention else "flex"

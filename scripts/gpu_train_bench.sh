@@ -6,7 +6,9 @@
 # .old/ (git archive <before-commit> spd_ds launch ds_configs draft_vocab | tar -x -C .old) carried.
 # Knobs: STAGES="2 4", ATTENTION="flex" (eager-teacher cells; empty: none), COMPILE_TEACHER=inductor (also a
 #   compiled-teacher cell per n; empty: none),
-#   STEPS=30, CELL_TIMEOUT=240 (a cold machine's first cell spends > 180 s compiling), OLD_ROOT=.old (empty: no
+#   TEACHER_ATTENTION="" (modes of train.teacher_attention for the compiled-teacher cells, e.g. "sdpa flex"; empty:
+#   the code's default), STEPS=60 and SKIP=2 (logged 10-step intervals left out of the median: a cold cell can
+#   still compile in its second one), CELL_TIMEOUT=240 (a cold machine's first cell spends > 180 s compiling), OLD_ROOT=.old (empty: no
 #   'before' cells), TESTS=1. The profile (5 steps, its own run at the first n) goes to $OUT/profile.txt,
 #   profile_cpu.txt and trace.json.gz.
 set -uo pipefail
@@ -21,8 +23,8 @@ fi
 OLD_ROOT=${OLD_ROOT-.old}
 CT=${COMPILE_TEACHER-inductor}
 timeout "${BENCH_TIMEOUT:-520}" $PY scripts/bench_train.py --data runs/train_bench/bench1500.jsonl.gz \
-  --stages ${STAGES:-2 4} --attention ${ATTENTION-flex} ${OLD_ROOT:+--old-root $OLD_ROOT} --steps "${STEPS:-30}" \
-  ${CT:+--compile-teacher $CT} \
+  --stages ${STAGES:-2 4} --attention ${ATTENTION-flex} ${OLD_ROOT:+--old-root $OLD_ROOT} --steps "${STEPS:-60}" \
+  ${CT:+--compile-teacher $CT} ${TEACHER_ATTENTION:+--teacher-attention $TEACHER_ATTENTION} --skip "${SKIP:-2}" \
   --log-every 10 --profile-steps 5 --timeout "${CELL_TIMEOUT:-240}" --out /tmp/bench | tee -a "$OUT/bench.txt"
 cp /tmp/bench/*_profile/{profile.txt,profile_cpu.txt,trace.json.gz} /tmp/bench/*_profile.full.log "$OUT/" 2>/dev/null
 cat /tmp/bench/*.log 2>/dev/null | grep -iE "error|Traceback" | tail -20 >> "$OUT/bench.txt"

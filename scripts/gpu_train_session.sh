@@ -12,7 +12,8 @@
 # head.checkpoint=<its best_head> in its variant (a warm start: new optimizer and LR schedule, the steps behind the
 # head recorded as init_steps in train_summary.json).
 #
-# Knobs (env): VARIANTS ("name:override,override ..."; one training process per variant, all on GPU 0 at once),
+# Knobs (env): VARIANTS ("name:override,override ..."; one training process per variant, all on GPU 0 at once;
+#   a comma inside brackets stays in its override: "p3:partition.num_stages=3,partition.anchors=[0,10]"),
 #   TRAIN_SECONDS, SESSION_SECONDS, SPD_TRAIN_DATA (conversations carried with the tree), REGEN_DATA (the prompts to
 #   self-distil, default SPD_TRAIN_DATA), REGEN_SECONDS (0 = none;
 #   self-distilled answers made once into $SD_DIR and trained on first), SD_DIR (default $WORK/selfdistill; a
@@ -84,11 +85,13 @@ for v in $VARIANTS; do
   say "train $name ($over) $resume"
   if [[ "$DETACH" = 1 ]]; then session="train.session_time_s=null"; save="train.save_every=${SAVE_EVERY:-500}"
   else session="train.session_time_s=$SESSION_SECONDS"; save="train.save_every=1000000"; fi
+  # the variant's overrides: split at commas outside brackets (partition.anchors=[0,10] stays one override)
+  mapfile -t words < <($PY -c "import re, sys; print('\n'.join(re.split(r',(?![^\[]*\])', sys.argv[1])))" "$over")
   set -f  # overrides like a=[x] are words, not globs
   cmd=($PY -m deepspeed.launcher.runner --num_gpus 1 --master_port $port launch/train.py
     --config launch/configs/train_smollm2_n2.yaml --deepspeed_config ds_configs/zero2.json $resume
     "model.name=$MODEL" "data.train_files=[$FILES]" data.max_conversations=null
-    "train.compile_cache=$CACHE_DIR/train_$name.bin" ${over//,/ } ${EXTRA:-}
+    "train.compile_cache=$CACHE_DIR/train_$name.bin" "${words[@]}" ${EXTRA:-}
     "train.max_time_s=$TRAIN_SECONDS" "$session" train.epochs=100
     "train.output_dir=$run" "$save" train.progress=false train.log_every=25)
   set +f

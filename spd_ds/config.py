@@ -158,8 +158,8 @@ class TrainConfig:
     save_dtype: str = "float32"  # dtype of the final head's weights (bfloat16 halves the file)
     progress: bool = True  # tqdm progress bar on the logging rank
     attention: str = "auto"  # head attention in training: auto (flex on CUDA, dense elsewhere) | flex | dense
-    teacher_attention: str = "auto"  # the frozen target's attention over packed rows: auto (flex on CUDA: tiles
-    # between documents skipped; sdpa elsewhere) | flex | sdpa (the packed-causal boolean mask)
+    teacher_attention: str = "auto"  # the frozen target's attention over packed rows: auto (= sdpa, the faster on an
+    # H200) | sdpa (the packed-causal boolean mask) | flex (FlexAttention: tiles between documents skipped)
     flex_compile: str = "static"  # CUDA FlexAttention: static (a compile per fill) | dynamic (automatic dynamic shapes)
     loss_chunk: int = 4096  # loss positions per chunk of the KL over the draft vocabulary (bounds fp32 temporaries)
     prefetch: int = 4  # micro-batches collated ahead in a DataLoader worker process (0 = in the training process)

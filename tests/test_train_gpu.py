@@ -88,8 +88,9 @@ def _flex_equals_dense(tmp_path, num_stages, seq_len):
 
 
 def test_flex_teacher_equals_sdpa_teacher_on_cuda(tmp_path):
-    """train.teacher_attention=flex with the layers compiled (the CUDA defaults) gives the SDPA teacher's features and
-    targets over packed rows (fp32, within the fused kernels' rounding) at the training row length."""
+    """train.teacher_attention=flex with the layers compiled (as train.compile_teacher does on CUDA) gives the SDPA
+    teacher's features and targets over packed rows (fp32, within the fused kernels' rounding) at the training row
+    length."""
     from spd_ds.train.teacher import TeacherStage
 
     torch.manual_seed(0)

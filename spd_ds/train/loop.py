@@ -288,7 +288,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
     # 3. the teacher: a PipelineModule run by DeepSpeed's PipelineEngine (frozen, no optimizer)
     backend = compile_backend(tc.compile_teacher, device)
-    tattn = teacher_attention(tc.teacher_attention, device, packed=dc.pack)
+    tattn = teacher_attention(tc.teacher_attention, device)
     tmod = build_teacher_module(arch, part, tdtype, degree, head.draft_ids.tolist(), tc.kd_temperature,
                                 dynamic_shape=not dc.pack, compile_backend=backend, attention=tattn)
     loss_backend = compile_backend(tc.compile_loss, device)
