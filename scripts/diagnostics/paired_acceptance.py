@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""Two heads on the same prompts: is the difference in draft acceptance larger than the prompt-to-prompt spread?
+
+Reads suite (c)'s ``per_prompt.jsonl`` files (``launch/benchmark.py --suite c --out DIR`` writes
+``DIR/c<n>/per_prompt.jsonl``; a run with ``--spd-head`` and ``--ppsd-head`` holds both methods in one file) and
+prints, for methods A and B: pooled draft acceptance (accepted / verified drafts) and equivalent accept length
+(L' = n·ΣN/ΣK, as suite (c)'s table) overall and per prompt set, then the per-prompt paired difference of draft
+acceptance A - B: its mean, standard deviation, standard error, the prompts where A leads, and the spread of A's own
+per-prompt acceptance. "Ahead by more than the prompt-to-prompt spread" is read as: mean difference > 2 standard errors.
+
+    python scripts/diagnostics/paired_acceptance.py runs/ev10_n3/c3/per_prompt.jsonl            # spd vs ppsd
+    python scripts/diagnostics/paired_acceptance.py A/c2/per_prompt.jsonl B/c2/per_prompt.jsonl  # file vs file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+
+def load(path: str) -> dict[str, dict[tuple[str, str], dict]]:
+    """``{method: {(prompt_set, question_id): record}}`` of one ``per_prompt.jsonl``."""
+    out: dict[str, dict] = defaultdict(dict)
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            out[r["method"]][(r["prompt_set"], str(r["question_id"]))] = r
+    return out
+
+
+def pooled(recs) -> tuple[float, float]:
+    """(draft acceptance, L') pooled over records: Σaccepted / Σdrafts and n·ΣN / ΣK (as suite (c)'s table)."""
+    recs = list(recs)
+    drafts = sum(r["num_drafts"] for r in recs)
+    acc = sum(r["num_accepted_tokens"] for r in recs)
+    n = recs[0]["num_stages"]
+    return acc / max(1, drafts), n * sum(r["num_new_tokens"] for r in recs) / max(1, sum(r["num_cycles"] for r in recs))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", help="one per_prompt.jsonl with two methods, or two files (A then B)")
+    ap.add_argument("--methods", nargs=2, default=None, metavar=("A", "B"),
+                    help="the two methods of one file (default: spd ppsd)")
+    args = ap.parse_args(argv)
+    if len(args.files) == 1:
+        m = load(args.files[0])
+        ma, mb = args.methods or ("spd", "ppsd")
+        a, b, la, lb = m[ma], m[mb], ma, mb
+    elif len(args.files) == 2:
+        a, b = (next(iter(load(p).values())) for p in args.files)
+        la, lb = args.files
+    else:
+        ap.error("give one file with two methods or two files")
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        ap.error("the two methods share no prompt")
+    sets = sorted({k[0] for k in keys})
+    print("| method | draft acc. | L' | " + " | ".join(sets) + " |")
+    print("|---|---|---|" + "---|" * len(sets))
+    for label, m in ((la, a), (lb, b)):
+        cells = [pooled(m[k] for k in keys if k[0] == s) for s in sets]
+        alpha, lp = pooled(m[k] for k in keys)
+        print(f"| {label} | {alpha:.3f} | {lp:.3f} | " + " | ".join(f"{x:.3f} / {y:.3f}" for x, y in cells) + " |")
+    diff = [a[k]["draft_acceptance_rate"] - b[k]["draft_acceptance_rate"] for k in keys]
+    mean, sd = statistics.mean(diff), statistics.stdev(diff)
+    se = sd / len(diff) ** 0.5
+    spread = statistics.stdev(a[k]["draft_acceptance_rate"] for k in keys)
+    lead = sum(d > 0 for d in diff)
+    print(f"\nper-prompt paired difference A - B ({len(keys)} prompts): mean {mean:+.4f}, sd {sd:.4f}, "
+          f"standard error {se:.4f} ({mean / se if se else float('inf'):+.1f} s.e.); A leads on {lead}, "
+          f"B on {sum(d < 0 for d in diff)}; A's per-prompt acceptance spread (sd) {spread:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
