@@ -1,0 +1,49 @@
+"""scripts/diagnostics/paired_acceptance.py: pooled acceptance per method and the paired per-prompt difference."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "diagnostics" / "paired_acceptance.py"
+
+
+@pytest.fixture(scope="module")
+def paired():
+    spec = importlib.util.spec_from_file_location("paired_acceptance", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rec(method, pset, qid, drafts, accepted, new_tokens, cycles, n=3):
+    return {"method": method, "prompt_set": pset, "question_id": qid, "num_stages": n, "num_drafts": drafts,
+            "num_accepted_tokens": accepted, "num_new_tokens": new_tokens, "num_cycles": cycles,
+            "draft_acceptance_rate": accepted / drafts}
+
+
+def test_pooled_and_paired_figures(paired, tmp_path, capsys):
+    recs = [_rec("spd", "a", "1", 10, 5, 12, 24), _rec("ppsd", "a", "1", 10, 4, 12, 26),
+            _rec("spd", "b", "2", 20, 8, 30, 60), _rec("ppsd", "b", "2", 20, 8, 30, 60),
+            _rec("spd", "b", "3", 10, 6, 10, 18), _rec("ppsd", "b", "3", 10, 3, 10, 24)]
+    f = tmp_path / "per_prompt.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    alpha, lprime = paired.pooled(r for r in recs if r["method"] == "spd")
+    assert alpha == pytest.approx(19 / 40)
+    assert lprime == pytest.approx(3 * 52 / 102)  # n * sum N / sum K
+    assert paired.main([str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "| spd | 0.475 | 1.529 | 0.500 / 1.500 | 0.467 / 1.538 |" in out
+    # differences 0.1, 0.0, 0.3: mean 0.1333, A leads on 2, B on 0
+    assert "3 prompts): mean +0.1333" in out and "A leads on 2, B on 0" in out
+
+
+def test_two_files_compare_their_first_methods(paired, tmp_path, capsys):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(_rec("spd", "s", q, 10, k, 10, 20)) + "\n" for q, k in (("1", 6), ("2", 2))))
+    b.write_text("".join(json.dumps(_rec("spd", "s", q, 10, k, 10, 20, n=2)) + "\n" for q, k in (("1", 5), ("2", 2))))
+    assert paired.main([str(a), str(b)]) == 0
+    assert "2 prompts): mean +0.0500" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        paired.main([str(a), str(b), str(a)])
