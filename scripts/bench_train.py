@@ -51,8 +51,8 @@ def run_cell(root: Path, n: int, attention: str | None, args, out: Path, compile
         cmd.append(f"train.compile_teacher={compile_teacher}")
         if teacher_attention:
             cmd.append(f"train.teacher_attention={teacher_attention}")
-    elif root == REPO:  # the new code's defaults (auto) compile the teacher and the loss and run the teacher's
-        # attention as FlexAttention on CUDA: the eager-teacher cells say eager, SDPA
+    elif root == REPO:  # the new code's defaults (auto) compile the teacher and the loss on CUDA: the eager-teacher
+        # cells say eager (and SDPA, auto's choice today, explicitly)
         cmd += ["train.compile_teacher=null", "train.compile_loss=null", "train.teacher_attention=sdpa"]
     if attention is not None:
         cmd.append(f"train.attention={attention}")
@@ -93,9 +93,9 @@ def main(argv=None) -> int:
                     help="attention modes of the new code's eager-teacher cells (none: compiled-teacher cells only)")
     ap.add_argument("--compile-teacher", nargs="*", default=[], metavar="BACKEND",
                     help="also a flex cell of the new code per backend with train.compile_teacher=BACKEND (inductor)")
-    ap.add_argument("--teacher-attention", nargs="*", default=[None], metavar="MODE",
+    ap.add_argument("--teacher-attention", nargs="*", default=[None], metavar="MODE", choices=["sdpa", "flex"],
                     help="train.teacher_attention of the compiled-teacher cells, one cell per mode (sdpa, flex; "
-                         "default: the code's own default)")
+                         "default: the code's own default; needs --compile-teacher); the profile run takes the first")
     ap.add_argument("--old-root", default=None, help="checkout of the earlier commit (the 'before' column)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--log-every", type=int, default=10)
@@ -109,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
     ap.add_argument("--out", default="runs/bench_train")
     args = ap.parse_args(argv)
+    if args.teacher_attention != [None] and not args.compile_teacher:
+        ap.error("--teacher-attention applies to the compiled-teacher cells: give --compile-teacher too")
     args.data = str(Path(args.data).resolve()) if Path(args.data).exists() else args.data
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -129,7 +131,9 @@ def main(argv=None) -> int:
     if args.profile_steps:  # its own run: profiling slows the steps it covers, so its rate is not a table cell
         backend = args.compile_teacher[0] if args.compile_teacher else None
         attention = args.attention[0] if args.attention else "flex"
-        prof = run_cell(REPO, args.stages[0], attention, args, out, compile_teacher=backend, profile=True)
+        tattn = args.teacher_attention[0] if backend and args.teacher_attention else None
+        prof = run_cell(REPO, args.stages[0], attention, args, out, compile_teacher=backend, profile=True,
+                        teacher_attention=tattn)
         print(json.dumps(prof)[:400], flush=True)
     print("\n| n | code | attention | tokens/s per GPU | x before | x eager teacher |\n|---|---|---|---|---|---|")
 

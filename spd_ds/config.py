@@ -309,6 +309,9 @@ def validate(cfg: ExperimentConfig) -> None:
                                   f"debug) or null for eager, got {mode!r}")
     if cfg.train.teacher_attention not in ("auto", "sdpa", "flex"):
         raise ConfigError(f"train.teacher_attention must be auto, sdpa or flex, got {cfg.train.teacher_attention!r}")
+    if cfg.train.teacher_attention == "flex" and not cfg.data.pack:
+        raise ConfigError("train.teacher_attention=flex needs data.pack=true (unpacked rows change length every "
+                          "micro-batch: a FlexAttention compile each); set train.teacher_attention=sdpa")
     if cfg.train.flex_compile not in ("static", "dynamic"):
         raise ConfigError(f"train.flex_compile must be static or dynamic, got {cfg.train.flex_compile!r}")
     if not 0.0 <= cfg.train.lr_stable_fraction < 1.0:

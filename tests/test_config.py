@@ -52,6 +52,8 @@ def test_bad_values():
     assert load_config(None, ["train.compile_loss=aot_eager"]).train.compile_loss == "aot_eager"
     with pytest.raises(ConfigError, match="train.teacher_attention must be auto, sdpa or flex"):
         load_config(None, ["train.teacher_attention=eager"])
+    with pytest.raises(ConfigError, match="train.teacher_attention=flex needs data.pack=true"):
+        load_config(None, ["train.teacher_attention=flex", "data.pack=false"])
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent.yaml")
 

@@ -47,3 +47,17 @@ def test_two_files_compare_their_first_methods(paired, tmp_path, capsys):
     assert "2 prompts): mean +0.0500" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         paired.main([str(a), str(b), str(a)])
+    with pytest.raises(SystemExit):  # b holds no ppsd method
+        paired.main([str(a), str(b), "--methods", "spd", "ppsd"])
+    assert "holds no method 'ppsd' (it holds spd)" in capsys.readouterr().err
+
+
+def test_methods_pick_one_method_of_each_file(paired, tmp_path, capsys):
+    f = tmp_path / "pp.jsonl"
+    f.write_text("".join(json.dumps(_rec(m, "s", q, 10, k, 10, 20)) + "\n"
+                         for m, q, k in (("spd", "1", 6), ("ppsd", "1", 2), ("spd", "2", 4), ("ppsd", "2", 4),
+                                         ("spd", "3", 5), ("ppsd", "3", 0))))
+    g = tmp_path / "other.jsonl"
+    g.write_text("".join(json.dumps(_rec("spd", "s", q, 10, 3, 10, 20)) + "\n" for q in ("1", "2", "3")))
+    assert paired.main([str(f), str(g), "--methods", "ppsd", "spd"]) == 0  # ppsd of f against spd of g
+    assert "3 prompts): mean -0.1000" in capsys.readouterr().out

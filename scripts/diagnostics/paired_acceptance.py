@@ -7,9 +7,12 @@ prints, for methods A and B: pooled draft acceptance (accepted / verified drafts
 (L' = n·ΣN/ΣK, as suite (c)'s table) overall and per prompt set, then the per-prompt paired difference of draft
 acceptance A - B: its mean, standard deviation, standard error, the prompts where A leads, and the spread of A's own
 per-prompt acceptance. "Ahead by more than the prompt-to-prompt spread" is read as: mean difference > 2 standard errors.
+Prompts where either method verified no draft are left out of the paired difference.
 
     python scripts/diagnostics/paired_acceptance.py runs/ev10_n3/c3/per_prompt.jsonl            # spd vs ppsd
-    python scripts/diagnostics/paired_acceptance.py A/c2/per_prompt.jsonl B/c2/per_prompt.jsonl  # file vs file
+    python scripts/diagnostics/paired_acceptance.py A/c2/per_prompt.jsonl B/c6/per_prompt.jsonl  # spd of each file
+    python scripts/diagnostics/paired_acceptance.py A/c3/per_prompt.jsonl B/c3/per_prompt.jsonl \\
+        --methods spd ppsd
 """
 
 from __future__ import annotations
@@ -43,31 +46,38 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", help="one per_prompt.jsonl with two methods, or two files (A then B)")
     ap.add_argument("--methods", nargs=2, default=None, metavar=("A", "B"),
-                    help="the two methods of one file (default: spd ppsd)")
+                    help="method A and method B (one file: default spd ppsd; two files: A of the first, B of the "
+                         "second, default spd spd)")
     args = ap.parse_args(argv)
-    if len(args.files) == 1:
-        m = load(args.files[0])
-        ma, mb = args.methods or ("spd", "ppsd")
-        a, b, la, lb = m[ma], m[mb], ma, mb
-    elif len(args.files) == 2:
-        a, b = (next(iter(load(p).values())) for p in args.files)
-        la, lb = args.files
-    else:
+    if len(args.files) not in (1, 2):
         ap.error("give one file with two methods or two files")
+    ma, mb = args.methods or (("spd", "ppsd") if len(args.files) == 1 else ("spd", "spd"))
+    fa, fb = args.files[0], args.files[-1]
+    sides = []
+    for path, method in ((fa, ma), (fb, mb)):
+        held = load(path)
+        if method not in held:
+            ap.error(f"{path} holds no method {method!r} (it holds {', '.join(sorted(held))}): pick one with --methods")
+        sides.append(held[method])
+    a, b = sides
+    la, lb = (ma, mb) if fa == fb else (f"{fa} ({ma})", f"{fb} ({mb})")
     keys = sorted(set(a) & set(b))
     if not keys:
         ap.error("the two methods share no prompt")
+    paired = [k for k in keys if a[k]["num_drafts"] and b[k]["num_drafts"]]
+    if len(paired) < 2:
+        ap.error(f"{len(paired)} prompt(s) with drafts under both methods: the paired difference needs two or more")
     sets = sorted({k[0] for k in keys})
-    print("| method | draft acc. | L' | " + " | ".join(sets) + " |")
+    print("| method | draft acc. | L' | " + " | ".join(f"{x}: acc. / L'" for x in sets) + " |")
     print("|---|---|---|" + "---|" * len(sets))
     for label, m in ((la, a), (lb, b)):
         cells = [pooled(m[k] for k in keys if k[0] == s) for s in sets]
         alpha, lp = pooled(m[k] for k in keys)
         print(f"| {label} | {alpha:.3f} | {lp:.3f} | " + " | ".join(f"{x:.3f} / {y:.3f}" for x, y in cells) + " |")
-    diff = [a[k]["draft_acceptance_rate"] - b[k]["draft_acceptance_rate"] for k in keys]
+    diff = [a[k]["draft_acceptance_rate"] - b[k]["draft_acceptance_rate"] for k in paired]
     mean, sd = statistics.mean(diff), statistics.stdev(diff)
     se = sd / len(diff) ** 0.5
-    spread = statistics.stdev(a[k]["draft_acceptance_rate"] for k in keys)
+    spread = statistics.stdev(a[k]["draft_acceptance_rate"] for k in paired)
     lead = sum(d > 0 for d in diff)
     print(f"\nper-prompt paired difference A - B ({len(keys)} prompts): mean {mean:+.4f}, sd {sd:.4f}, "
           f"standard error {se:.4f} ({mean / se if se else float('inf'):+.1f} s.e.); A leads on {lead}, "
