@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     se = sd / len(diff) ** 0.5
     spread = statistics.stdev(a[k]["draft_acceptance_rate"] for k in paired)
     lead = sum(d > 0 for d in diff)
-    print(f"\nper-prompt paired difference A - B ({len(keys)} prompts): mean {mean:+.4f}, sd {sd:.4f}, "
+    print(f"\nper-prompt paired difference A - B ({len(diff)} prompts): mean {mean:+.4f}, sd {sd:.4f}, "
           f"standard error {se:.4f} ({mean / se if se else float('inf'):+.1f} s.e.); A leads on {lead}, "
           f"B on {sum(d < 0 for d in diff)}; A's per-prompt acceptance spread (sd) {spread:.4f}")
     return 0
