@@ -113,7 +113,11 @@ def test_training_logits_equal_inference_draft_logits(arch8, stage_layers, ancho
     valid2 = torch.zeros_like(ids2, dtype=torch.bool)
     valid2[0, len(other):] = True
     feats2, ld2, *_ = teacher_forward(stages, ids2, seg2, valid2)
-    torch.testing.assert_close(ld2, ld, atol=1e-5, rtol=1e-5)
+    # the packed row runs its kernels on other shapes (a longer masked row for softmax attention, two gathered
+    # documents for linear attention): the same maths summed in another order; with transformers 5.24 the hybrid
+    # model's logits differed by up to 1.5e-5 (3 of 990)
+    ptol = 5e-5 if arch8.hybrid else 1e-5
+    torch.testing.assert_close(ld2, ld, atol=ptol, rtol=ptol)
     with torch.no_grad():
         for F in range(1, n + 1):
             torch.testing.assert_close(student(feats2, seg2, valid2, F), by_fill[F], atol=2e-5, rtol=2e-5)
