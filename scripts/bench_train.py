@@ -12,7 +12,8 @@ one per ``--teacher-attention`` mode if given; "before" cells run the old checko
 
     python scripts/bench_train.py --data runs/train_data/bench.jsonl.gz --stages 2 4 --old-root .old --out $OUT/bench
     python scripts/bench_train.py --data ... --stages 2 4 --attention flex --compile-teacher inductor  # teacher A/B
-    python scripts/bench_train.py --data ... --stages 2 --attention --compile-teacher inductor --teacher-attention sdpa flex
+    python scripts/bench_train.py --data D --stages 2 --attention --compile-teacher inductor \\
+        --teacher-attention sdpa flex  # the teacher's attention, A/B
 
 Prints a markdown table (and writes ``bench_train.json`` under ``--out``).
 """

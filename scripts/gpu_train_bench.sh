@@ -10,8 +10,8 @@
 #   the code's default), STEPS=60 and SKIP=2 (logged 10-step intervals left out of the median: a cold cell can
 #   still compile in its second one), CELL_TIMEOUT=240 (a cold machine's first cell spends > 180 s compiling),
 #   OLD_ROOT=.old (empty: no 'before' cells), TESTS=1, BENCH_TIMEOUT=520 (all cells and the profile; a cold cell
-#   takes 80-120 s: with TEACHER_ATTENTION="sdpa flex", run one n per call). The profile (5 steps, its own run at the first n) goes to $OUT/profile.txt,
-#   profile_cpu.txt and trace.json.gz.
+#   takes 80-120 s: with TEACHER_ATTENTION="sdpa flex", run one n per call). The profile (5 steps, its own run at
+#   the first n) goes to $OUT/profile.txt, profile_cpu.txt and trace.json.gz.
 set -uo pipefail
 PY=${PYTHON:-python3}
 { nvidia-smi --query-gpu=name,memory.total --format=csv

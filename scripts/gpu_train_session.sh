@@ -87,7 +87,8 @@ for v in $VARIANTS; do
   else session="train.session_time_s=$SESSION_SECONDS"; save="train.save_every=1000000"; fi
   # the variant's overrides: split at commas outside brackets (partition.anchors=[0,10] stays one override; nested
   # lists are not supported), empty pieces dropped
-  mapfile -t words < <($PY -c "import re, sys; [print(p) for p in re.split(r',(?![^\[]*\])', sys.argv[1]) if p]" "$over")
+  split="import re, sys; [print(p) for p in re.split(r',(?![^\[]*\])', sys.argv[1]) if p]"
+  mapfile -t words < <($PY -c "$split" "$over")
   set -f  # overrides like a=[x] are words, not globs
   cmd=($PY -m deepspeed.launcher.runner --num_gpus 1 --master_port $port launch/train.py
     --config launch/configs/train_smollm2_n2.yaml --deepspeed_config ds_configs/zero2.json $resume

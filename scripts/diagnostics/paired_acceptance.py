@@ -43,6 +43,9 @@ def pooled(recs) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
+    """Print the per-method table and the paired difference; returns 0. Exits with argparse's usage error (status 2)
+    for a wrong number of files, a method a file does not hold, no shared prompt, or fewer than two prompts with
+    drafts under both methods."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", help="one per_prompt.jsonl with two methods, or two files (A then B)")
     ap.add_argument("--methods", nargs=2, default=None, metavar=("A", "B"),
