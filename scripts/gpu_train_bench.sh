@@ -10,8 +10,8 @@
 #   the code's default), STEPS=60 and SKIP=2 (logged 10-step intervals left out of the median: a cold cell can
 #   still compile in its second one), CELL_TIMEOUT=240 (a cold machine's first cell spends > 180 s compiling),
 #   OLD_ROOT=.old (empty: no 'before' cells), TESTS=1, BENCH_TIMEOUT=520 (all cells and the profile; a cold cell
-#   takes 80-120 s: with TEACHER_ATTENTION="sdpa flex", run one n per call). The profile (5 steps, its own run at
-#   the first n) goes to $OUT/profile.txt, profile_cpu.txt and trace.json.gz.
+#   takes 80-120 s: with TEACHER_ATTENTION="sdpa flex", run one n per call), PROFILE_STEPS=5 (0: no profile). The
+#   profile (its own run at the first n) goes to $OUT/profile.txt, profile_cpu.txt and trace.json.gz.
 set -uo pipefail
 PY=${PYTHON:-python3}
 { nvidia-smi --query-gpu=name,memory.total --format=csv
@@ -26,7 +26,7 @@ CT=${COMPILE_TEACHER-inductor}
 timeout "${BENCH_TIMEOUT:-520}" $PY scripts/bench_train.py --data runs/train_bench/bench1500.jsonl.gz \
   --stages ${STAGES:-2 4} --attention ${ATTENTION-flex} ${OLD_ROOT:+--old-root $OLD_ROOT} --steps "${STEPS:-60}" \
   ${CT:+--compile-teacher $CT} ${TEACHER_ATTENTION:+--teacher-attention $TEACHER_ATTENTION} --skip "${SKIP:-2}" \
-  --log-every 10 --profile-steps 5 --timeout "${CELL_TIMEOUT:-240}" --out /tmp/bench | tee -a "$OUT/bench.txt"
+  --log-every 10 --profile-steps "${PROFILE_STEPS:-5}" --timeout "${CELL_TIMEOUT:-240}" --out /tmp/bench | tee -a "$OUT/bench.txt"
 cp /tmp/bench/*_profile/{profile.txt,profile_cpu.txt,trace.json.gz} /tmp/bench/*_profile.full.log "$OUT/" 2>/dev/null
 cat /tmp/bench/*.log 2>/dev/null | grep -iE "error|Traceback" | tail -20 >> "$OUT/bench.txt"
 true

@@ -23,7 +23,8 @@
 #   when carried in: a fresh machine can skip FlexAttention compiles; not measured yet), EVAL_SETS / EVAL_PROMPTS /
 #   EVAL_TOKENS / EVAL_TEMPS (suite c of every head on the node's CPU cores after training; EVAL_PROMPTS=0 = none),
 #   SPD_EVAL_DIR (materialised prompt sets carried with the tree), DETACH=1 / WAIT_SECONDS / SAVE_EVERY (runs that
-#   outlive the call: see step 2), PORT (first variant's port, default 29600).
+#   outlive the call: see step 2), PORT (first variant's port, default 29600), SEQUENTIAL=1 (without DETACH: the
+#   variants one after the other, each alone on the GPU, each for up to SESSION_SECONDS).
 set -uo pipefail
 PY=${PYTHON:-python3}
 WORK=${WORK:-/root/spd_work}
@@ -103,6 +104,7 @@ for v in $VARIANTS; do
   else
     timeout $((SESSION_SECONDS + 240)) "${cmd[@]}" > "$WORK/$name.log" 2>&1 &
     pids+=($!)
+    [[ "${SEQUENTIAL:-0}" = 1 ]] && { wait $!; say "$name exit $?"; }  # alone on the GPU, one after the other
   fi
   port=$((port + 1))
 done

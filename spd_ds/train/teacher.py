@@ -319,6 +319,9 @@ class Teacher:
         self.feat_dtype, self.m, self.H, self.Vd = feat_dtype, num_types, hidden_size, draft_vocab_size
         self.degree = engine.num_stages
         self.stage = engine.stage_id
+        # the pipeline engine copies the label to its device every micro-batch (`batch[1].to(device)`): a host
+        # tensor there is a synchronous copy that waits for the whole queue; one already on the device is not
+        self._label = torch.zeros(1, device=engine.device)
 
     @torch.no_grad()
     def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, TeacherTargets]:
@@ -338,7 +341,7 @@ class Teacher:
                                   for k in ("input_ids", "segments", "valid", "loss_index"))
         eng.total_loss = None  # eval_batch accumulates outputs into it otherwise
         inputs = (ids, seg, valid.long(), index)
-        out = eng.eval_batch(iter([(inputs, torch.zeros(1))]), compute_loss=False, reduce_output=None,
+        out = eng.eval_batch(iter([(inputs, self._label)]), compute_loss=False, reduce_output=None,
                              bcast_loss=False, num_micro_batches=1)
         if eng.is_last_stage():
             feats, ld, lse, am = out[0]
