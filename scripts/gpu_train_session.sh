@@ -27,6 +27,7 @@
 #   variants one after the other, each alone on the GPU, each for up to SESSION_SECONDS).
 set -uo pipefail
 PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # run from the repository root: launch/train.py imports spd_ds
 WORK=${WORK:-/root/spd_work}
 MODEL=${SPD_MODEL:-smollm2-135m-instruct}
 DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt.jsonl.gz}
