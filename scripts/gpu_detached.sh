@@ -16,7 +16,10 @@ usage="usage: gpu_detached.sh start NAME CMD [ARG...] | wait NAME [SECONDS]"
 [[ "$name" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "gpu_detached.sh: NAME must be letters, digits, '_', '.', '-'" >&2; exit 2; }
 mkdir -p "$WORK"
 pidf="$WORK/$name.pid" rcf="$WORK/$name.rc" logf="$WORK/$name.log"
-alive() { [[ -f "$pidf" ]] && kill -0 "$(cat "$pidf")" 2>/dev/null && [[ ! -f "$rcf" ]]; }
+alive() {  # the job's wrapper is running (not a zombie) and has not written the exit status
+  local pid; [[ -f "$pidf" && ! -f "$rcf" ]] || return 1
+  pid=$(cat "$pidf"); kill -0 "$pid" 2>/dev/null && [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ]]
+}
 case "$op" in
   start)
     shift 2
@@ -25,9 +28,12 @@ case "$op" in
     rm -f "$rcf"
     # the exit status is written through a temporary name so that `wait` never reads a half-written file
     setsid nohup bash -c '"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"' "$rcf" "$@" > "$logf" 2>&1 < /dev/null &
-    echo $! > "$pidf"
-    echo "$name started (pid $!, log $logf)" ;;
+    pid=$!; echo "$pid" > "$pidf"
+    # return only once the job leads its own session: a caller killed right after cannot take it along
+    for _ in $(seq 100); do [[ "$(awk '{print $6}' "/proc/$pid/stat" 2>/dev/null)" = "$pid" ]] && break; sleep 0.05; done
+    echo "$name started (pid $pid, log $logf)" ;;
   wait)
+    [[ "${3:-500}" =~ ^[0-9]+$ ]] || { echo "gpu_detached.sh: SECONDS must be a whole number, got '$3'" >&2; exit 2; }
     t0=$SECONDS
     while alive && (( SECONDS - t0 < ${3:-500} )); do sleep 2; done
     tail -n "${TAIL:-15}" "$logf" 2>/dev/null
