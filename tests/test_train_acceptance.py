@@ -441,6 +441,49 @@ def test_best_head_is_picked_by_the_loop_free_prediction(tmp_path, monkeypatch):
     assert v.run(head(b_right), teacher, "cpu", step=3)["val_best"] and v.best["step"] == 3
 
 
+def test_validator_collates_and_finds_loops_once_with_the_same_figures(tmp_path, monkeypatch):
+    """The held-out micro-batches are fixed: the Validator collates them and runs the (host) loop test once, at its
+    first run; later runs give exactly the figures of an uncached evaluation."""
+    import functools
+
+    import spd_ds.train.validate as validate
+    from spd_ds.train.loss import TeacherTargets
+
+    monkeypatch.setattr(validate, "evaluate", functools.partial(evaluate, reduce=False))  # one process, no group
+    calls = {"collate": 0, "loops": 0}
+
+    def counted_loops(*args, **kwargs):
+        calls["loops"] += 1
+        return loop_positions(*args, **kwargs)
+
+    monkeypatch.setattr(validate, "loop_positions", counted_loops)
+    answer = [5, 6, 7, 8, 9, 10, 11, 12, 13] * 3 + list(range(20, 32))
+    ids = torch.tensor([[1, 2] + answer])
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    valid[0, 1:-1] = True
+    batch = {"input_ids": ids, "segments": torch.ones_like(ids), "valid": valid}
+    P, V, nxt = int(valid.sum()), 64, ids[0, 2:]
+    targets = TeacherTargets(torch.zeros(P, V), torch.zeros(P), nxt)
+    right = torch.arange(P) % 3 != 0
+
+    class Planner:
+        def collate(self, rows):
+            calls["collate"] += 1
+            return dict(batch)
+
+    h = _ScriptedHead(nxt, right, V)
+    h.head = type("H", (), {"draft_ids": torch.arange(V)})()
+    v = validate.Validator(Planner(), [([[0]], True), ([[0]], True)], 2, 1, tmp_path, is_logger=False)
+    teacher = lambda b: (b, None, targets)  # noqa: E731
+    runs = [v.run(h, teacher, "cpu", step=s) for s in (1, 2, 3)]
+    assert calls == {"collate": 2, "loops": 2}  # two micro-batches, once each over three runs
+    plain = evaluate(h, teacher, [(batch, True), (batch, True)], 2, torch.arange(V), "cpu", reduce=False)
+    for r in runs:
+        assert {k: x for k, x in r.items() if k not in ("val_s", "val_best")} == \
+            {k: x for k, x in plain.items() if k != "val_s"}
+    assert runs[0]["val_positions"] == 2 * P and 0 < runs[0]["val_loop_share"] < 1
+
+
 # ---------------------------------------------------------------------------------------------------- the split
 def test_held_out_split_is_deterministic_by_content():
     recs = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}

@@ -34,6 +34,7 @@ from spd_ds.train.acceptance import agreement_from_counts, predict_acceptance
 from spd_ds.train.chat import EmptyMaskError
 from spd_ds.train.data import loop_positions
 from spd_ds.train.loss import TeacherTargets, top1_agreement
+from spd_ds.train.teacher import with_loss_index
 
 BEST_DIR = "best_head"
 BEST_FILE = "best.json"
@@ -100,7 +101,7 @@ def agreement_table(student: torch.nn.Module, feats: torch.Tensor, segments: tor
 @torch.no_grad()
 def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tuple[dict, bool]], num_stages: int,
              draft_ids: torch.Tensor, device, autocast=None, reduce: bool = True,
-             loop_ngram: int | None = REPEAT_NGRAM) -> dict:
+             loop_ngram: int | None = REPEAT_NGRAM, loop_cache: dict | None = None) -> dict:
     """Agreement by fill on held-out micro-batches and the predicted acceptance (see module doc), over every loss
     position and over the positions outside loops (:func:`loop_positions`).
 
@@ -117,6 +118,8 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
         reduce: sum the counts over all ranks (one fp64 ``all_reduce``: a collective, every rank must call);
             ``False`` for a single process without ``torch.distributed``.
         loop_ngram: n-gram length of the loop test (``None``: no loop-free figures).
+        loop_cache: ``{batch ordinal: loop-free mask}`` kept by the caller across calls over the same ``batches``
+            (the loop test runs on the host, once per micro-batch, not once per call); ``None``: no cache.
     Returns:
         ``{"val_agreement_by_fill": {F: a_F}, "val_pred_acceptance": α, "val_pred_accept_length": L',
         "val_positions": positions counted per fill, "val_s": seconds}``; α, a_F in [0, 1], L' in tokens. With
@@ -133,21 +136,33 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
     was_training = student.training
     student.eval()
     counts = torch.zeros(4 * n + 1, dtype=torch.float64)  # agree, positions; loop-free agree, positions; loops
+    agree = None  # [2n] float64 on the head's device: agreements overall, then outside loops (read back once)
     try:
-        for batch, counted in batches:
+        for i, (batch, counted) in enumerate(batches):
             mine, feats, targets = teacher(batch)
             table = agreement_table(student, feats, mine["segments"], mine["valid"], targets, draft_ids, n, autocast)
             if counted:
-                counts[:n] += table.sum(1).double().cpu()
+                if agree is None:
+                    agree = torch.zeros(2 * n, dtype=torch.float64, device=table.device)
+                agree[:n] += table.sum(1)
                 counts[n:2 * n] += table.shape[1]
                 if loop_ngram is not None:
-                    loop = loop_positions(mine["input_ids"], mine["valid"], loop_ngram)
-                    keep = ~loop[mine["valid"].cpu()]
-                    counts[2 * n:3 * n] += table[:, keep.to(table.device)].sum(1).double().cpu()
-                    counts[3 * n:4 * n] += int(keep.sum())
-                    counts[4 * n] += int((~keep).sum())
+                    cached = loop_cache.get(i) if loop_cache is not None else None
+                    if cached is None:  # the loop test on the host; the mask goes to the device once
+                        keep = ~loop_positions(mine["input_ids"], mine["valid"], loop_ngram)[mine["valid"].cpu()]
+                        cached = (keep.to(table.device), int(keep.sum()))
+                        if loop_cache is not None:
+                            loop_cache[i] = cached
+                    keep, nkeep = cached
+                    agree[n:] += (table & keep).sum(1)  # a mask product, not indexing: no host sync
+                    counts[3 * n:4 * n] += nkeep
+                    counts[4 * n] += keep.shape[0] - nkeep
     finally:
         student.train(was_training)
+    if agree is not None:
+        a = agree.cpu()
+        counts[:n] += a[:n]
+        counts[2 * n:3 * n] += a[n:]
     if reduce:
         import deepspeed.comm as dist
 
@@ -199,6 +214,8 @@ class Validator:
         self.best: dict | None = None
         self.last: dict | None = None
         self.init_steps: int | None = 0  # steps the starting head had taken (written to best.json; None = unknown)
+        self._collated: list | None = None  # this rank's held-out micro-batches, collated at the first run
+        self._loops: dict = {}  # evaluate's loop_cache over them
 
     @classmethod
     def build(cls, records: Sequence[dict], tokenizer, cfg, num_stages: int, dp_rank: int, dp_world: int,
@@ -240,8 +257,14 @@ class Validator:
             :func:`evaluate`'s dict plus ``val_best`` (True when this step's head became the best).
         """
         head = student.head
-        batches = ((self.planner.collate(rows), counted) for rows, counted in self.batches)
-        val = evaluate(student, teacher, batches, self.n, head.draft_ids, device, autocast)
+        if self._collated is None:  # the held-out micro-batches are fixed: collated once, loop masks found once
+            pin = torch.cuda.is_available()  # pinned: the teacher's copies to the device are then asynchronous
+            self._collated = []
+            for rows, counted in self.batches:
+                batch = with_loss_index(self.planner.collate(rows))
+                self._collated.append(({k: v.pin_memory() if pin else v for k, v in batch.items()}, counted))
+        val = evaluate(student, teacher, self._collated, self.n, head.draft_ids, device, autocast,
+                       loop_cache=self._loops)
         key = BEST_KEY if BEST_KEY in val and self.best is not None and BEST_KEY in self.best else \
             "val_pred_accept_length"  # a best from a checkpoint written before the loop-free figures: overall L'
         val["val_best"] = self.best is None or val[key] > self.best[key]
