@@ -319,8 +319,8 @@ class Teacher:
         self.feat_dtype, self.m, self.H, self.Vd = feat_dtype, num_types, hidden_size, draft_vocab_size
         self.degree = engine.num_stages
         self.stage = engine.stage_id
-        # the pipeline engine copies the label to its device every micro-batch (`batch[1].to(device)`): a host
-        # tensor there is a synchronous copy that waits for the whole queue; one already on the device is not
+        # the pipeline engine's last stage copies the label to its device every micro-batch (`batch[1].to(device)`):
+        # a host tensor there is a synchronous copy that waits for the whole queue; one already on the device is not
         self._label = torch.zeros(1, device=engine.device)
 
     @torch.no_grad()

@@ -118,8 +118,10 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
         reduce: sum the counts over all ranks (one fp64 ``all_reduce``: a collective, every rank must call);
             ``False`` for a single process without ``torch.distributed``.
         loop_ngram: n-gram length of the loop test (``None``: no loop-free figures).
-        loop_cache: ``{batch ordinal: loop-free mask}`` kept by the caller across calls over the same ``batches``
-            (the loop test runs on the host, once per micro-batch, not once per call); ``None``: no cache.
+        loop_cache: ``{batch ordinal i: (keep, n_keep)}``, ``keep`` ``[P_i]`` bool on the head's device (the loss
+            positions of micro-batch ``i`` outside loops), ``n_keep`` its count (int); filled on the first call and
+            kept by the caller across calls over the same ``batches`` in the same order (the loop test runs on the
+            host, once per micro-batch, not once per call); ``None``: no cache.
     Returns:
         ``{"val_agreement_by_fill": {F: a_F}, "val_pred_acceptance": α, "val_pred_accept_length": L',
         "val_positions": positions counted per fill, "val_s": seconds}``; α, a_F in [0, 1], L' in tokens. With
