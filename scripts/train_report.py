@@ -75,19 +75,23 @@ def validation_curve(run: Path, key: str = "val_pred_acceptance") -> list[tuple[
     return [((base + r["step"]) * per, r[key]) for r in recs if r.get(key) is not None]
 
 
-def measured_acceptance(bench_json: Path, num_stages: int) -> float:
-    """The SPD draft acceptance rate at ``num_stages`` of a suite (c) ``benchmark.json``.
+METHODS = ("spd", "ppsd")  # the head rows of a suite (c) benchmark.json
+
+
+def measured_acceptance(bench_json: Path, num_stages: int, method: str = "spd") -> float:
+    """The draft acceptance rate of ``method``'s head (``spd`` or ``ppsd``: suite (c) measures both heads of one n in
+    one run) at ``num_stages`` in a suite (c) ``benchmark.json``.
 
     Raises:
-        ValueError: the file has no ``spd`` acceptance row for that n.
+        ValueError: the file has no ``method`` acceptance row for that n.
     """
     d = json.loads(bench_json.read_text())
     col = d["acceptance_headers"].index("draft acc.")
     for row in d["acceptance"]:
-        if row[1] == "spd" and int(row[0]) == num_stages:
+        if row[1] == method and int(row[0]) == num_stages:
             return float(row[col])
-    raise ValueError(f"{bench_json}: no spd acceptance row for n = {num_stages}; pass a suite (c) benchmark.json "
-                     f"that measured this head")
+    raise ValueError(f"{bench_json}: no {method} acceptance row for n = {num_stages}; pass a suite (c) "
+                     f"benchmark.json that measured this head")
 
 
 def num_stages(run: Path) -> int:
@@ -103,9 +107,10 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default=None, help="label printed before the figures")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a line")
     ap.add_argument("--png", type=Path, help="write the predicted-acceptance curves (and --measured points) here")
-    ap.add_argument("--measured", action="append", default=[], metavar="RUN:STEP:BENCHMARK_JSON",
+    ap.add_argument("--measured", action="append", default=[], metavar="RUN:STEP:[ppsd:]BENCHMARK_JSON",
                     help="a decoder-measured point: run directory name, the step its head was saved at, and the suite "
-                         "(c) benchmark.json that measured it (repeatable)")
+                         "(c) benchmark.json that measured it; 'ppsd:' before the file reads the PPSD head's row "
+                         "(default: SPD's) (repeatable)")
     ap.add_argument("--caption", default="", help="line under the plot")
     args = ap.parse_args(argv)
     if args.measured and not args.png:
@@ -119,11 +124,14 @@ def main(argv=None) -> int:
         points = []
         for m in args.measured:
             name, step, path = (m.split(":", 2) + ["", ""])[:3]
+            method, _, rest = path.partition(":")
+            method, path = (method, rest) if method in METHODS and rest else ("spd", path)
             if name not in by_name or not step.isdigit() or not path:
-                ap.error(f"--measured {m}: expected RUN:STEP:BENCHMARK_JSON with RUN one of {', '.join(by_name)}")
+                ap.error(f"--measured {m}: expected RUN:STEP:[ppsd:]BENCHMARK_JSON with RUN one of "
+                         f"{', '.join(by_name)}")
             run = by_name[name]
             points.append((name, (init_steps(run) + int(step)) * tokens_per_step(run),
-                           measured_acceptance(Path(path), num_stages(run))))
+                           measured_acceptance(Path(path), num_stages(run), method)))
         plot_training_acceptance([(run.name, validation_curve(run)) for run in args.runs], points, args.png,
                                  caption=args.caption, loop_free={
                                      run.name: validation_curve(run, "val_pred_acceptance_noloop") for run in args.runs})

@@ -51,6 +51,7 @@ def test_curve_and_measured_point(tmp_path):
     assert tr.measured_acceptance(_bench(tmp_path, 0.37), 2) == pytest.approx(0.37)
     with pytest.raises(ValueError, match="no spd acceptance row for n = 3"):
         tr.measured_acceptance(_bench(tmp_path, 0.37), 3)
+    assert tr.measured_acceptance(_bench(tmp_path, 0.37), 2, "ppsd") == pytest.approx(0.1)  # the PPSD head's row
     summ = json.loads((run / "train_summary.json").read_text())
     (run / "train_summary.json").write_text(json.dumps(dict(summ, teacher_pipe_degree=2)))
     assert tr.tokens_per_step(run) == 4 * 512  # 2 ranks, one pipeline of 2: one data-parallel rank
@@ -94,17 +95,23 @@ def test_warm_started_run_continues_the_token_axis(tmp_path):
     assert prior_steps(run / "head") is None  # no step count
 
 
-def test_png_and_bad_measured_name(tmp_path, capsys):
+def test_png_and_bad_measured_name(tmp_path, capsys, monkeypatch):
     tr = _load()
     run = _run_dir(tmp_path, "n2")
     png = tmp_path / "acc.png"
     assert tr.main([str(run), "--png", str(png), "--measured", f"n2:300:{_bench(tmp_path, 0.35)}"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "n2: steps 300/300 finished=True" in capsys.readouterr().out
+    drawn = []  # the PPSD row of the same file when the spec names it
+    monkeypatch.setattr("spd_ds.eval.plots.plot_training_acceptance",
+                        lambda curves, points, *a, **k: drawn.extend(points))
+    assert tr.main([str(run), "--png", str(png), "--measured", f"n2:300:ppsd:{_bench(tmp_path, 0.35)}",
+                    "--measured", f"n2:300:{_bench(tmp_path, 0.35)}"]) == 0
+    assert [round(a, 2) for _, _, a in drawn] == [0.1, 0.35]
     for bad in (f"n3:300:{_bench(tmp_path, 0.35)}", "n2:last:x.json", "n2"):
         with pytest.raises(SystemExit):
             tr.main([str(run), "--png", str(png), "--measured", bad])
-        assert "expected RUN:STEP:BENCHMARK_JSON with RUN one of n2" in capsys.readouterr().err
+        assert "expected RUN:STEP:[ppsd:]BENCHMARK_JSON with RUN one of n2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         tr.main([str(run), "--measured", f"n2:300:{_bench(tmp_path, 0.35)}"])
     assert "--measured needs --png" in capsys.readouterr().err
