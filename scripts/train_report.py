@@ -6,6 +6,8 @@ predicted acceptance against training tokens with decoder-measured points (suite
     python scripts/train_report.py runs/heads/smollm2_n2 [more runs] [--name label] [--json]
     python scripts/train_report.py runs/heads/n2 runs/heads/n3 --png docs/img/acceptance.png \
         --measured n2:3400:runs/ev_n2/benchmark.json --measured n3:3400:runs/ev_n3/benchmark.json
+    python scripts/train_report.py runs/heads/s3 runs/heads/p3 --png docs/img/n3.png \
+        --measured s3:3600:runs/ev_n3/benchmark.json --measured p3:3200:ppsd:runs/ev_n3/benchmark.json
 """
 
 from __future__ import annotations
@@ -124,14 +126,17 @@ def main(argv=None) -> int:
         points = []
         for m in args.measured:
             name, step, path = (m.split(":", 2) + ["", ""])[:3]
-            method, _, rest = path.partition(":")
-            method, path = (method, rest) if method in METHODS and rest else ("spd", path)
+            method, sep, rest = path.partition(":")
+            method, path = (method, rest) if method in METHODS and sep else ("spd", path)
             if name not in by_name or not step.isdigit() or not path:
                 ap.error(f"--measured {m}: expected RUN:STEP:[ppsd:]BENCHMARK_JSON with RUN one of "
                          f"{', '.join(by_name)}")
             run = by_name[name]
-            points.append((name, (init_steps(run) + int(step)) * tokens_per_step(run),
-                           measured_acceptance(Path(path), num_stages(run), method)))
+            try:
+                acc = measured_acceptance(Path(path), num_stages(run), method)
+            except (OSError, ValueError) as e:
+                ap.error(f"--measured {m}: {e}")
+            points.append((name, (init_steps(run) + int(step)) * tokens_per_step(run), acc))
         plot_training_acceptance([(run.name, validation_curve(run)) for run in args.runs], points, args.png,
                                  caption=args.caption, loop_free={
                                      run.name: validation_curve(run, "val_pred_acceptance_noloop") for run in args.runs})

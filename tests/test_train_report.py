@@ -108,6 +108,13 @@ def test_png_and_bad_measured_name(tmp_path, capsys, monkeypatch):
     assert tr.main([str(run), "--png", str(png), "--measured", f"n2:300:ppsd:{_bench(tmp_path, 0.35)}",
                     "--measured", f"n2:300:{_bench(tmp_path, 0.35)}"]) == 0
     assert [round(a, 2) for _, _, a in drawn] == [0.1, 0.35]
+    for bad, why in (("n2:300:ppsd:", "expected RUN:STEP"), (f"n2:300:{tmp_path / 'none.json'}", "none.json"),
+                     (f"n2:300:ppsd:{tmp_path / 'bad.json'}", "no ppsd acceptance row for n = 2")):
+        (tmp_path / "bad.json").write_text(json.dumps({"acceptance_headers": ["n", "method", "draft acc."],
+                                                      "acceptance": [[2, "spd", 0.3]]}))
+        with pytest.raises(SystemExit) as e:  # a one-line usage error (exit 2), not a traceback
+            tr.main([str(run), "--png", str(png), "--measured", bad])
+        assert e.value.code == 2 and why in capsys.readouterr().err
     for bad in (f"n3:300:{_bench(tmp_path, 0.35)}", "n2:last:x.json", "n2"):
         with pytest.raises(SystemExit):
             tr.main([str(run), "--png", str(png), "--measured", bad])
@@ -156,3 +163,18 @@ def test_plot_of_many_runs_gives_every_run_its_own_colour(tmp_path, monkeypatch)
         colours = [ln.get_color() for ln in figs[-1].axes[0].get_lines()]
         assert len(colours) == count and len(set(map(str, colours))) == count
         plt.close(figs[-1])
+
+
+def test_value_labels_of_close_points_do_not_overlap():
+    """Points at (nearly) the same tokens form a column: labels from the highest down, each at its point's height or
+    ``gap`` below the label above; a point elsewhere keeps its own height."""
+    from spd_ds.eval.plots import label_heights
+
+    pts = [(59.0, 0.463), (52.4, 0.412), (59.0, 0.469), (59.1, 0.438), (59.0, 0.452), (59.0, 0.415)]
+    h = label_heights(pts, near=1.0, gap=0.02)
+    assert h[2] == 0.469 and h[0] == pytest.approx(0.449) and h[4] == pytest.approx(0.429)  # pushed down in turn
+    assert h[3] == pytest.approx(0.409) and h[5] == pytest.approx(0.389) and h[1] == 0.412  # 52.4: its own column
+    col = sorted(h[i] for i in (0, 2, 3, 4, 5))
+    assert all(b - a >= 0.02 - 1e-12 for a, b in zip(col, col[1:]))
+    assert label_heights([(1.0, 0.3), (5.0, 0.31)], near=1.0, gap=0.05) == [0.3, 0.31]  # far apart: unchanged
+    assert label_heights([], near=1.0, gap=0.05) == []

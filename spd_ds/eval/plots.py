@@ -147,6 +147,32 @@ def plot_cycle_time_split(summary: dict, path: str | Path) -> Path:
     return Path(path)
 
 
+def label_heights(points: list[tuple[float, float]], near: float, gap: float) -> list[float]:
+    """Heights for the value labels beside measured points, so that no two labels overlap: points less than
+    ``near`` apart on x form a column whose labels, from the highest point down, sit at the point's own height or
+    ``gap`` below the label above, whichever is lower.
+
+    Args:
+        points: ``(x, y)`` of each point (training tokens, acceptance), in any order.
+        near: the x distance under which two points share a column (same units as x).
+        gap: the smallest vertical distance between two labels of a column (same units as y).
+    Returns:
+        One label height per point, in the order of ``points``.
+    """
+    heights = [y for _, y in points]
+    columns: list[list[int]] = []
+    for i in sorted(range(len(points)), key=lambda i: points[i][0]):
+        if columns and points[i][0] - points[columns[-1][0]][0] < near:
+            columns[-1].append(i)
+        else:
+            columns.append([i])
+    for col in columns:
+        above = None
+        for i in sorted(col, key=lambda i: -points[i][1]):
+            heights[i] = above = points[i][1] if above is None else min(points[i][1], above - gap)
+    return heights
+
+
 def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]],
                              measured: list[tuple[str, float, float]], path: str | Path, caption: str = "",
                              loop_free: dict[str, list[tuple[float, float]]] | None = None) -> Path:
@@ -179,17 +205,21 @@ def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]]
                     label=f"{label} predicted, loop-free")
     values = [a for pts in [p for _, p in curves] + list((loop_free or {}).values()) for _, a in pts]
     values += [a for *_, a in measured]
-    for k, (label, tokens, alpha) in enumerate(measured):  # the value beside the marker, alternately above and below
-        ax.scatter([tokens / 1e6], [alpha], marker="o", s=40, zorder=3, color=colours.get(label),
-                   label=f"{label} measured (decoder)")
-        ax.annotate(f"{alpha:.3f}", (tokens / 1e6, alpha), textcoords="offset points",
-                    xytext=(5, 4 if k % 2 else -9), fontsize=7, color=colours.get(label))
     ax.set_xlabel("training tokens (M, packed rows)")
     ax.set_ylabel("T = 0 draft acceptance")
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
-    ax.set_ylim(max(0.0, math.floor(round((lo - 0.05) * 10, 6)) / 10),
-                min(1.0, math.ceil(round((hi + 0.05) * 10, 6)) / 10))
+    ylo = max(0.0, math.floor(round((lo - 0.05) * 10, 6)) / 10)
+    yhi = min(1.0, math.ceil(round((hi + 0.05) * 10, 6)) / 10)
+    ax.set_ylim(ylo, yhi)
     ax.margins(x=0.08)  # room for the values beside the last markers
+    xs = [t / 1e6 for _, pts in curves for t, _ in pts] + [t / 1e6 for _, t, _ in measured]
+    span = (max(xs) - min(xs)) if xs else 0.0
+    span = span or 1.0
+    heights = label_heights([(t / 1e6, a) for _, t, a in measured], 0.03 * span, 0.04 * (yhi - ylo))
+    for (label, tokens, alpha), y in zip(measured, heights):  # the value beside the marker, labels never overlapping
+        ax.scatter([tokens / 1e6], [alpha], marker="o", s=40, zorder=3, color=colours.get(label),
+                   label=f"{label} measured (decoder)")
+        ax.text(tokens / 1e6 + 0.012 * span, y, f"{alpha:.3f}", fontsize=7, color=colours.get(label), va="center")
     ax.grid(alpha=0.3)
     # one legend entry per run (its colour); the line style and the marker say what was predicted or measured
     handles = [ln for ln in ax.get_lines() if ln.get_label().endswith("predicted (held-out)")]
