@@ -183,7 +183,7 @@ def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]]
         curves: ``(label, [(training tokens, predicted acceptance), ...])`` per run; tokens in units of 1 (plotted in
             millions).
         measured: ``(label, training tokens, measured draft acceptance)`` points; a label that matches a curve takes
-            its colour.
+            its colour; the values written beside points at (nearly) the same tokens stack (:func:`label_heights`).
         path: output PNG.
         caption: a line under the axes (what the measurements were taken on).
         loop_free: ``label -> [(training tokens, predicted acceptance outside loops), ...]``: dashed, in the colour
@@ -213,8 +213,7 @@ def plot_training_acceptance(curves: list[tuple[str, list[tuple[float, float]]]]
     ax.set_ylim(ylo, yhi)
     ax.margins(x=0.08)  # room for the values beside the last markers
     xs = [t / 1e6 for _, pts in curves for t, _ in pts] + [t / 1e6 for _, t, _ in measured]
-    span = (max(xs) - min(xs)) if xs else 0.0
-    span = span or 1.0
+    span = (max(xs) - min(xs) if xs else 0.0) or 1.0  # the x range in M tokens (labels sit 1.2 % of it right)
     heights = label_heights([(t / 1e6, a) for _, t, a in measured], 0.03 * span, 0.04 * (yhi - ylo))
     for (label, tokens, alpha), y in zip(measured, heights):  # the value beside the marker, labels never overlapping
         ax.scatter([tokens / 1e6], [alpha], marker="o", s=40, zorder=3, color=colours.get(label),
