@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one intra-op thread per pytest-xdist worker (the README's command runs two: no oversubscription on two cores)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 BIG_MODELS_OPTION = "--big-models"
 
