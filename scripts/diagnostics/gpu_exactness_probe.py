@@ -11,7 +11,13 @@ same ``decoding.max_length`` (static caches of one length everywhere):
   ``graph_serial``: GraphedHeadDrafter on the default stream, ``head.overlap=false``: no concurrency with stage 0);
 * ``ar_graph#0`` / ``#1``: :class:`~spd_ds.decoding.ar_graph.ARGraphDecoder` on rank 0's GPU, twice;
   ``ar_graph sync1``: the same reading the token after every replay (a race in its device-side feedback would show);
-* ``ar_graph+head``: the same with a captured GraphedHeadDrafter alive on that GPU (idle).
+* ``ar_graph+head``: the same with a captured GraphedHeadDrafter alive on that GPU (idle);
+  ``ar_graph+head replaying``: the same while that head's graph replays without pause on its own stream (a second
+  thread), as beside stage 0.
+
+With ``--single-gpu`` (one process, no process group) only the rank-0 part runs: ``ar_graph`` ``--ar-repeats``
+times, ``sync1``, ``+head`` and the eager AR (``ar_eager``: the same decoder, no graph), which tells whether the
+single-GPU AR alone changes its tokens between runs.
 
 Writes ``tokens.json`` (every method's tokens per prompt) and ``divergence.md`` (first divergence of every method
 from ``ar_graph#0`` and from ``pipe_ar[eager]``) to ``--out`` and prints the table.
@@ -21,12 +27,14 @@ Usage (GPU machine, repo root, ``export PYTHONPATH=$PWD`` as scripts/gpu_common.
     deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/probe [--eval-dir eval_data] [overrides]
     CUBLAS_WORKSPACE_CONFIG=:4096:8 deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/det
     deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/fp32 model.dtype=float32
+    python scripts/diagnostics/gpu_exactness_probe.py --single-gpu --ar-repeats 4 --out $OUT/one   # one GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -48,9 +56,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-length", type=int, default=384)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--single-gpu", action="store_true",
+                    help="one process: only the single-GPU AR runs (no pipeline sessions, no process group)")
+    ap.add_argument("--ar-repeats", type=int, default=2, help="ar_graph runs (>= 1)")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the deepspeed launcher adds it
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.ar_repeats < 1:
+        ap.error(f"--ar-repeats must be >= 1, got {args.ar_repeats}")
 
     import torch.distributed as dist
 
@@ -70,10 +83,11 @@ def main() -> None:
         for rec in load_prompts(s, args.num_prompts, args.eval_dir):
             names.append(f"{s}/{rec['question_id']}")
             prompts.append(builder.encode_prompt(tok, rec["turns"][0]))
-    init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
-    rank0 = dist.get_rank() == 0
     runs: dict[str, list[list[int]]] = {}
-    for mode, ov in MODES.items():
+    if not args.single_gpu:
+        init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
+    rank0 = args.single_gpu or dist.get_rank() == 0
+    for mode, ov in MODES.items() if not args.single_gpu else ():
         out = run_distributed_inference(load_config(args.config, base + ov), prompts, with_ar=True)
         if rank0:
             spd, ar = out
@@ -87,7 +101,7 @@ def main() -> None:
                                       torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
         eos = builder.eos_token_ids(cfg, arch, tok)
         sampling = builder.sampling_params(cfg)
-        for i in range(2):
+        for i in range(args.ar_repeats):
             dec = ARGraphDecoder(target, sampling, eos, cfg.decoding.max_length)
             runs[f"ar_graph#{i}"] = [dec.generate(p, cfg.decoding.max_new_tokens).tokens for p in prompts]
             del dec
@@ -100,24 +114,48 @@ def main() -> None:
         dec = ARGraphDecoder(target, sampling, eos, cfg.decoding.max_length)
         runs["ar_graph+head"] = [dec.generate(p, cfg.decoding.max_new_tokens).tokens for p in prompts]
         assert getattr(alive, "graphed", False) == cuda
+        if cuda:  # the head's graph replaying on its own stream all the while, as beside stage 0 in the engine
+            stop = threading.Event()
+
+            def spin() -> None:
+                with torch.cuda.stream(alive.capture_stream):
+                    while not stop.is_set():
+                        alive.graph.replay()
+                        alive.capture_stream.synchronize()
+
+            spinner = threading.Thread(target=spin, daemon=True)
+            spinner.start()
+            try:
+                runs["ar_graph+head replaying"] = [dec.generate(p, cfg.decoding.max_new_tokens).tokens
+                                                   for p in prompts]
+            finally:
+                stop.set()
+                spinner.join()
+        del dec, alive
+        if args.single_gpu:
+            dec = ARGraphDecoder(target, sampling, eos, cfg.decoding.max_length, use_graph=False)
+            runs["ar_eager"] = [dec.generate(p, cfg.decoding.max_new_tokens).tokens for p in prompts]
+            del dec
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "tokens.json").write_text(json.dumps({"prompts": names, "runs": runs}, indent=1))
+        ref2 = "ar_eager" if args.single_gpu else "pipe_ar[eager]"
         lines = [f"# exactness probe ({cfg.model.dtype}, max_length {cfg.decoding.max_length}, "
                  f"{cfg.decoding.max_new_tokens} new tokens)", "",
-                 "| method | vs ar_graph#0: identical | first divergences | vs pipe_ar[eager]: identical | first "
+                 f"| method | vs ar_graph#0: identical | first divergences | vs {ref2}: identical | first "
                  "divergences |", "|---|---|---|---|---|"]
         for name, toks in runs.items():
             cells = []
-            for ref in ("ar_graph#0", "pipe_ar[eager]"):
+            for ref in ("ar_graph#0", ref2):
                 d = [first_divergence(t, r) for t, r in zip(toks, runs[ref])]
                 cells += [f"{sum(x is None for x in d)}/{len(d)}",
                           ", ".join(f"{n}@{x}" for n, x in zip(names, d) if x is not None) or "-"]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         (out_dir / "divergence.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    if not args.single_gpu:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
