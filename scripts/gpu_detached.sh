@@ -6,6 +6,7 @@
 #   bash scripts/gpu_detached.sh wait NAME [SECONDS]       # until NAME ends or SECONDS (default 500) pass; prints
 #                                                           # the tail of its log (TAIL lines, default 15)
 # State in $WORK (default /root/spd_work): NAME.pid, NAME.log, NAME.rc (CMD's exit status once it has ended).
+# Results come back with scripts/gpu_collect.sh (what is new since the last call, within a call's file limits).
 # The job runs in the directory it was started from: start it from a copy of the tree (cp -r . /root/spd_repo) if
 # the next calls may carry a changed tree. Exit status: 0, or 2 for a usage error; `wait` says whether NAME ended.
 set -uo pipefail
