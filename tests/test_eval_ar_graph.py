@@ -47,3 +47,14 @@ def test_stops_at_eos_inside_a_chunk(target):
 def test_refuses_graphs_on_cpu(target):
     with pytest.raises(ValueError, match="CUDA"):
         ARGraphDecoder(target, use_graph=True)
+
+
+def test_given_caches_are_used_and_checked(target):
+    from spd_ds.models.graphs import make_static_cache
+
+    caches = [make_static_cache(s, 128) for s in target.stages]
+    dec = ARGraphDecoder(target, SamplingParams(), [], 128, caches=caches)
+    assert dec.caches == caches
+    assert dec.generate(PROMPT, 12).tokens == ARDecoder(target, SamplingParams(), [], 128).generate(PROMPT, 12).tokens
+    with pytest.raises(ValueError, match="one static cache per stage"):
+        ARGraphDecoder(target, caches=caches[:1])

@@ -103,8 +103,8 @@ def test_benchmark_cli_tiny_suite_b(tmp_path, family):
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="needs the deepspeed launcher")
 def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
     """The distributed path (2 gloo ranks through the pipeline engine) gives the reference decoder's tokens and
-    cycle counts; baselines run on rank 0 after the pipeline, ``tp_ar`` (DeepSpeed AutoTP over both ranks) before
-    them, with ``ar``'s tokens (fp32)."""
+    cycle counts; baselines run on rank 0 after the pipeline, ``tp_ar`` (DeepSpeed AutoTP over both ranks, its
+    static-cache decoder) before them, with ``ar``'s tokens (fp32)."""
     shape = make_random_shape(tmp_path)
     args = tiny(shape, tmp_path / "ds", "eval.baselines=[ar,tp_ar]", "deepspeed.backend=gloo")
     p = run(["--num_gpus", "2", "launch/eval.py", "--strict-exact", *args], launcher=["deepspeed"])
@@ -120,6 +120,26 @@ def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
     s = json.loads((tmp_path / "ds" / "summary.json").read_text())
     assert s["engine"] == "deepspeed" and s["methods"]["tp_ar"]["devices"] == 2
     assert s["exactness"]["by_method"]["spd"]["tp_ar"]["identical"] == 2, s["exactness"]
+    rows = [json.loads(x) for x in (tmp_path / "ds" / "per_prompt.jsonl").read_text().splitlines()]
+    by = {m: [r["tokens"] for r in rows if r["method"] == m] for m in ("ar", "tp_ar")}
+    assert by["tp_ar"] == by["ar"] and len(by["ar"]) == 2 and all(len(t) == 10 for t in by["ar"])
+    assert "static KV cache" in s["methods"]["tp_ar"]["description"]
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="needs the deepspeed launcher")
+@pytest.mark.parametrize("model_type,overrides", [
+    ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}),  # SmolLM2's 3 KV heads
+    ("qwen3", {}),  # an untied LM head, explicit head_dim
+], ids=["llama-3kv", "qwen3"])
+def test_tp_ar_static_decoder_matches_ar_on_uneven_and_untied_shards(tmp_path, model_type, overrides):
+    """``tp_ar``'s static-cache decoder over AutoTP shards (2 gloo ranks, fp32) gives ``ar``'s tokens when the KV heads
+    do not split evenly (3 over 2 ranks: 2 and 1) and with an LM head of its own."""
+    shape = make_random_shape(tmp_path, model_type, **overrides)
+    args = tiny(shape, tmp_path / "ds", "eval.baselines=[ar,tp_ar]", "deepspeed.backend=gloo")
+    p = run(["--num_gpus", "2", "launch/eval.py", *args], launcher=["deepspeed"])
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    s = json.loads((tmp_path / "ds" / "summary.json").read_text())
+    assert s["methods"]["tp_ar"]["description"].endswith("static KV cache, eager"), s["methods"]["tp_ar"]
     rows = [json.loads(x) for x in (tmp_path / "ds" / "per_prompt.jsonl").read_text().splitlines()]
     by = {m: [r["tokens"] for r in rows if r["method"] == m] for m in ("ar", "tp_ar")}
     assert by["tp_ar"] == by["ar"] and len(by["ar"]) == 2 and all(len(t) == 10 for t in by["ar"])

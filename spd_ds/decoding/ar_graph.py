@@ -40,14 +40,20 @@ class ARGraphDecoder:
         use_graph: capture a CUDA graph; ``None`` = when the target is on a CUDA device.
         sync_every: T = 0 only: replays launched between two reads of the generated tokens (>= 1).
         warmup: eager runs on a side stream before the capture.
+        caches: the static caches, one per stage (default: :func:`~spd_ds.models.graphs.make_static_cache` of each
+            stage; a tensor-parallel shard passes caches of its own KV heads, :mod:`spd_ds.eval.tp_baseline`).
+
+    Every rank of a tensor-parallel target builds and runs its own decoder in lockstep: the collectives inside the
+    stages are captured with the rest (the capture tolerates other threads, e.g. NCCL's watchdog, querying events).
 
     Raises:
-        ValueError: ``use_graph=True`` on a non-CUDA target, or ``sync_every < 1``.
+        ValueError: ``use_graph=True`` on a non-CUDA target, ``sync_every < 1``, or not one cache per stage.
     """
 
     def __init__(self, target: Target, sampling: SamplingParams = SamplingParams(),
                  eos_token_ids: int | Iterable[int] | None = None, max_len: int = 4096, *,
-                 use_graph: bool | None = None, sync_every: int = 16, warmup: int = 3) -> None:
+                 use_graph: bool | None = None, sync_every: int = 16, warmup: int = 3,
+                 caches: Sequence | None = None) -> None:
         self.target, self.sampling = target, sampling
         self.eos = eos_set(eos_token_ids)
         self.max_len = min(int(max_len), target.arch.max_positions)
@@ -60,7 +66,9 @@ class ARGraphDecoder:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         self.sync_every = int(sync_every)
         self.stages = list(target.stages)
-        self.caches = [make_static_cache(s, self.max_len) for s in self.stages]
+        self.caches = [make_static_cache(s, self.max_len) for s in self.stages] if caches is None else list(caches)
+        if len(self.caches) != len(self.stages):
+            raise ValueError(f"need one static cache per stage ({len(self.stages)}), got {len(self.caches)}")
         # static inputs/outputs (fixed addresses)
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1] token fed at ``pos``
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] its position
@@ -89,7 +97,8 @@ class ARGraphDecoder:
             self.pos.zero_()
             self._step()
 
-        self.graph, self.logits = capture_graph(self._step, self.device, warmup=warmup, warmup_step=warm)
+        self.graph, self.logits = capture_graph(self._step, self.device, warmup=warmup, warmup_step=warm,
+                                                capture_error_mode="thread_local")
         self.pos.zero_()
 
     @property

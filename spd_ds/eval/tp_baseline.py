@@ -4,9 +4,12 @@ same devices SPD's pipeline runs on.
 Every rank loads the whole target as a transformers ``AutoModelForCausalLM`` (a random-weight shape gets the tensors
 of :func:`spd_ds.builder.build_target`, which are seeded and so equal on every rank), then DeepSpeed inference's
 automatic tensor parallelism (``deepspeed.init_inference(tensor_parallel={"tp_size": world})``) shards its linear
-layers over the ranks and inserts the all-reduces; decoding is transformers ``generate`` (dynamic cache, eager), timed
-as :class:`spd_ds.eval.baselines.HFGenerateBaseline` times it. All ranks decode the same prompt in lockstep; rank 0
-keeps the results. The split changes the order of the reductions, so in bf16 its tokens may part from ``ar`` at
+layers over the ranks and inserts the all-reduces. Decoding runs the sharded decoder layers the way ``ar_graph`` runs
+the whole target: :class:`~spd_ds.decoding.ar_graph.ARGraphDecoder` over static KV caches of this rank's KV heads
+(:class:`TPShardTarget`), one CUDA graph per token on GPU (the all-reduces captured inside it), the same static
+forward eagerly on CPU. If a rank cannot capture its graph, every rank falls back to transformers ``generate``
+(dynamic cache, eager), timed as :class:`spd_ds.eval.baselines.HFGenerateBaseline` times it; the method's
+description says which ran. All ranks decode the same prompt in lockstep; rank 0 keeps the results. The split changes the order of the reductions, so in bf16 its tokens may part from ``ar`` at
 near-ties: it is a speed baseline, its exactness is reported, not required.
 
 It runs in :func:`spd_ds.eval.runner.run_eval` with the pipeline engine, after the pipeline sessions and before the
@@ -108,6 +111,88 @@ def build_tp_model(cfg, arch, device: torch.device, world: int):
     return module
 
 
+class _ShardStage(torch.nn.Module):
+    """The sharded model's decoder layers as one stage for :func:`~spd_ds.models.graphs.static_stage_forward`
+    (the attributes :class:`~spd_ds.models.adapter.TargetStage` offers it: ``arch``, ``layer_ids``, ``layers``,
+    ``rotary``, ``capture``)."""
+
+    def __init__(self, arch, layers, device) -> None:
+        super().__init__()
+        self.arch, self.layers = arch, layers
+        self.layer_ids = list(range(len(layers)))
+        self.rotary = arch.make_rotary().to(device)  # as TargetStage builds it (fp32 inv_freq)
+        self.rotary.inv_freq = self.rotary.inv_freq.float()
+        self.capture: dict[int, int] = {}
+
+
+class _ShardEnds:
+    """Embedding, final norm and LM head of the sharded model (``embed`` / ``logits`` of
+    :class:`~spd_ds.models.adapter.TargetEnds`)."""
+
+    def __init__(self, model) -> None:
+        self.embedding, self.norm, self.lm_head = model.get_input_embeddings(), model.model.norm, model.lm_head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = self.norm(hidden)
+        out = self.lm_head(h.reshape(1, -1, h.shape[-1]))  # AutoTP's sharded LM head wants [B, q, H]
+        return out.reshape(*hidden.shape[:-1], out.shape[-1]).float()
+
+
+class TPShardTarget:
+    """This rank's shard of an AutoTP-split HF causal LM, seen as a one-stage target by
+    :class:`~spd_ds.decoding.ar_graph.ARGraphDecoder` (``arch``, ``device``, ``stages``, ``ends``).
+
+    Args:
+        model: the module :func:`build_tp_model` returns (a ``*ForCausalLM`` whose ``model.layers`` hold the sharded
+            linears and their all-reduces).
+        arch: the target's :class:`~spd_ds.models.adapter.TargetArch`.
+        device: this rank's device.
+
+    Attributes:
+        kv_heads: KV heads this rank holds (AutoTP splits them as evenly as it can: 3 over 2 ranks -> 2 and 1).
+
+    Raises:
+        ValueError: the model has linear-attention layers (AutoTP cannot split them: :func:`tp_unsupported`).
+    """
+
+    def __init__(self, model, arch, device) -> None:
+        if arch.hybrid:
+            raise ValueError(tp_unsupported(arch))
+        self.arch, self.device = arch, torch.device(device)
+        layers = model.model.layers
+        self.stages = [_ShardStage(arch, layers, self.device)]
+        self.ends = _ShardEnds(model)
+        k = layers[0].self_attn.k_proj.weight
+        self.kv_heads = k.shape[0] // arch.head_dim
+        self.dtype = k.dtype
+
+    def static_caches(self, max_len: int) -> list:
+        """One static :class:`~spd_ds.models.kv_cache.StageKVCache` of this rank's KV heads, ``max_len`` positions."""
+        from spd_ds.models.kv_cache import StageKVCache
+
+        return [StageKVCache(self.stages[0].layer_ids, self.kv_heads, self.arch.head_dim, max_len, self.dtype,
+                             self.device, static=True)]
+
+
+def tp_graph_decoder(model, arch, cfg, device):
+    """:class:`~spd_ds.decoding.ar_graph.ARGraphDecoder` over this rank's shard (:class:`TPShardTarget`): graphed on
+    CUDA, the same static forward eagerly on CPU. Every rank calls it (the warm-up and capture run collectives).
+
+    Raises:
+        RuntimeError: the capture failed (e.g. a collective that cannot be captured).
+    """
+    from spd_ds.decoding.ar_graph import ARGraphDecoder
+
+    shard = TPShardTarget(model, arch, device)
+    log.info("%s: this rank holds %d of the %d KV heads", NAME, shard.kv_heads, arch.num_kv_heads)
+    max_len = min(cfg.decoding.max_length, arch.max_positions)
+    return ARGraphDecoder(shard, builder.sampling_params(cfg), list(cfg.decoding.eos_token_ids), max_len,
+                          caches=shard.static_caches(max_len))
+
+
 def _all_ok(ok: bool) -> bool:
     """Whether every rank reports ``ok`` (one all-reduce over the default group)."""
     import torch.distributed as dist
@@ -153,10 +238,21 @@ def run_tp_baseline(cfg, arch, prompts, indices, warm, head_rank: bool, world: i
         log.error("%s skipped on every rank: a rank could not build its shard (see its log)", NAME)
         InferenceEngine.inference_mp_group = None
         return None
-    base = HFGenerateBaseline(model, sampling, list(cfg.decoding.eos_token_ids))
-    base.generate_kwargs["synced_gpus"] = True  # ranks stop together
+    base, err = None, None
+    try:
+        base = tp_graph_decoder(model, arch, cfg, device)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it before the next collective
+        err = e
+        log.error("%s: the static-cache decoder failed on this rank (%s); every rank falls back to transformers "
+                  "generate", NAME, e)
+    if _all_ok(err is None):
+        how = ("static KV cache, one CUDA graph per token" if base.graphed else "static KV cache, eager")
+    else:
+        base = HFGenerateBaseline(model, sampling, list(cfg.decoding.eos_token_ids))
+        base.generate_kwargs["synced_gpus"] = True  # ranks stop together
+        how = "transformers generate, eager"
     moe = any(getattr(arch.config, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    run = MethodRun(NAME, "baseline", 1, f"transformers generate, DeepSpeed AutoTP over {world} ranks (eager)"
+    run = MethodRun(NAME, "baseline", 1, f"DeepSpeed AutoTP over {world} ranks, {how}"
                     + ("; MoE experts are not split (every rank holds them all)" if moe else ""), devices=world)
     measure_baseline(base, run, prompts, indices, warm, sampling, cfg.decoding.max_new_tokens, device)
     del base, model
