@@ -7,23 +7,36 @@
 # Needs what scripts/gpu_benchmarks.sh needs (dependencies, $SPD_GGUF, prompt sets in $SPD_EVAL_DIR).
 # Usage (repo root): source .devkit/on_device.sh && OUT=$OUT SPD_EVAL_DIR=/root/spd_data/eval_data \
 #                        bash scripts/gpu_exactness_check.sh
-# Knobs: VARIANTS ("bf16 det fp32"), PROBE_ARGS (extra probe options, e.g. "--num-prompts 1 --max-new-tokens 8"),
-#   PROBE_OVERRIDES (section.key=value words; "deepspeed.backend=gloo" for a CPU dry run), SKIP_TESTS=1.
+# On one GPU (NUM_GPUS=1): the probe's single-GPU part (--single-gpu: AR_REPEATS ar_graph instances, default 4, and
+# the other single-GPU runs; no pipeline) for each variant, by default also with the SDPA backend pinned:
+#   NUM_GPUS=1 SKIP_TESTS=1 PROBE_OVERRIDES=head.checkpoint=null OUT=$OUT SPD_EVAL_DIR=runs/eval_sets \
+#     bash scripts/gpu_exactness_check.sh
+# Knobs: VARIANTS ("bf16 det fp32"; one GPU: "bf16 det fp32 math efficient"; det = CUBLAS_WORKSPACE_CONFIG=:4096:8
+#   and --deterministic; math / efficient / cudnn = --sdpa-backend), PROBE_ARGS (extra probe options, e.g.
+#   "--num-prompts 1 --max-new-tokens 8"), PROBE_OVERRIDES (section.key=value words; "deepspeed.backend=gloo" for a
+#   CPU dry run), SKIP_TESTS=1, NUM_GPUS (2), AR_REPEATS.
 source "$(dirname "$0")/gpu_common.sh"
 EVAL_DIR=${SPD_EVAL_DIR:-eval_data}
 WORK=$(mktemp -d /tmp/spd_exactness.XXXXXX)
-say "gpu_exactness_check: variants [${VARIANTS:-bf16 det fp32}], prompt sets from $EVAL_DIR"
+say "gpu_exactness_check: ${NUM_GPUS:-2} GPU(s), prompt sets from $EVAL_DIR"
 set +e
 if [[ -z "${SKIP_TESTS:-}" ]]; then
   timeout 300 "$PY" -m pytest -q tests/test_pipe_engine.py -k cuda -rs > "$OUT/pytest.log" 2>&1
   say "CUDA engine test: exit $? ($(tail -1 "$OUT/pytest.log"))"
 fi
-for v in ${VARIANTS:-bf16 det fp32}; do
-  vars=(SPD_PROBE_VARIANT="$v") extra=()  # (the variable only labels the processes)
-  [[ $v == det ]] && vars+=(CUBLAS_WORKSPACE_CONFIG=:4096:8)
+ONE=$([[ ${NUM_GPUS:-2} == 1 ]] && echo 1)
+for v in ${VARIANTS:-bf16 det fp32${ONE:+ math efficient}}; do
+  vars=(SPD_PROBE_VARIANT="$v") extra=() opts=()  # (the variable only labels the processes)
+  [[ $v == det ]] && vars+=(CUBLAS_WORKSPACE_CONFIG=:4096:8) && opts+=(--deterministic)
   [[ $v == fp32 ]] && extra=(model.dtype=float32)
-  env "${vars[@]}" timeout 300 "$PY" -m deepspeed.launcher.runner --num_gpus "${NUM_GPUS:-2}" \
-    --master_port $((29500 + RANDOM % 1000)) scripts/diagnostics/gpu_exactness_probe.py "${extra[@]}" ${PROBE_OVERRIDES:-} \
+  [[ $v == math || $v == efficient || $v == cudnn ]] && opts+=(--sdpa-backend "$v")
+  if [[ -n $ONE ]]; then  # one process, no pipeline: the single-GPU AR runs only (the probe's --single-gpu)
+    launch=("$PY" scripts/diagnostics/gpu_exactness_probe.py --single-gpu --ar-repeats "${AR_REPEATS:-4}")
+  else
+    launch=("$PY" -m deepspeed.launcher.runner --num_gpus "${NUM_GPUS:-2}" --master_port $((29500 + RANDOM % 1000))
+            scripts/diagnostics/gpu_exactness_probe.py)
+  fi
+  env "${vars[@]}" timeout 300 "${launch[@]}" "${extra[@]}" ${PROBE_OVERRIDES:-} "${opts[@]}" \
     --out "$WORK/$v" --eval-dir "$EVAL_DIR" ${PROBE_ARGS:-} > "$WORK/$v.log" 2>&1  # overrides first: --sets takes a list
   rc=$?
   say "probe $v: exit $rc"

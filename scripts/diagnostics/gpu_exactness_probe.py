@@ -16,11 +16,13 @@ same ``decoding.max_length`` (static caches of one length everywhere):
   thread), as beside stage 0.
 
 With ``--single-gpu`` (one process, no process group) only the rank-0 part runs: ``ar_graph`` ``--ar-repeats``
-times, ``sync1``, ``+head`` and the eager AR (``ar_eager``: the same decoder, no graph), which tells whether the
-single-GPU AR alone changes its tokens between runs.
+times, ``sync1``, ``+head``, ``+head replaying`` and the eager AR (``ar_eager``: the same decoder, no graph), which
+tells whether the single-GPU AR alone changes its tokens between runs. ``--sdpa-backend`` pins the attention kernel
+and ``--deterministic`` asks torch for deterministic algorithms, to find which kernel varies.
 
 Writes ``tokens.json`` (every method's tokens per prompt) and ``divergence.md`` (first divergence of every method
-from ``ar_graph#0`` and from ``pipe_ar[eager]``) to ``--out`` and prints the table.
+from ``ar_graph#0`` and from ``pipe_ar[eager]``, with ``--single-gpu`` from ``ar_eager``) to ``--out`` and prints the
+table.
 
 Usage (GPU machine, repo root, ``export PYTHONPATH=$PWD`` as scripts/gpu_common.sh does)::
 
@@ -28,6 +30,7 @@ Usage (GPU machine, repo root, ``export PYTHONPATH=$PWD`` as scripts/gpu_common.
     CUBLAS_WORKSPACE_CONFIG=:4096:8 deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/det
     deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/fp32 model.dtype=float32
     python scripts/diagnostics/gpu_exactness_probe.py --single-gpu --ar-repeats 4 --out $OUT/one   # one GPU
+    python scripts/diagnostics/gpu_exactness_probe.py --single-gpu --sdpa-backend math --out $OUT/math
 """
 
 from __future__ import annotations
@@ -59,11 +62,29 @@ def main() -> None:
     ap.add_argument("--single-gpu", action="store_true",
                     help="one process: only the single-GPU AR runs (no pipeline sessions, no process group)")
     ap.add_argument("--ar-repeats", type=int, default=2, help="ar_graph runs (>= 1)")
+    ap.add_argument("--sdpa-backend", choices=["math", "efficient", "cudnn"],  # (flash takes no mask)
+                    help="run every method with only this scaled-dot-product-attention backend")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True) (set CUBLAS_WORKSPACE_CONFIG=:4096:8 too)")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the deepspeed launcher adds it
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.ar_repeats < 1:
         ap.error(f"--ar-repeats must be >= 1, got {args.ar_repeats}")
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    if args.sdpa_backend:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                   "cudnn": SDPBackend.CUDNN_ATTENTION}[args.sdpa_backend]
+        with sdpa_kernel([backend]):
+            return probe(args)
+    return probe(args)
+
+
+def probe(args) -> None:
+    """The probe proper (see the module docstring); ``args`` as :func:`main` parses them."""
 
     import torch.distributed as dist
 
@@ -140,8 +161,10 @@ def main() -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "tokens.json").write_text(json.dumps({"prompts": names, "runs": runs}, indent=1))
         ref2 = "ar_eager" if args.single_gpu else "pipe_ar[eager]"
+        how = "".join(f", {k}" for k, on in (("SDPA " + str(args.sdpa_backend), args.sdpa_backend),
+                                              ("deterministic algorithms", args.deterministic)) if on)
         lines = [f"# exactness probe ({cfg.model.dtype}, max_length {cfg.decoding.max_length}, "
-                 f"{cfg.decoding.max_new_tokens} new tokens)", "",
+                 f"{cfg.decoding.max_new_tokens} new tokens{how})", "",
                  f"| method | vs ar_graph#0: identical | first divergences | vs {ref2}: identical | first "
                  "divergences |", "|---|---|---|---|---|"]
         for name, toks in runs.items():
