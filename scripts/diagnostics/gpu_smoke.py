@@ -50,7 +50,7 @@ def main():
     with torch.no_grad():
         hf.generate(ids, max_new_tokens=8, do_sample=False)
         torch.cuda.synchronize(); t0 = time.perf_counter()
-        out = hf.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+        hf.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
         torch.cuda.synchronize()
     print(json.dumps({"hf_generate_tok_s": 64 / (time.perf_counter() - t0)}), flush=True)
 

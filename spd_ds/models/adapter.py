@@ -324,7 +324,7 @@ def _load_config(model_dir: Path):
 
     try:
         return AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError):
         p = Path(model_dir) / "config.json"
         mt = json.loads(p.read_text()).get("model_type", "") if p.is_file() else ""
         if mt.startswith("qwen3_5"):
