@@ -36,9 +36,16 @@ def resolve_path(path: str | None) -> str | None:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda if available else cpu."""
+    """``model.device`` -> ``torch.device``: ``auto`` = cuda if available else cpu.
+
+    Raises:
+        ConfigError: a CUDA device asked for where torch has none (a CPU build, or no GPU visible).
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(name).startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"model.device={name} but torch {torch.__version__} sees no CUDA device here; use "
+                          "model.device=cpu (or auto)")
     return torch.device(name)
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 
@@ -248,16 +250,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     """Load ``path`` (YAML) over the defaults, then apply ``section.key=value`` overrides (values parsed as YAML).
 
     Raises:
-        ConfigError: missing file, unknown section/key (the message lists the valid ones), wrong value type,
-            malformed override.
+        ConfigError: missing file, a file that is not a YAML mapping of sections, unknown section/key (the message
+            lists the valid ones), wrong value type, malformed override.
     """
     base = OmegaConf.structured(ExperimentConfig)
     try:
         if path is not None:
-            p = Path(path)
-            if not p.exists():
-                raise ConfigError(f"config file {p} not found")
-            base = OmegaConf.merge(base, OmegaConf.load(p))
+            base = OmegaConf.merge(base, _load_yaml(Path(path)))
         for o in overrides:
             if "=" not in o or "." not in o.split("=", 1)[0]:
                 raise ConfigError(f"override {o!r} must look like section.key=value (e.g. partition.num_stages=3)")
@@ -274,8 +273,37 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     return cfg
 
 
+def _load_yaml(p: Path):
+    """The experiment file ``p`` as an OmegaConf mapping; ConfigError if it is missing, a folder, not YAML, or not a
+    mapping of sections."""
+    if not p.exists():
+        raise ConfigError(f"config file {p} not found")
+    if not p.is_file():
+        raise ConfigError(f"config file {p} is not a file: give the path of a YAML experiment file "
+                          "(e.g. launch/configs/smollm2_spd.yaml)")
+    try:
+        loaded = OmegaConf.load(p)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {p} is not valid YAML{where}: {problem}; check its indentation") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {p} must be a mapping of sections (model:, partition:, head:, ...), "
+                          f"got a {'list' if isinstance(loaded, ListConfig) else type(loaded).__name__}")
+    return loaded
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Cheap checks that need no model (more happen when the model is known). Raises ConfigError."""
+    from spd_ds.models.adapter import resolve_dtype
+
+    try:
+        resolve_dtype(cfg.model.dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.model.device)):
+        raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {cfg.model.device!r}")
     if cfg.head.placement not in ("colocated", "dedicated"):
         raise ConfigError(f"head.placement must be 'colocated' or 'dedicated', got {cfg.head.placement!r}")
     if cfg.decoding.drafter not in ("head", "oracle"):

@@ -56,6 +56,35 @@ def test_bad_values():
         load_config(None, ["train.teacher_attention=flex", "data.pack=false"])
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent.yaml")
+    with pytest.raises(ConfigError, match="model.dtype='float64' is not one of"):
+        load_config(None, ["model.dtype=float64"])
+    with pytest.raises(ConfigError, match="model.device must be auto, cpu, cuda or cuda:N, got 'gpu'"):
+        load_config(None, ["model.device=gpu"])
+    assert load_config(None, ["model.device=cuda:1"]).model.device == "cuda:1"  # checked against torch when used
+
+
+def test_bad_config_files_are_one_line_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: x\n   dtype: float32\n")  # over-indented
+    with pytest.raises(ConfigError, match=r"not valid YAML \(line 3, column 9\).*check its indentation"):
+        load_config(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- model\n- head\n")
+    with pytest.raises(ConfigError, match="must be a mapping of sections .* got a list"):
+        load_config(lst)
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_config(tmp_path)
+
+
+def test_a_cuda_device_without_cuda_is_a_config_error(monkeypatch):
+    import torch
+
+    from spd_ds.builder import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="model.device=cuda but torch .* sees no CUDA device here; use model.device=cpu"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
 
 
 def test_compile_teacher_auto_is_inductor_on_cuda_and_eager_elsewhere(monkeypatch):

@@ -76,7 +76,8 @@ def test_gsm8k_offline_without_source_raises_one_line(tmp_path, monkeypatch):
     with pytest.raises(PromptSetUnavailableError) as ei:
         materialize_prompt_set("gsm8k", tmp_path)
     msg = str(ei.value)
-    assert "\n" not in msg and "source_dir" in msg and "offline" in msg
+    assert "\n" not in msg and "offline" in msg
+    assert "prepare_eval_data.py gsm8k --source-dir" in msg and "data.eval_dir=" in msg
     assert not (tmp_path / "gsm8k" / "question.jsonl").exists()
 
 

@@ -172,14 +172,20 @@ def _write_jsonl(records: list[dict], dest: Path) -> None:
     os.replace(tmp, dest)
 
 
+def _source_advice(name: str) -> str:
+    """What to do when prompt set ``name`` cannot be fetched: bring its file from elsewhere."""
+    return (f"copy {name}/{QUESTION_FILE} from a machine that has it and run `python launch/prepare_eval_data.py "
+            f"{name} --source-dir DIR` (DIR holding {name}/{QUESTION_FILE}), or set data.eval_dir= to a directory "
+            f"holding it")
+
+
 def _registry_file(ps: PromptSet, cache_dir) -> Path:
     assert ps.registry is not None
     try:
         return fetch_registry_file(ps.registry, cache_dir)
     except RegistryUnavailableError as e:
         raise PromptSetUnavailableError(
-            f"prompt set {ps.name!r} cannot be materialised: {e}; pass source_dir= a directory with "
-            f"{ps.name}/{QUESTION_FILE}"
+            f"prompt set {ps.name!r} cannot be materialised: {e}; {_source_advice(ps.name)}"
         ) from None
 
 
@@ -243,7 +249,7 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
 
 
 def _gsm8k(ps: PromptSet, cache_dir) -> list[dict]:
-    advice = f"pass source_dir= a directory with gsm8k/{QUESTION_FILE}"
+    advice = _source_advice("gsm8k")
     if _hub_offline():
         raise PromptSetUnavailableError(
             f"prompt set 'gsm8k' needs the hub dataset {ps.hub_dataset} and the hub is offline (HF_HUB_OFFLINE); {advice}"
