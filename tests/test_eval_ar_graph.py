@@ -58,3 +58,5 @@ def test_given_caches_are_used_and_checked(target):
     assert dec.generate(PROMPT, 12).tokens == ARDecoder(target, SamplingParams(), [], 128).generate(PROMPT, 12).tokens
     with pytest.raises(ValueError, match="one static cache per stage"):
         ARGraphDecoder(target, caches=caches[:1])
+    with pytest.raises(ValueError, match="must be static with >= 128 positions"):
+        ARGraphDecoder(target, SamplingParams(), [], 128, caches=[make_static_cache(s, 64) for s in target.stages])

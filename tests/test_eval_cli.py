@@ -127,15 +127,18 @@ def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="needs the deepspeed launcher")
-@pytest.mark.parametrize("model_type,overrides", [
-    ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}),  # SmolLM2's 3 KV heads
-    ("qwen3", {}),  # an untied LM head, explicit head_dim
-], ids=["llama-3kv", "qwen3"])
-def test_tp_ar_static_decoder_matches_ar_on_uneven_and_untied_shards(tmp_path, model_type, overrides):
+@pytest.mark.parametrize("model_type,overrides,temperature", [
+    ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}, 0),  # SmolLM2's 3 KV heads
+    ("qwen3", {}, 0),  # an untied LM head, explicit head_dim
+    ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}, 0.8),  # sampled
+], ids=["llama-3kv", "qwen3", "llama-3kv-T0.8"])
+def test_tp_ar_static_decoder_matches_ar_on_uneven_and_untied_shards(tmp_path, model_type, overrides, temperature):
     """``tp_ar``'s static-cache decoder over AutoTP shards (2 gloo ranks, fp32) gives ``ar``'s tokens when the KV heads
-    do not split evenly (3 over 2 ranks: 2 and 1) and with an LM head of its own."""
+    do not split evenly (3 over 2 ranks: 2 and 1) and with an LM head of its own; at T > 0 too, where both draw with
+    the same position-keyed uniforms (so the ranks, which sample independently, also stay in lockstep)."""
     shape = make_random_shape(tmp_path, model_type, **overrides)
-    args = tiny(shape, tmp_path / "ds", "eval.baselines=[ar,tp_ar]", "deepspeed.backend=gloo")
+    args = tiny(shape, tmp_path / "ds", "eval.baselines=[ar,tp_ar]", "deepspeed.backend=gloo",
+                f"decoding.temperature={temperature}")
     p = run(["--num_gpus", "2", "launch/eval.py", *args], launcher=["deepspeed"])
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     s = json.loads((tmp_path / "ds" / "summary.json").read_text())

@@ -47,7 +47,8 @@ class ARGraphDecoder:
     stages are captured with the rest (the capture tolerates other threads, e.g. NCCL's watchdog, querying events).
 
     Raises:
-        ValueError: ``use_graph=True`` on a non-CUDA target, ``sync_every < 1``, or not one cache per stage.
+        ValueError: ``use_graph=True`` on a non-CUDA target, ``sync_every < 1``, or given caches that are not one
+            static cache per stage of at least ``max_len`` positions (capped at the target's ``max_positions``).
     """
 
     def __init__(self, target: Target, sampling: SamplingParams = SamplingParams(),
@@ -69,6 +70,9 @@ class ARGraphDecoder:
         self.caches = [make_static_cache(s, self.max_len) for s in self.stages] if caches is None else list(caches)
         if len(self.caches) != len(self.stages):
             raise ValueError(f"need one static cache per stage ({len(self.stages)}), got {len(self.caches)}")
+        if any(not c.static or c.max_len < self.max_len for c in self.caches):
+            raise ValueError(f"the given caches must be static with >= {self.max_len} positions, got "
+                             f"{[(c.static, c.max_len) for c in self.caches]}")
         # static inputs/outputs (fixed addresses)
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1] token fed at ``pos``
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] its position

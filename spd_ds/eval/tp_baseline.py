@@ -133,9 +133,12 @@ class _ShardEnds:
         self.embedding, self.norm, self.lm_head = model.get_input_embeddings(), model.model.norm, model.lm_head
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [1, q] int64 -> [1, q, H]`` in the model's dtype."""
         return self.embedding(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Raw last-layer states ``[.., H]`` -> final norm -> LM head (its all-reduce when AutoTP split it) -> fp32
+        ``[.., V]``."""
         h = self.norm(hidden)
         out = self.lm_head(h.reshape(1, -1, h.shape[-1]))  # AutoTP's sharded LM head wants [B, q, H]
         return out.reshape(*hidden.shape[:-1], out.shape[-1]).float()
@@ -181,8 +184,17 @@ def tp_graph_decoder(model, arch, cfg, device):
     """:class:`~spd_ds.decoding.ar_graph.ARGraphDecoder` over this rank's shard (:class:`TPShardTarget`): graphed on
     CUDA, the same static forward eagerly on CPU. Every rank calls it (the warm-up and capture run collectives).
 
+    Args:
+        model: this rank's shard (:func:`build_tp_model`); arch: the target's
+            :class:`~spd_ds.models.adapter.TargetArch`.
+        cfg: the experiment (``decoding.max_length``: KV positions; ``decoding.eos_token_ids``; sampling).
+        device: this rank's device.
+    Returns:
+        The decoder (``generate(prompt ids, max_new_tokens) -> GenerationResult``; ``graphed`` says whether it
+        replays a CUDA graph).
     Raises:
-        RuntimeError: the capture failed (e.g. a collective that cannot be captured).
+        RuntimeError: the capture failed (e.g. a collective that cannot be captured). ValueError: a hybrid target.
+        AttributeError: a model without ``model.layers[i].self_attn.k_proj`` / ``model.norm`` / ``lm_head``.
     """
     from spd_ds.decoding.ar_graph import ARGraphDecoder
 
