@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_eval_random_weights import make_random_shape
+from tests.test_pipe_worker import deepspeed_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,7 +108,7 @@ def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
     static-cache decoder) before them, with ``ar``'s tokens (fp32)."""
     shape = make_random_shape(tmp_path)
     args = tiny(shape, tmp_path / "ds", "eval.baselines=[ar,tp_ar]", "deepspeed.backend=gloo")
-    p = run(["--num_gpus", "2", "launch/eval.py", "--strict-exact", *args], launcher=["deepspeed"])
+    p = run(["launch/eval.py", "--strict-exact", *args], launcher=deepspeed_cmd(2))
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     q = run(["launch/eval.py", *tiny(shape, tmp_path / "ref", "eval.baselines=[ar]")])
     assert q.returncode == 0, q.stderr[-3000:]
@@ -139,7 +140,7 @@ def test_tp_ar_static_decoder_matches_ar_on_uneven_and_untied_shards(tmp_path, m
     shape = make_random_shape(tmp_path, model_type, **overrides)
     args = tiny(shape, tmp_path / "ds", "eval.baselines=[ar,tp_ar]", "deepspeed.backend=gloo",
                 f"decoding.temperature={temperature}")
-    p = run(["--num_gpus", "2", "launch/eval.py", *args], launcher=["deepspeed"])
+    p = run(["launch/eval.py", *args], launcher=deepspeed_cmd(2))
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     s = json.loads((tmp_path / "ds" / "summary.json").read_text())
     assert s["methods"]["tp_ar"]["description"].endswith("static KV cache, eager"), s["methods"]["tp_ar"]

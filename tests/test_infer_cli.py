@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_pipe_worker import deepspeed_cmd
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "launch" / "configs" / "smollm2_spd.yaml"
 
@@ -25,7 +27,7 @@ def test_infer_answers_match_ar(smollm2_dir, tmp_path, launcher):
     args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=12",
             "--prompt", "What is the capital of France?", "--prompt", "Name three colours.",
             "--output", str(tmp_path / "out.jsonl")]
-    cmd = [sys.executable, *args] if launcher == "python" else ["deepspeed", "--num_gpus", "2", *args]
+    cmd = [sys.executable, *args] if launcher == "python" else [*deepspeed_cmd(2), *args]
     r = run(cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     ar = "AR decoding" if launcher == "python" else "AR through the same pipeline"
@@ -138,7 +140,7 @@ def test_damaged_head_is_one_line_exit_2_on_every_rank(smollm2_dir, tmp_path):
 @pytest.mark.slow
 def test_damaged_head_under_the_launcher(smollm2_dir, tmp_path):
     head = _damaged_head(tmp_path, "header")
-    r = run(["deepspeed", "--num_gpus", "2", "launch/infer.py", "--config", str(CONFIG), f"head.checkpoint={head}",
+    r = run([*deepspeed_cmd(2), "launch/infer.py", "--config", str(CONFIG), f"head.checkpoint={head}",
              "--prompt", "hi"])
     text = r.stdout + r.stderr
     assert r.returncode == 2, text[-3000:]
