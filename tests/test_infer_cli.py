@@ -146,3 +146,24 @@ def test_damaged_head_under_the_launcher(smollm2_dir, tmp_path):
     assert r.returncode == 2, text[-3000:]
     assert "error (rank 0 of 2): head" in text and "head.safetensors is damaged" in text
     assert "Traceback" not in text and "SafetensorError" not in text
+
+
+def test_progress_line_names_the_pass_and_counts_prompts(capsys):
+    """With the AR check each prompt is generated twice: the bar counts 2 x prompts generations and its label says
+    which pass runs and how many of its prompts are done."""
+    from types import SimpleNamespace
+
+    from spd_ds.commands.infer import _Progress
+
+    bar = _Progress(num_prompts=3, passes=2, enabled=True)
+    labels = []
+    for kind in ("spd", "ar"):
+        for i in range(3):
+            bar(kind, i, None)
+            labels.append(bar.bar.desc.rstrip(": "))
+            bar(kind, i, SimpleNamespace(tokens=[1, 2]))
+    assert labels[0] == "SPD 0/3 prompts" and labels[2] == "SPD 2/3 prompts" and labels[3] == "AR check 0/3 prompts"
+    assert bar.bar.desc.rstrip(": ") == "AR check 3/3 prompts" and bar.bar.n == bar.bar.total == 6 and bar.tokens == 12
+    bar.close()
+    assert "12 tokens" in capsys.readouterr().err
+    assert not _Progress(num_prompts=0, passes=2, enabled=True).enabled

@@ -79,12 +79,20 @@ def main(argv=None) -> int:
 
 
 class _Progress:
-    """tqdm line on stderr: generations done (SPD, then AR) and tokens so far. It appears when the first generation
-    starts (after model loading); while it is open, log records (ours and DeepSpeed's) are written above it."""
+    """tqdm line on stderr: generations done and tokens so far. With the AR check every prompt is generated twice
+    (SPD, then AR), so the bar counts ``2 x prompts`` generations and its label says which pass runs and how far it
+    is (``SPD 2/3 prompts``, then ``AR check 1/3 prompts``). It appears when the first generation starts (after model
+    loading); while it is open, log records (ours and DeepSpeed's) are written above it."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled and total > 0
+    def __init__(self, num_prompts: int, passes: int, enabled: bool) -> None:
+        self.num_prompts, self.total = num_prompts, num_prompts * passes
+        self.enabled = enabled and self.total > 0
         self.bar, self.tokens, self._redirect = None, 0, None
+        self.done: dict[str, int] = {}
+
+    def _label(self, kind: str) -> str:
+        name = "SPD" if kind == "spd" else "AR check"
+        return f"{name} {self.done.get(kind, 0)}/{self.num_prompts} prompts"
 
     def __call__(self, kind: str, index: int, result) -> None:
         """Progress callback: ``result`` is ``None`` when generation ``index`` starts, its result when done."""
@@ -94,11 +102,15 @@ class _Progress:
 
             self._redirect = logging_redirect_tqdm([logging.getLogger(), logging.getLogger("DeepSpeed")])
             self._redirect.__enter__()
-            self.bar = tqdm(total=self.total, desc=kind.upper(), unit="prompt", dynamic_ncols=True)
-        if self.bar is None or result is None:
+            self.bar = tqdm(total=self.total, desc=self._label(kind), unit="generation", dynamic_ncols=True)
+        if self.bar is None:
+            return
+        if result is None:
+            self.bar.set_description(self._label(kind))
             return
         self.tokens += len(result.tokens)
-        self.bar.set_description(kind.upper(), refresh=False)
+        self.done[kind] = self.done.get(kind, 0) + 1
+        self.bar.set_description(self._label(kind), refresh=False)
         self.bar.set_postfix_str(f"{self.tokens} tokens", refresh=False)
         self.bar.update(1)
 
@@ -122,7 +134,7 @@ def _main(argv=None) -> int:
     tok = builder.load_tokenizer(arch)
     ids = [builder.encode_prompt(tok, text, cfg.decoding.chat_template) for _, text in prompts]
     head_rank = int(os.environ.get("RANK", "0")) == 0
-    bar = _Progress(len(ids) * (2 if args.compare_ar else 1), args.progress and head_rank)
+    bar = _Progress(len(ids), 2 if args.compare_ar else 1, args.progress and head_rank)
     try:
         if engine == "deepspeed":
             from spd_ds.pipe.runner import run_distributed_inference
