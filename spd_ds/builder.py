@@ -16,6 +16,7 @@ import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.decoding.stopping import StopStrings
 from spd_ds.head import SpeculationHead, load_draft_vocab
 from spd_ds.models.adapter import Target, TargetArch, resolve_dtype
 from spd_ds.partition import PartitionError, StagePartition
@@ -160,6 +161,21 @@ def eos_token_ids(cfg: ExperimentConfig, arch: TargetArch, tokenizer=None) -> li
             continue
         ids.update([s] if isinstance(s, int) else s)
     return sorted(ids)
+
+
+def stop_strings(cfg: ExperimentConfig, tokenizer) -> StopStrings | None:
+    """The :class:`~spd_ds.decoding.stopping.StopStrings` of ``decoding.stop`` over ``tokenizer`` (``None`` when
+    the list is empty).
+
+    Raises:
+        ConfigError: stop strings were given but the model has no tokenizer (random-weight shapes).
+    """
+    if not cfg.decoding.stop:
+        return None
+    if tokenizer is None:
+        raise ConfigError(f"decoding.stop needs the model's tokenizer and {cfg.model.name} has none; remove "
+                          "decoding.stop or use a model with a tokenizer")
+    return StopStrings.from_tokenizer(list(cfg.decoding.stop), tokenizer)
 
 
 def load_tokenizer(arch: TargetArch | str | os.PathLike):

@@ -75,7 +75,9 @@ class HeadConfig:
 @dataclasses.dataclass
 class DecodingConfig:
     """Generation: ``temperature`` 0 = greedy; ``eos_token_ids`` None = the model's generation config;
-    ``drafter``: ``head`` or ``oracle`` (target's own next token with probability ``oracle_alpha``)."""
+    ``stop``: stop strings, a generation ends with the token whose text completes one of them (finish reason
+    ``stop``; ``spd_ds.decoding.stopping``; needs the model's tokenizer; ``launch/infer.py`` and the Python API, not
+    the benchmarks); ``drafter``: ``head`` or ``oracle`` (target's own next token with probability ``oracle_alpha``)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -83,6 +85,7 @@ class DecodingConfig:
     top_p: float = 1.0
     seed: int = 0
     eos_token_ids: Optional[list[int]] = None
+    stop: list[str] = dataclasses.field(default_factory=list)
     max_length: int = 4096
     drafter: str = "head"
     oracle_alpha: float = 1.0
@@ -260,8 +263,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         for o in overrides:
             if "=" not in o or "." not in o.split("=", 1)[0]:
                 raise ConfigError(f"override {o!r} must look like section.key=value (e.g. partition.num_stages=3)")
-        if overrides:
-            base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        for o in overrides:  # one at a time, so that an error names its override
+            try:
+                base = OmegaConf.merge(base, OmegaConf.from_dotlist([o]))
+            except TypeError:  # a scalar given for a list key (or a list for a mapping)
+                key, value = o.split("=", 1)
+                raise ConfigError(f"override {o!r}: {key} takes a list; write it as a YAML list in quotes, e.g. "
+                                  f"{key}='[\"{value}\"]'") from None
     except (ConfigKeyError, ConfigAttributeError) as e:
         key = getattr(e, "full_key", None) or str(e)
         raise ConfigError(f"unknown config key {key!r}; {_valid_keys(str(key).split('.'))}") from None
@@ -312,6 +320,9 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"partition.num_stages must be >= 1, got {cfg.partition.num_stages}")
     if cfg.decoding.max_new_tokens < 1:
         raise ConfigError(f"decoding.max_new_tokens must be >= 1, got {cfg.decoding.max_new_tokens}")
+    if any(not s for s in cfg.decoding.stop):
+        raise ConfigError(f"decoding.stop must list non-empty strings (e.g. decoding.stop='[\"User:\"]'), got "
+                          f"{list(cfg.decoding.stop)!r}")
     from spd_ds.decoding.sampling import SamplingParams
 
     d = cfg.decoding

@@ -1,5 +1,6 @@
 """The main job as a user runs it: launch/infer.py on SmolLM2 (one process, plain python and under deepspeed)."""
 
+import json
 import os
 import re
 import subprocess
@@ -42,6 +43,24 @@ def test_infer_answers_match_ar(smollm2_dir, tmp_path, launcher):
     one_process_note = "in one process the 2 stages run one after another" in r.stdout
     assert one_process_note == (launcher == "python")
     assert "SPD" in r.stderr and "tokens" in r.stderr  # the progress line (tqdm, stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python", "deepspeed"])
+def test_stop_string_ends_spd_and_ar_at_the_same_token(smollm2_dir, tmp_path, launcher):
+    """``--stop Paris``: the answer that reaches it ends with the token completing it (finish ``stop``) and is printed
+    without it; the other ends by length; SPD and AR (through the same pipeline under DeepSpeed) stay identical."""
+    args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=12", "--stop", "Paris",
+            "--prompt", "What is the capital of France?", "--prompt", "Name three colours.",
+            "--output", str(tmp_path / "out.jsonl")]
+    r = run([sys.executable, *args] if launcher == "python" else [*deepspeed_cmd(2), *args])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2/2 prompts" in r.stdout and "identical to AR: yes" in r.stdout
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [x["finish_reason"] for x in rows] == ["stop", "length"]
+    assert len(rows[0]["tokens"]) < 12 and len(rows[1]["tokens"]) == 12
+    answer = r.stdout.split("=== [prompt0] What is the capital of France?", 1)[1].split("\n--- ", 1)[0]
+    assert "finish stop" in r.stdout and answer.strip() and "Paris" not in answer  # printed up to the stop string
 
 
 def test_unknown_key_is_a_one_line_error():

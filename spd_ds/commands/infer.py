@@ -27,7 +27,7 @@ from pathlib import Path
 
 from spd_ds import builder
 from spd_ds.cli import chosen_engine, experiment_parser, run_cli, setup_process
-from spd_ds.config import ConfigError, load_config
+from spd_ds.config import ConfigError, load_config, validate
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_accept_length, pooled_decode_tok_s
 from spd_ds.pipe.topology import detect_world_size
 
@@ -43,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compare-ar", dest="compare_ar", action=argparse.BooleanOptionalAction, default=True,
                     help="also decode every prompt autoregressively on the same stage code: its tok/s beside SPD's "
                          "and, at T=0, a token-for-token check of SPD's answers")
+    ap.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                    help="a stop string (repeatable; added to decoding.stop): an answer ends with the token that "
+                         "completes it, and is printed without it")
     ap.add_argument("--output", help="write per-prompt results as JSONL here")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                     help="a progress line (prompts, tokens) on stderr while decoding")
@@ -126,6 +129,9 @@ def _main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     setup_process()
     cfg = load_config(args.config, args.overrides)
+    if args.stop:
+        cfg.decoding.stop = [*cfg.decoding.stop, *args.stop]
+        validate(cfg)
     prompts = load_prompt_texts(cfg, args)  # before any model is fetched or loaded: an empty set fails here
     world = detect_world_size()
     engine = chosen_engine(args.engine)
@@ -174,6 +180,7 @@ def run_reference(cfg, arch, tok, ids, with_ar: bool = False, on_generation=None
     target = builder.build_target(cfg, arch, part)
     head = builder.build_head(cfg, arch, part)
     eos = builder.eos_token_ids(cfg, arch, tok)
+    stop = builder.stop_strings(cfg, tok)
     log.info("target %s: %d layers in %d stages %s, anchors %s, device %s", arch.model_dir.name, arch.num_layers,
              part.num_stages, list(part.stage_layers), list(part.anchors), target.device)
     results = []
@@ -182,10 +189,10 @@ def run_reference(cfg, arch, tok, ids, with_ar: bool = False, on_generation=None
     for i, p in enumerate(ids):
         sampling = builder.sampling_params(cfg, request=i)
         if oracle:
-            ar = ARDecoder(target, sampling, eos, cfg.decoding.max_length)
+            ar = ARDecoder(target, sampling, eos, cfg.decoding.max_length)  # no stop strings: drafts past them too
             reference = list(p) + ar.generate(p, cfg.decoding.max_new_tokens + part.num_stages).tokens
             drafter = builder.build_drafter(cfg, head, arch, target.device, reference)
-        dec = SPDReferenceDecoder(target, drafter, sampling, eos, cfg.decoding.max_length)
+        dec = SPDReferenceDecoder(target, drafter, sampling, eos, cfg.decoding.max_length, stop_strings=stop)
         if on_generation is not None:
             on_generation("spd", i, None)
         results.append(dec.generate(p, cfg.decoding.max_new_tokens))
@@ -194,7 +201,7 @@ def run_reference(cfg, arch, tok, ids, with_ar: bool = False, on_generation=None
     if not with_ar:
         return results, None
     ar_results = []
-    ar = ARDecoder(target, builder.sampling_params(cfg), eos, cfg.decoding.max_length)
+    ar = ARDecoder(target, builder.sampling_params(cfg), eos, cfg.decoding.max_length, stop_strings=stop)
     for i, p in enumerate(ids):
         ar.sampling = builder.sampling_params(cfg, request=i)
         if on_generation is not None:
@@ -252,14 +259,16 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
     ar_tokens = [r.tokens for r in ar_results] if ar_results is not None and greedy else None
     total = SPDMetrics.pooled([r.metrics for r in results])
     rows = []
+    stop = builder.stop_strings(cfg, tok)
     for i, ((qid, text), res) in enumerate(zip(prompts, results)):
         m = res.metrics
         print(f"\n=== [{qid}] {text[:200]}")
-        print(tok.decode(res.tokens, skip_special_tokens=True))
+        answer = tok.decode(res.tokens, skip_special_tokens=True)
+        print(stop.truncate(answer) if res.finish_reason == "stop" else answer)  # as vLLM: without the stop string
         same = None if ar_tokens is None else ar_tokens[i] == res.tokens
         print(f"--- {m.num_new_tokens} tokens in {m.num_cycles} cycles, draft acceptance "
               f"{m.draft_acceptance_rate:.3f}, equivalent accept length {m.equivalent_accept_length:.2f}, "
-              f"{m.decode_tok_s:.1f} tok/s" + ("" if same is None else f", identical to AR: {'yes' if same else 'NO'}"))
+              f"{m.decode_tok_s:.1f} tok/s, finish {res.finish_reason}" + ("" if same is None else f", identical to AR: {'yes' if same else 'NO'}"))
         row = {"question_id": qid, "tokens": res.tokens, "finish_reason": res.finish_reason,
                "identical_to_ar": same, **m.to_dict()}
         if ar_results is not None:

@@ -42,10 +42,13 @@ def main(argv=None) -> int:
     import torch
 
     from spd_ds.builder import build_arch, encode_prompt, load_tokenizer, resolve_path
-    from spd_ds.config import load_config
+    from spd_ds.config import ConfigError, load_config
     from spd_ds.pipe.runner import SPDSession
 
     cfg = load_config(args.config, args.set)
+    if cfg.decoding.stop:
+        raise ConfigError("decoding.stop is for launch/infer.py and the Python API; pipe_bench measures fixed-length "
+                          "generations: remove decoding.stop")
     max_new = args.max_new_tokens or cfg.decoding.max_new_tokens
     arch = build_arch(cfg)
     tok = load_tokenizer(arch)

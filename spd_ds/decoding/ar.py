@@ -8,9 +8,10 @@ from typing import Iterable, Sequence
 import torch
 
 from spd_ds.decoding.metrics import SPDMetrics
-from spd_ds.decoding.cycle import GenerationResult, check_prompt, eos_set, first_token
+from spd_ds.decoding.cycle import GenerationResult, TokenOutput, check_prompt, eos_set, first_token
 from spd_ds.decoding.reference import prefill
 from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.decoding.stopping import StopStrings
 from spd_ds.models.adapter import Target
 
 
@@ -18,12 +19,16 @@ class ARDecoder:
     """One token per step through all stages of a :class:`~spd_ds.models.adapter.Target`.
 
     Sampling uses the same position-keyed uniforms as SPD's target stream, so at T = 0 the output equals SPD's token
-    for token (same kernels, same order of operations per token).
+    for token (same kernels, same order of operations per token). It stops where SPD does (:class:`TokenOutput`):
+    at an EOS of ``eos_token_ids``, at one of ``stop_strings`` (:class:`~spd_ds.decoding.stopping.StopStrings`) or
+    after ``max_new_tokens``.
     """
 
     def __init__(self, target: Target, sampling: SamplingParams = SamplingParams(),
-                 eos_token_ids: int | Iterable[int] | None = None, max_len: int = 4096) -> None:
+                 eos_token_ids: int | Iterable[int] | None = None, max_len: int = 4096, *,
+                 stop_strings: StopStrings | None = None) -> None:
         self.target, self.sampling = target, sampling
+        self.stop = stop_strings
         self.eos = eos_set(eos_token_ids)
         self.max_len = min(max_len, target.arch.max_positions)
         self.caches = target.new_caches(self.max_len)
@@ -45,16 +50,16 @@ class ARDecoder:
         pos = len(prompt)
         tok = first_token(logits, self.sampling, pos)
         metrics.observe_prefill(time.perf_counter() - t0)
-        out = [tok]
+        out = TokenOutput(self.eos, max_new_tokens, self.stop)
+        out.emit(tok)
         t1 = time.perf_counter()
-        while tok not in self.eos and len(out) < max_new_tokens:
+        while not out.finished:
             h = target.ends.embed(torch.tensor([[tok]], device=target.device))
             p = torch.tensor([pos], device=target.device)
             for s, stage in enumerate(target.stages):
                 h, _ = stage(h, p, self.caches[s])
             pos += 1
             tok = first_token(target.ends.logits(h[0, 0]), self.sampling, pos)
-            out.append(tok)
+            out.emit(tok)
             metrics.observe_cycle()
-        metrics.close(len(out), time.perf_counter() - t1)
-        return GenerationResult(out, "eos" if tok in self.eos else "length", metrics)
+        return out.result(metrics, time.perf_counter() - t1)

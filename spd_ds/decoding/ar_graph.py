@@ -23,8 +23,9 @@ from typing import Iterable, Sequence
 import torch
 
 from spd_ds.decoding.metrics import SPDMetrics
-from spd_ds.decoding.cycle import GenerationResult, check_prompt, eos_set, first_token
+from spd_ds.decoding.cycle import GenerationResult, TokenOutput, check_prompt, eos_set, first_token
 from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.decoding.stopping import StopStrings
 from spd_ds.models.adapter import Target
 from spd_ds.models.graphs import capture_graph, make_static_cache, static_stage_forward
 
@@ -42,6 +43,9 @@ class ARGraphDecoder:
         warmup: eager runs on a side stream before the capture.
         caches: the static caches, one per stage (default: :func:`~spd_ds.models.graphs.make_static_cache` of each
             stage; a tensor-parallel shard passes caches of its own KV heads, :mod:`spd_ds.eval.tp_baseline`).
+        stop_strings: end a generation once its text contains one of these
+            (:class:`~spd_ds.decoding.stopping.StopStrings`; checked on the host as the tokens are read, so at T = 0
+            the replays after it inside a chunk are wasted work, as after an EOS).
 
     Every rank of a tensor-parallel target builds and runs its own decoder in lockstep: the collectives inside the
     stages are captured with the rest (the capture tolerates other threads, e.g. NCCL's watchdog, querying events).
@@ -54,8 +58,9 @@ class ARGraphDecoder:
     def __init__(self, target: Target, sampling: SamplingParams = SamplingParams(),
                  eos_token_ids: int | Iterable[int] | None = None, max_len: int = 4096, *,
                  use_graph: bool | None = None, sync_every: int = 16, warmup: int = 3,
-                 caches: Sequence | None = None) -> None:
+                 caches: Sequence | None = None, stop_strings: StopStrings | None = None) -> None:
         self.target, self.sampling = target, sampling
+        self.stop = stop_strings
         self.eos = eos_set(eos_token_ids)
         self.max_len = min(int(max_len), target.arch.max_positions)
         self.device = target.device
@@ -133,7 +138,8 @@ class ARGraphDecoder:
         """AR continuation of ``prompt`` (token ids); same contract as :class:`~spd_ds.decoding.ar.ARDecoder`.
 
         ``metrics.prefill_s`` and ``metrics.decode_s`` are wall seconds ending at a host synchronisation (a token
-        read), ``num_cycles`` = decode steps replayed (greedy: may exceed ``N - 1`` by the replays after an EOS).
+        read), ``num_cycles`` = decode steps replayed (greedy: may exceed ``N - 1`` by the replays after an EOS or a
+        stop string).
 
         Raises:
             PromptError: empty or too long prompt.
@@ -144,30 +150,29 @@ class ARGraphDecoder:
         t0 = time.perf_counter()
         tok = first_token(self.prefill(prompt), self.sampling, s0)
         metrics.observe_prefill(time.perf_counter() - t0)
-        out = [tok]
+        out = TokenOutput(self.eos, max_new_tokens, self.stop)
+        out.emit(tok)
         t1 = time.perf_counter()
         if self.sampling.greedy:
             self.tok.fill_(tok)
             self.pos.fill_(s0)
-            while out[-1] not in self.eos and len(out) < max_new_tokens:
-                k = min(self.sync_every, max_new_tokens - len(out))
+            while not out.finished:
+                k = min(self.sync_every, max_new_tokens - len(out.tokens))
                 for _ in range(k):
                     self._replay()
                 metrics.observe_cycle(k)
-                start = s0 + len(out)
+                start = s0 + len(out.tokens)
                 for t in self.out[start:start + k].tolist():  # the one host sync of the chunk
-                    out.append(t)
-                    if t in self.eos:
+                    if out.emit(t):
                         break
         else:
             pos = s0
-            while tok not in self.eos and len(out) < max_new_tokens:
+            while not out.finished:
                 self.tok.fill_(tok)
                 self.pos.fill_(pos)
                 logits = self._replay()
                 pos += 1
                 tok = first_token(logits, self.sampling, pos)
-                out.append(tok)
+                out.emit(tok)
                 metrics.observe_cycle()
-        metrics.close(len(out), time.perf_counter() - t1)
-        return GenerationResult(out, "eos" if out[-1] in self.eos else "length", metrics)
+        return out.result(metrics, time.perf_counter() - t1)

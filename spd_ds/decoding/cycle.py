@@ -21,7 +21,8 @@ Follow one token through :class:`SPDGeneration` (``n`` stages, ``m`` aggregation
    token becomes a pending row; the verified token is returned. On rejection the :class:`RollbackPlan` says which
    stage drops how many positions, and :meth:`~SPDGeneration.rollback` (the one place a rollback happens) applies it
    through the driver's ``rewind``, flushes the in-flight tokens and restarts from the replacement;
-5. the generation **stops** at an EOS or after ``max_new_tokens`` verified tokens (:class:`TokenOutput`).
+5. the generation **stops** at an EOS, at a stop string (:mod:`spd_ds.decoding.stopping`) or after ``max_new_tokens``
+   verified tokens (:class:`TokenOutput`).
 
 Only verified tokens are returned. A draft is verified ``n - 1`` cycles after it enters; a rejection costs ``n - 1``
 cycles without verification. Randomness is keyed by position (:mod:`spd_ds.decoding.sampling`): the keys are made in
@@ -40,6 +41,7 @@ import torch
 from spd_ds.decoding.drafters import Draft, Drafter
 from spd_ds.decoding.metrics import SPDMetrics
 from spd_ds.decoding.sampling import STREAM_TARGET, SamplingParams, logits_to_probs, sample_from_probs
+from spd_ds.decoding.stopping import StopStrings
 from spd_ds.decoding.verify import verify_draft
 from spd_ds.partition import StagePartition
 
@@ -54,7 +56,7 @@ class GenerationResult:
 
     Attributes:
         tokens: new verified token ids (the prefill token first), at most ``max_new_tokens``.
-        finish_reason: ``"eos"`` or ``"length"``.
+        finish_reason: ``"eos"``, ``"stop"`` (a stop string) or ``"length"``.
         metrics: :class:`~spd_ds.decoding.metrics.SPDMetrics`.
     """
 
@@ -96,28 +98,32 @@ def first_token(logits: torch.Tensor, sampling: SamplingParams, position: int) -
 
 
 class TokenOutput:
-    """The verified tokens of one generation and its stop conditions.
+    """The verified tokens of one generation and its stop conditions, the one place every decoder stops.
 
     Args:
         eos: ids that end the generation.
         max_new_tokens: at most this many tokens (the prefill token included).
+        stop: stop strings (:class:`~spd_ds.decoding.stopping.StopStrings`), or ``None``.
     """
 
-    def __init__(self, eos: frozenset[int], max_new_tokens: int) -> None:
-        self.eos, self.max_new_tokens = eos, int(max_new_tokens)
+    def __init__(self, eos: frozenset[int], max_new_tokens: int, stop: StopStrings | None = None) -> None:
+        self.eos, self.max_new_tokens, self.stop = eos, int(max_new_tokens), stop
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
 
     @property
     def finished(self) -> bool:
-        """Whether an EOS or the length limit was reached."""
+        """Whether an EOS, a stop string or the length limit was reached."""
         return self.finish_reason is not None
 
     def emit(self, token: int) -> bool:
-        """Return ``token``; stop at an EOS (``"eos"``) or at the length limit (``"length"``). Returns :attr:`finished`."""
+        """Return ``token``; stop at an EOS (``"eos"``), when the text now contains a stop string (``"stop"``) or at
+        the length limit (``"length"``), in that order. Returns :attr:`finished`."""
         self.tokens.append(token)
         if token in self.eos:
             self.finish_reason = "eos"
+        elif self.stop is not None and self.stop.hit(self.tokens):
+            self.finish_reason = "stop"
         elif len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
         return self.finished
@@ -229,6 +235,7 @@ class SPDGeneration:
         rewind: applies a :class:`RollbackPlan` to the stages the driver holds (called once per rollback).
         new_seq: message numbers for entering tokens (default: 1, 2, ...).
         metrics: where to observe (default: a new :class:`~spd_ds.decoding.metrics.SPDMetrics`).
+        stop: stop strings (:class:`~spd_ds.decoding.stopping.StopStrings`), or ``None``.
 
     Attributes:
         pipeline: the in-flight :class:`InFlight` tokens, oldest (deepest) first.
@@ -241,14 +248,15 @@ class SPDGeneration:
     def __init__(self, partition: StagePartition, drafter: Drafter, sampling: SamplingParams, eos: frozenset[int],
                  max_new_tokens: int, embed: Callable[[int], torch.Tensor],
                  logits: Callable[[torch.Tensor], torch.Tensor], rewind: Callable[[RollbackPlan], None], *,
-                 new_seq: Callable[[], int] | None = None, metrics: SPDMetrics | None = None) -> None:
+                 new_seq: Callable[[], int] | None = None, metrics: SPDMetrics | None = None,
+                 stop: StopStrings | None = None) -> None:
         self.n, self.f = partition.num_stages, partition.depth_to_type
         self.anchors = Anchors(partition)
         self.drafter, self.sampling = drafter, sampling
         self.embed, self.logits, self.rewind = embed, logits, rewind
         self.new_seq = new_seq or itertools.count(1).__next__
         self.metrics = metrics or SPDMetrics(num_stages=self.n)
-        self.out = TokenOutput(eos, max_new_tokens)
+        self.out = TokenOutput(eos, max_new_tokens, stop)
         self.pipeline: list[InFlight] = []
         self.completed: list[torch.Tensor] = []
         self.head_start = 0
@@ -257,7 +265,7 @@ class SPDGeneration:
     # ------------------------------------------------------------------ state
     @property
     def finished(self) -> bool:
-        """Whether the generation stopped (EOS or length)."""
+        """Whether the generation stopped (EOS, stop string or length)."""
         return self.out.finished
 
     @property

@@ -27,6 +27,7 @@ from spd_ds.decoding.cycle import (Anchors, GenerationResult, PromptError, Rollb
                                    eos_set, first_token)
 from spd_ds.decoding.drafters import Drafter
 from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.decoding.stopping import StopStrings
 from spd_ds.models.adapter import Target
 
 __all__ = ["GenerationResult", "PromptError", "SPDReferenceDecoder", "check_prompt", "eos_set", "first_token",
@@ -61,11 +62,15 @@ class SPDReferenceDecoder:
         sampling: :class:`~spd_ds.decoding.sampling.SamplingParams`.
         eos_token_ids: ids that end generation (a set; ``None`` = none).
         max_len: KV capacity in positions (prompt + new tokens + n).
+        stop_strings: end a generation once its text contains one of these
+            (:class:`~spd_ds.decoding.stopping.StopStrings`; ``None`` = none).
     """
 
     def __init__(self, target: Target, drafter: Drafter, sampling: SamplingParams = SamplingParams(),
-                 eos_token_ids: int | Iterable[int] | None = None, max_len: int = 4096) -> None:
+                 eos_token_ids: int | Iterable[int] | None = None, max_len: int = 4096, *,
+                 stop_strings: StopStrings | None = None) -> None:
         self.target, self.drafter, self.sampling = target, drafter, sampling
+        self.stop = stop_strings
         self.partition = target.partition
         self.eos = eos_set(eos_token_ids)
         self.max_len = min(max_len, target.arch.max_positions)
@@ -90,7 +95,7 @@ class SPDReferenceDecoder:
         for c in self.caches:
             c.reset()
         gen = SPDGeneration(self.partition, self.drafter, self.sampling, self.eos, max_new_tokens, self._embed,
-                            target.ends.logits, self._rewind)
+                            target.ends.logits, self._rewind, stop=self.stop)
         t0 = time.perf_counter()
         logits, prompt_feats = prefill(target, self.caches, prompt)
         gen.start(len(prompt), logits, prompt_feats, since=t0)

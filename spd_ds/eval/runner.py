@@ -215,6 +215,9 @@ def prepare(cfg: ExperimentConfig):
     """
     from spd_ds.models.adapter import is_random_model_dir
 
+    if cfg.decoding.stop:
+        raise ConfigError("decoding.stop is for launch/infer.py and the Python API; eval and benchmark runs measure "
+                          f"fixed protocols without stop strings: remove decoding.stop (got {list(cfg.decoding.stop)!r})")
     cfg = resolve_model_name(cfg)
     # the prompt records first: an empty or missing set fails before any model is fetched or loaded
     sets = load_eval_records(cfg, tokenizer_free=is_random_model_dir(cfg.model.name))

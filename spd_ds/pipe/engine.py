@@ -31,6 +31,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from spd_ds.decoding.cycle import GenerationResult, eos_set
 from spd_ds.decoding.drafters import Drafter
 from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.decoding.stopping import StopStrings
 from spd_ds.models.graphs import new_graph_pool
 from spd_ds.pipe import schedule as sch
 from spd_ds.pipe.ar_pipe import PipeAR
@@ -65,7 +66,8 @@ class SPDPipelineEngine(PipelineEngine):
 
     # ------------------------------------------------------------------ setup
     def setup_spd(self, plan: PipePlan, sampling: SamplingParams, eos_token_ids: Sequence[int], max_len: int, *,
-                  timeout_s: float, static_cache: bool, cuda_graphs: bool, head_overlap: bool = True) -> None:
+                  timeout_s: float, static_cache: bool, cuda_graphs: bool, head_overlap: bool = True,
+                  stop_strings: StopStrings | None = None) -> None:
         """Create links, buffers, stage runners and this rank's role; every rank calls it (it creates process groups).
 
         Args:
@@ -77,6 +79,8 @@ class SPDPipelineEngine(PipelineEngine):
             static_cache: static KV caches (GPU speed path); ``cuda_graphs``: capture stage forwards.
             head_overlap: on CUDA, draft on a stream of the head's own, overlapping stage 0's forward (``False``:
                 on the default stream after it, no concurrency).
+            stop_strings: the head rank's stop strings (:class:`~spd_ds.decoding.stopping.StopStrings`); the head
+                rank alone decides where a generation ends, the other ranks follow its messages.
         Raises:
             RuntimeError: the plan's world size is not the engine's pipe degree.
         """
@@ -105,7 +109,7 @@ class SPDPipelineEngine(PipelineEngine):
         self.pipe_ar: PipeAR | None = None
         if self.is_head:
             self.head_rank = HeadRank(links, runners, mod.head_ends.ends, eos_set(list(eos_token_ids)), max_len, H,
-                                      dtype, device)
+                                      dtype, device, stop=stop_strings)
             self.spd_head, self.pipe_ar = SPDHead(self.head_rank, head_overlap), PipeAR(self.head_rank)
             self.role = self.head_rank
             warmup = [sch.Warmup()]  # send, and collect every stage's answer

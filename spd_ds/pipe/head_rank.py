@@ -21,6 +21,7 @@ from spd_ds.decoding.cycle import Anchors, GenerationResult, InFlight, TokenOutp
 from spd_ds.decoding.drafters import Drafter
 from spd_ds.decoding.metrics import SPDMetrics
 from spd_ds.decoding.sampling import SamplingParams
+from spd_ds.decoding.stopping import StopStrings
 from spd_ds.pipe.comm import FLAG_ABORT, FLAG_ANCHORS, FlatBuffer, Header, Kind, PipeProtocolError
 from spd_ds.pipe.links import PipeLinks
 from spd_ds.pipe.stage_runner import StageRunner
@@ -36,14 +37,16 @@ class HeadRank:
         eos: ids that end a generation.
         max_len: KV capacity in positions.
         hidden_size, dtype, device: of the hidden states on this rank.
+        stop: stop strings (:class:`~spd_ds.decoding.stopping.StopStrings`) or ``None``; with ``eos`` and the limit,
+            where every generation on this engine ends.
     """
 
     def __init__(self, links: PipeLinks, runners: dict[int, StageRunner], ends, eos: frozenset[int], max_len: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, *, stop: StopStrings | None = None) -> None:
         self.links, self.plan = links, links.plan
         self.n, self.L = links.n, links.L
         self.runners, self.ends = runners, ends
-        self.eos, self.max_len = eos, int(max_len)
+        self.eos, self.max_len, self.stop = eos, int(max_len), stop
         self.H, self.dtype, self.device = hidden_size, dtype, device
         self.cuda = device.type == "cuda"
         self.next_seq = itertools.count(1).__next__  # numbers every message the head sends
@@ -227,7 +230,7 @@ class HeadDriver:
         and start the generation's state."""
         check_prompt(self.prompt, self.max_new, self.rank.max_len, self.rank.n)
         self.metrics = SPDMetrics(num_stages=self.rank.n)
-        self.out = TokenOutput(self.rank.eos, self.max_new)
+        self.out = TokenOutput(self.rank.eos, self.max_new, self.rank.stop)
         self.result, self._t_decode = None, None
         self._wait0 = self.rank.links.wait_s()
 

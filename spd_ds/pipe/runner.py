@@ -159,6 +159,9 @@ class SPDSession:
         self.max_new_tokens = max_new_tokens or cfg.decoding.max_new_tokens
         for p in prompts or ():
             check_prompt(p, self.max_new_tokens, self.max_len, self.partition.num_stages)
+        if cfg.decoding.stop and not any(self.arch.model_dir.glob("tokenizer*")):
+            raise ConfigError(f"decoding.stop needs the model's tokenizer and {self.arch.model_dir} has none; remove "
+                              "decoding.stop or use a model with a tokenizer")
         if cfg.decoding.drafter == "head" or drafter_factory is not None:
             _precheck_head(cfg, self.arch)
         self.ds_config = load_ds_config(cfg)
@@ -199,12 +202,17 @@ class SPDSession:
             raise RuntimeError(f"deepspeed.initialize built {type(self.engine).__name__}, not SPDPipelineEngine")
         cuda = device.type == "cuda"
         static = cfg.deepspeed.static_cache if cfg.deepspeed.static_cache is not None else cuda
+        stop = None
         if self.engine.stage_id == 0:  # the head decides EOS: same set as the single-process paths (tokenizer included)
             self.eos = _eos_with_tokenizer(cfg, self.arch, self.eos)
+            if cfg.decoding.stop:  # and stop strings (the tokenizer's presence was checked before any collective)
+                from spd_ds.builder import load_tokenizer, stop_strings
+
+                stop = stop_strings(cfg, load_tokenizer(self.arch))
         self.engine.setup_spd(self.plan, self.sampling, self.eos, self.max_len,
                               timeout_s=cfg.deepspeed.timeout_s, static_cache=bool(static),
                               cuda_graphs=bool(cfg.deepspeed.cuda_graphs and cuda and static),
-                              head_overlap=bool(cfg.head.overlap))
+                              head_overlap=bool(cfg.head.overlap), stop_strings=stop)
         self.device = device
 
     # ------------------------------------------------------------------ roles
