@@ -12,7 +12,8 @@
 #   NUM_GPUS=1 SKIP_TESTS=1 PROBE_OVERRIDES=head.checkpoint=null OUT=$OUT SPD_EVAL_DIR=runs/eval_sets \
 #     bash scripts/gpu_exactness_check.sh
 # Knobs: VARIANTS ("bf16 det fp32"; one GPU: "bf16 det fp32 math efficient"; det = CUBLAS_WORKSPACE_CONFIG=:4096:8
-#   and --deterministic; math / efficient / cudnn = --sdpa-backend), PROBE_ARGS (extra probe options, e.g.
+#   and --deterministic; math / efficient / cudnn = --sdpa-backend; also noreduce = --no-reduced-precision and
+#   cublas / cublaslt = --blas, not run by default), PROBE_ARGS (extra probe options, e.g.
 #   "--num-prompts 1 --max-new-tokens 8"), PROBE_OVERRIDES (section.key=value words; "deepspeed.backend=gloo" for a
 #   CPU dry run), SKIP_TESTS=1, NUM_GPUS (2), AR_REPEATS.
 source "$(dirname "$0")/gpu_common.sh"
@@ -30,6 +31,8 @@ for v in ${VARIANTS:-bf16 det fp32${ONE:+ math efficient}}; do
   [[ $v == det ]] && vars+=(CUBLAS_WORKSPACE_CONFIG=:4096:8) && opts+=(--deterministic)
   [[ $v == fp32 ]] && extra=(model.dtype=float32)
   [[ $v == math || $v == efficient || $v == cudnn ]] && opts+=(--sdpa-backend "$v")
+  [[ $v == noreduce ]] && opts+=(--no-reduced-precision)
+  [[ $v == cublas || $v == cublaslt ]] && opts+=(--blas "$v")
   if [[ -n $ONE ]]; then  # one process, no pipeline: the single-GPU AR runs only (the probe's --single-gpu)
     launch=("$PY" scripts/diagnostics/gpu_exactness_probe.py --single-gpu --ar-repeats "${AR_REPEATS:-4}")
   else

@@ -66,6 +66,11 @@ def main() -> None:
                     help="run every method with only this scaled-dot-product-attention backend")
     ap.add_argument("--deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms(True) (set CUBLAS_WORKSPACE_CONFIG=:4096:8 too)")
+    ap.add_argument("--no-reduced-precision", action="store_true",
+                    help="cuBLAS bf16/fp16 GEMMs accumulate their split-K partial sums in fp32 "
+                         "(torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction = False)")
+    ap.add_argument("--blas", choices=["cublas", "cublaslt"],
+                    help="the GEMM library torch prefers (torch.backends.cuda.preferred_blas_library)")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the deepspeed launcher adds it
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -73,6 +78,11 @@ def main() -> None:
         ap.error(f"--ar-repeats must be >= 1, got {args.ar_repeats}")
     if args.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+    if args.no_reduced_precision:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     if args.sdpa_backend:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -162,7 +172,9 @@ def probe(args) -> None:
         (out_dir / "tokens.json").write_text(json.dumps({"prompts": names, "runs": runs}, indent=1))
         ref2 = "ar_eager" if args.single_gpu else "pipe_ar[eager]"
         how = "".join(f", {k}" for k, on in (("SDPA " + str(args.sdpa_backend), args.sdpa_backend),
-                                              ("deterministic algorithms", args.deterministic)) if on)
+                                              ("deterministic algorithms", args.deterministic),
+                                              ("fp32 split-K reductions", args.no_reduced_precision),
+                                              ("BLAS " + str(args.blas), args.blas)) if on)
         lines = [f"# exactness probe ({cfg.model.dtype}, max_length {cfg.decoding.max_length}, "
                  f"{cfg.decoding.max_new_tokens} new tokens{how})", "",
                  f"| method | vs ar_graph#0: identical | first divergences | vs {ref2}: identical | first "
