@@ -85,7 +85,7 @@ class DecodingConfig:
     top_p: float = 1.0
     seed: int = 0
     eos_token_ids: Optional[list[int]] = None
-    stop: list[str] = dataclasses.field(default_factory=list)
+    stop: list[Any] = dataclasses.field(default_factory=list)  # checked to be strings (YAML would turn No into False)
     max_length: int = 4096
     drafter: str = "head"
     oracle_alpha: float = 1.0
@@ -264,12 +264,21 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             if "=" not in o or "." not in o.split("=", 1)[0]:
                 raise ConfigError(f"override {o!r} must look like section.key=value (e.g. partition.num_stages=3)")
         for o in overrides:  # one at a time, so that an error names its override
+            key, value = o.split("=", 1)
             try:
-                base = OmegaConf.merge(base, OmegaConf.from_dotlist([o]))
-            except TypeError:  # a scalar given for a list key (or a list for a mapping)
-                key, value = o.split("=", 1)
+                parsed = OmegaConf.from_dotlist([o])
+            except yaml.YAMLError as e:
+                problem = str(e).splitlines()[0]
+                raise ConfigError(f"override {o!r} is not valid YAML ({problem}); quote strings, e.g. "
+                                  f"{key}='[\"text: with colon\"]'") from None
+            try:
+                current = OmegaConf.select(base, key, throw_on_missing=False)
+            except OmegaConfBaseException:
+                current = None
+            if isinstance(current, ListConfig) and not isinstance(OmegaConf.select(parsed, key), ListConfig):
                 raise ConfigError(f"override {o!r}: {key} takes a list; write it as a YAML list in quotes, e.g. "
-                                  f"{key}='[\"{value}\"]'") from None
+                                  f"{key}='[\"{value}\"]'")
+            base = OmegaConf.merge(base, parsed)
     except (ConfigKeyError, ConfigAttributeError) as e:
         key = getattr(e, "full_key", None) or str(e)
         raise ConfigError(f"unknown config key {key!r}; {_valid_keys(str(key).split('.'))}") from None
@@ -320,9 +329,11 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"partition.num_stages must be >= 1, got {cfg.partition.num_stages}")
     if cfg.decoding.max_new_tokens < 1:
         raise ConfigError(f"decoding.max_new_tokens must be >= 1, got {cfg.decoding.max_new_tokens}")
-    if any(not s for s in cfg.decoding.stop):
-        raise ConfigError(f"decoding.stop must list non-empty strings (e.g. decoding.stop='[\"User:\"]'), got "
-                          f"{list(cfg.decoding.stop)!r}")
+    stop = cfg.decoding.stop
+    if isinstance(stop, str) or not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s
+                                                                           for s in stop):
+        raise ConfigError(f"decoding.stop must be a list of non-empty strings, quoted in YAML (e.g. "
+                          f"decoding.stop='[\"User:\", \"No\"]'), got {stop!r}")
     from spd_ds.decoding.sampling import SamplingParams
 
     d = cfg.decoding

@@ -63,6 +63,16 @@ def test_stop_string_ends_spd_and_ar_at_the_same_token(smollm2_dir, tmp_path, la
     assert "finish stop" in r.stdout and answer.strip() and "Paris" not in answer  # printed up to the stop string
 
 
+@pytest.mark.slow
+def test_bad_stop_list_under_the_launcher_is_one_line_on_every_rank(smollm2_dir):
+    """A stop list that YAML reads as a nested list fails on every rank before any collective: one line each, exit 2."""
+    r = run([*deepspeed_cmd(2), "launch/infer.py", "--config", str(CONFIG), "decoding.stop=[[a]]", "--prompt", "hi"])
+    text = r.stdout + r.stderr
+    assert r.returncode == 2, text[-3000:]
+    assert "error (rank 0 of 2): decoding.stop must be a list of non-empty strings" in text
+    assert "Traceback" not in text and "DistNetworkError" not in text
+
+
 def test_unknown_key_is_a_one_line_error():
     r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "partition.stages=3"])
     assert r.returncode == 2

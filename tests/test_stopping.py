@@ -106,8 +106,16 @@ def test_config_stop_strings(tmp_path):
     assert load_config(None).decoding.stop == []
     with pytest.raises(ConfigError, match="non-empty strings"):
         load_config(None, ['decoding.stop=[""]'])
-    with pytest.raises(ConfigError, match=r"takes a list; .*decoding.stop='\[\"User:\"\]'"):
-        load_config(None, ["decoding.stop=User:"])
+    for scalar in ("User:", "x"):  # a scalar for the list, mapping-like or not
+        with pytest.raises(ConfigError, match=rf"takes a list; .*decoding.stop='\[\"{scalar}\"\]'"):
+            load_config(None, [f"decoding.stop={scalar}"])
+    for unquoted in ("[No, Yes, 1e3]", "[[a]]"):  # YAML would make booleans and numbers of these
+        with pytest.raises(ConfigError, match="list of non-empty strings, quoted in YAML"):
+            load_config(None, [f"decoding.stop={unquoted}"])
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(None, ["decoding.stop=[User:]"])
+    with pytest.raises(ValueError, match="got the string 'User:'"):  # the Python API: not split into characters
+        StopStrings("User:", letters)
 
 
 def test_eval_refuses_stop_strings():

@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "and, at T=0, a token-for-token check of SPD's answers")
     ap.add_argument("--stop", action="append", default=[], metavar="TEXT",
                     help="a stop string (repeatable; added to decoding.stop): an answer ends with the token that "
-                         "completes it, and is printed without it")
+                         "completes it, and is printed without it (a newline: --stop $'\\n' in bash)")
     ap.add_argument("--output", help="write per-prompt results as JSONL here")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                     help="a progress line (prompts, tokens) on stderr while decoding")

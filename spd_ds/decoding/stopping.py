@@ -10,7 +10,9 @@ Only the tail of the generation is decoded each time (:attr:`StopStrings.window`
 UTF-8 bytes spans at most ``b`` tokens when every token decodes to at least one byte, and the window adds margin for
 a partial multi-byte character at its start. Every decoder of the project (the SPD reference decoder, the DeepSpeed
 engine's head rank, the AR decoders) checks through the same object, so where they stop is decided identically.
-Stop strings apply to the generated tokens only, never to the prompt.
+Stop strings apply to the generated tokens only, never to the prompt. The text matched is the tokens' raw decoding:
+special tokens count as their text (``<|im_end|>``), and a multi-byte character whose last byte has not been generated
+yet reads as ``\ufffd`` (vLLM matches the detokenized text with special tokens left out).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class StopStrings:
     """
 
     def __init__(self, strings: Sequence[str], decode: Callable[[list[int]], str]) -> None:
+        if isinstance(strings, str):
+            raise ValueError(f"stop strings must be a list of strings, got the string {strings!r}: write [{strings!r}]")
         strings = tuple(strings)
         if not strings or any(not isinstance(s, str) or not s for s in strings):
             raise ValueError(f"stop strings must be non-empty strings, got {list(strings)!r}")

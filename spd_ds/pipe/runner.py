@@ -125,6 +125,27 @@ def _eos_with_tokenizer(cfg: ExperimentConfig, arch, default: list[int]) -> list
         return default
 
 
+def _stop_strings(cfg: ExperimentConfig, arch):
+    """``builder.stop_strings`` with the model's tokenizer (``None`` without ``decoding.stop``).
+
+    Raises:
+        ConfigError: stop strings but no tokenizer in the model directory, or one that does not load.
+    """
+    from spd_ds.builder import load_tokenizer, stop_strings
+
+    if not cfg.decoding.stop:
+        return None
+    if not any(arch.model_dir.glob("tokenizer*")):
+        raise ConfigError(f"decoding.stop needs the model's tokenizer and {arch.model_dir} has none; remove "
+                          "decoding.stop or use a model with a tokenizer")
+    try:
+        tok = load_tokenizer(arch)
+    except Exception as e:  # noqa: BLE001 - any loader failure is the same user problem
+        raise ConfigError(f"decoding.stop needs the model's tokenizer, which did not load from {arch.model_dir} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    return stop_strings(cfg, tok)
+
+
 class SPDSession:
     """One distributed SPD deployment: a DeepSpeed pipeline engine plus what the head rank needs to generate.
 
@@ -159,9 +180,7 @@ class SPDSession:
         self.max_new_tokens = max_new_tokens or cfg.decoding.max_new_tokens
         for p in prompts or ():
             check_prompt(p, self.max_new_tokens, self.max_len, self.partition.num_stages)
-        if cfg.decoding.stop and not any(self.arch.model_dir.glob("tokenizer*")):
-            raise ConfigError(f"decoding.stop needs the model's tokenizer and {self.arch.model_dir} has none; remove "
-                              "decoding.stop or use a model with a tokenizer")
+        self.stop = _stop_strings(cfg, self.arch)  # every rank, before any collective: a bad list fails everywhere
         if cfg.decoding.drafter == "head" or drafter_factory is not None:
             _precheck_head(cfg, self.arch)
         self.ds_config = load_ds_config(cfg)
@@ -205,10 +224,7 @@ class SPDSession:
         stop = None
         if self.engine.stage_id == 0:  # the head decides EOS: same set as the single-process paths (tokenizer included)
             self.eos = _eos_with_tokenizer(cfg, self.arch, self.eos)
-            if cfg.decoding.stop:  # and stop strings (the tokenizer's presence was checked before any collective)
-                from spd_ds.builder import load_tokenizer, stop_strings
-
-                stop = stop_strings(cfg, load_tokenizer(self.arch))
+            stop = self.stop  # and where stop strings end a generation
         self.engine.setup_spd(self.plan, self.sampling, self.eos, self.max_len,
                               timeout_s=cfg.deepspeed.timeout_s, static_cache=bool(static),
                               cuda_graphs=bool(cfg.deepspeed.cuda_graphs and cuda and static),
