@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Continue the equal-tokens heads of docs/training.md ("SPD and PPSD at equal tokens") on one GPU, one after the
+# other, each warm-started from its best head for another 3,600 steps (lr 5e-4, the same recipe otherwise), as a
+# detached job that spans several device calls (scripts/gpu_detached.sh); results come back with
+# scripts/gpu_collect.sh in every `wait` call.
+#
+#   bash scripts/gpu_continue_heads.sh start     # copies the tree to $REPO, writes $WORK/chain.sh, starts it
+#   bash scripts/gpu_continue_heads.sh warm      # copies runs/warm*/<head>/ (carried) to $WORK/warm/
+#   bash scripts/gpu_continue_heads.sh wait [S]  # waits up to S seconds (default 500), then fetches into $OUT
+#   bash scripts/gpu_continue_heads.sh fetch     # what is new under $WORK, packed into $OUT (<= 8 files)
+#
+# The chain waits (up to 30 min) for each head's warm start to appear in $WORK/warm, so `warm` may come after `start`
+# and later heads may be carried by later calls. CHAIN (at `start`) names the heads, in order, from:
+#   w2 w3 wp3 w4 w6 wp6 (one-layer towers: SPD n = 2, 3, 4, 6; PPSD n = 3, 6) and w2l2 w3l2 (two-layer, n = 2, 3);
+# default "w2 w3 wp3 w4". Head <name> starts from $WORK/warm/<src> (w2 <- s2, wp3 <- p3, w3l2 <- s3l2, ...).
+# Alone on one H200 a continuation takes about 310 s (n = 2), 400 s (n = 3), 450 s (n = 4), 600 s (n = 6).
+# Knobs: WORK (/root/spd_work), REPO (/root/spd_repo), STEPS (3600), LR (5.0e-4), SPD_TRAIN_DATA
+# (runs/train_data/sharegpt.jsonl.gz, carried), DRY=1 (`start` prints the chain script instead of starting it).
+# On the GPU machine, after `source .devkit/on_device.sh` (the kit: docs/training.md "SmolLM2 heads on a GPU").
+set -uo pipefail
+WORK=${WORK:-/root/spd_work}
+REPO=${REPO:-/root/spd_repo}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+declare -A SRC=([w2]=s2 [w3]=s3 [wp3]=p3 [w4]=s4 [w6]=s6 [wp6]=p6 [w2l2]=s2l2 [w3l2]=s3l2)
+declare -A SHAPE=([w2]="partition.num_stages=2" [w3]="partition.num_stages=3"
+                  [wp3]="partition.num_stages=3,partition.anchors=[0,10]" [w4]="partition.num_stages=4"
+                  [w6]="partition.num_stages=6" [wp6]="partition.num_stages=6,partition.anchors=[0,5]"
+                  [w2l2]="partition.num_stages=2" [w3l2]="partition.num_stages=3")
+RECIPE="head.lm_head_from_target=true head.tower_init_layer=-1 train.lr_stable_fraction=0.6 train.warmup_steps=50"
+
+chain_script() {  # the detached job: one gpu_train_session.sh per head, each with its own OUT
+  echo "cd $REPO"
+  echo "[ -f .devkit/on_device.sh ] && source .devkit/on_device.sh"
+  for name in $1; do
+    local warm="$WORK/warm/${SRC[$name]}"
+    local variant="$name:${SHAPE[$name]},head.checkpoint=$warm,train.lr=${LR:-5.0e-4},train.max_steps=${STEPS:-3600}"
+    echo "for i in \$(seq 360); do [ -f $warm/head.safetensors ] && break; sleep 5; done"
+    echo "mkdir -p $WORK/out_$name; echo \"[\$(date +%T)] train $name\""
+    echo "OUT=$WORK/out_$name WORK=$WORK SPD_TRAIN_DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt.jsonl.gz}" \
+         "TRAIN_SECONDS=1500 SESSION_SECONDS=1500 SEQUENTIAL=1 VARIANTS=\"$variant\" EXTRA=\"$RECIPE\" FETCH=1" \
+         "bash scripts/gpu_train_session.sh > $WORK/train_$name.out 2>&1"
+    echo "echo \"[\$(date +%T)] train $name end rc \$?\""
+    echo "rm -f $WORK/out_$name/compile_cache.tgz.part-*  # not needed back"
+  done
+  echo "echo \"[\$(date +%T)] CHAIN DONE\""
+}
+
+case "${1:-}" in
+  start)
+    CHAIN=${CHAIN:-"w2 w3 wp3 w4"}
+    for name in $CHAIN; do
+      [[ -n "${SRC[$name]:-}" ]] || { echo "gpu_continue_heads.sh: unknown head '$name' in CHAIN; known: ${!SRC[*]}" >&2; exit 2; }
+    done
+    if [[ -n "${DRY:-}" ]]; then chain_script "$CHAIN"; exit 0; fi
+    mkdir -p "$WORK" && rm -rf "$REPO" "$REPO.tmp" && cp -r "$HERE" "$REPO.tmp" && mv "$REPO.tmp" "$REPO"
+    chain_script "$CHAIN" > "$WORK/chain.sh"
+    cd "$REPO" && WORK=$WORK bash scripts/gpu_detached.sh start heads bash "$WORK/chain.sh" ;;
+  warm)
+    mkdir -p "$WORK/warm"
+    for d in "$HERE"/runs/warm*/*/; do [[ -f $d/head.safetensors ]] && cp -r "$d" "$WORK/warm/"; done
+    ls "$WORK/warm" ;;
+  wait)
+    WORK=$WORK TAIL=10 bash "$REPO/scripts/gpu_detached.sh" wait heads "${2:-500}"
+    for f in "$WORK"/heads/*/train_log.jsonl; do [[ -f $f ]] && { echo "== $f"; tail -1 "$f" | cut -c1-300; }; done
+    bash "$0" fetch ;;
+  fetch)
+    OUT=${OUT:?set OUT} bash "$HERE/scripts/gpu_collect.sh" "$WORK" 'out_*/heads.tgz.part-*' 'out_*/log.txt' 'heads.log'
+    ls -la "$OUT" ;;
+  *)
+    echo "usage: gpu_continue_heads.sh start | warm | wait [SECONDS] | fetch" >&2; exit 2 ;;
+esac

@@ -1,0 +1,36 @@
+"""scripts/gpu_continue_heads.sh: the chain of warm-started continuations (dry run: the script it would start)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_continue_heads.sh"
+
+
+def _run(tmp_path, *args, **env):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, WORK=str(tmp_path / "work"), REPO=str(tmp_path / "repo"), **env))
+
+
+def test_dry_chain_trains_each_head_from_its_warm_start_in_order(tmp_path):
+    r = _run(tmp_path, "start", CHAIN="wp3 w3l2", DRY="1", STEPS="100")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    train = [x for x in lines if "gpu_train_session.sh" in x]
+    assert len(train) == 2
+    work = tmp_path / "work"
+    assert (f'VARIANTS="wp3:partition.num_stages=3,partition.anchors=[0,10],head.checkpoint={work}/warm/p3,'
+            'train.lr=5.0e-4,train.max_steps=100"') in train[0]
+    assert f"head.checkpoint={work}/warm/s3l2," in train[1] and "SEQUENTIAL=1" in train[1]
+    assert all("head.lm_head_from_target=true head.tower_init_layer=-1" in x for x in train)
+    # each head waits for its warm start before training, and the chain says when it is done
+    assert lines.index(f"for i in $(seq 360); do [ -f {work}/warm/p3/head.safetensors ] && break; sleep 5; done") \
+        < lines.index(train[0])
+    assert "CHAIN DONE" in lines[-1]
+    assert not (tmp_path / "repo").exists()  # a dry run starts nothing
+
+
+def test_unknown_head_and_usage_are_errors(tmp_path):
+    r = _run(tmp_path, "start", CHAIN="w2 w5", DRY="1")
+    assert r.returncode == 2 and "unknown head 'w5'" in r.stderr
+    assert _run(tmp_path, "bogus").returncode == 2
