@@ -263,8 +263,11 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
     for i, ((qid, text), res) in enumerate(zip(prompts, results)):
         m = res.metrics
         print(f"\n=== [{qid}] {text[:200]}")
-        answer = tok.decode(res.tokens, skip_special_tokens=True)
-        print(stop.truncate(answer) if res.finish_reason == "stop" else answer)  # as vLLM: without the stop string
+        if res.finish_reason == "stop":  # as vLLM: without the stop string (found in the text as the matcher reads it)
+            answer = stop.truncate(tok.decode(res.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+        else:
+            answer = tok.decode(res.tokens, skip_special_tokens=True)
+        print(answer)
         same = None if ar_tokens is None else ar_tokens[i] == res.tokens
         print(f"--- {m.num_new_tokens} tokens in {m.num_cycles} cycles, draft acceptance "
               f"{m.draft_acceptance_rate:.3f}, equivalent accept length {m.equivalent_accept_length:.2f}, "
