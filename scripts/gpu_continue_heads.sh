@@ -13,6 +13,8 @@
 # and later heads may be carried by later calls. CHAIN (at `start`) names the heads, in order, from:
 #   w2 w3 wp3 w4 w6 wp6 (one-layer towers: SPD n = 2, 3, 4, 6; PPSD n = 3, 6) and w2l2 w3l2 (two-layer, n = 2, 3);
 # default "w2 w3 wp3 w4". Head <name> starts from $WORK/warm/<src> (w2 <- s2, wp3 <- p3, w3l2 <- s3l2, ...).
+# Heads joined by + ("w2+w3 wp3+w4") train at the same time, one process each on the one GPU: the steps and
+# the data are the same as alone, only the wall time differs (a lone head leaves the GPU idle part of each step).
 # Alone on one H200 a continuation takes about 310 s (n = 2), 400 s (n = 3), 450 s (n = 4), 600 s (n = 6).
 # Knobs: WORK (/root/spd_work), REPO (/root/spd_repo), STEPS (3600), LR (5.0e-4), SPD_TRAIN_DATA
 # (runs/train_data/sharegpt.jsonl.gz, carried), DRY=1 (`start` prints the chain script instead of starting it).
@@ -28,18 +30,23 @@ declare -A SHAPE=([w2]="partition.num_stages=2" [w3]="partition.num_stages=3"
                   [w2l2]="partition.num_stages=2" [w3l2]="partition.num_stages=3")
 RECIPE="head.lm_head_from_target=true head.tower_init_layer=-1 train.lr_stable_fraction=0.6 train.warmup_steps=50"
 
-chain_script() {  # the detached job: one gpu_train_session.sh per head, each with its own OUT
+chain_script() {  # the detached job: one gpu_train_session.sh per item (a head, or heads joined by +), own OUT each
   echo "cd $REPO"
   echo "[ -f .devkit/on_device.sh ] && source .devkit/on_device.sh"
-  for name in $1; do
-    local warm="$WORK/warm/${SRC[$name]}"
-    local variant="$name:${SHAPE[$name]},head.checkpoint=$warm,train.lr=${LR:-5.0e-4},train.max_steps=${STEPS:-3600}"
-    echo "for i in \$(seq 360); do [ -f $warm/head.safetensors ] && break; sleep 5; done"
-    echo "mkdir -p $WORK/out_$name; echo \"[\$(date +%T)] train $name\""
+  for item in $1; do
+    local variants="" seq=1 name
+    [[ $item == *+* ]] && seq=""  # a group trains at once on the GPU (one process per head)
+    for name in ${item//+/ }; do
+      local warm="$WORK/warm/${SRC[$name]}"
+      variants+="${variants:+ }$name:${SHAPE[$name]},head.checkpoint=$warm,train.lr=${LR:-5.0e-4},train.max_steps=${STEPS:-3600}"
+      echo "for i in \$(seq 360); do [ -f $warm/head.safetensors ] && break; sleep 5; done"
+    done
+    name=${item//+/_}
+    echo "mkdir -p $WORK/out_$name; echo \"[\$(date +%T)] train $item\""
     echo "OUT=$WORK/out_$name WORK=$WORK SPD_TRAIN_DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt.jsonl.gz}" \
-         "TRAIN_SECONDS=1500 SESSION_SECONDS=1500 SEQUENTIAL=1 VARIANTS=\"$variant\" EXTRA=\"$RECIPE\" FETCH=1" \
+         "TRAIN_SECONDS=1500 SESSION_SECONDS=1500 ${seq:+SEQUENTIAL=1 }VARIANTS=\"$variants\" EXTRA=\"$RECIPE\" FETCH=1" \
          "bash scripts/gpu_train_session.sh > $WORK/train_$name.out 2>&1"
-    echo "echo \"[\$(date +%T)] train $name end rc \$?\""
+    echo "echo \"[\$(date +%T)] train $item end rc \$?\""
     echo "rm -f $WORK/out_$name/compile_cache.tgz.part-*  # not needed back"
   done
   echo "echo \"[\$(date +%T)] CHAIN DONE\""
@@ -48,7 +55,7 @@ chain_script() {  # the detached job: one gpu_train_session.sh per head, each wi
 case "${1:-}" in
   start)
     CHAIN=${CHAIN:-"w2 w3 wp3 w4"}
-    for name in $CHAIN; do
+    for name in ${CHAIN//+/ }; do
       [[ -n "${SRC[$name]:-}" ]] || { echo "gpu_continue_heads.sh: unknown head '$name' in CHAIN; known: ${!SRC[*]}" >&2; exit 2; }
     done
     if [[ -n "${DRY:-}" ]]; then chain_script "$CHAIN"; exit 0; fi

@@ -30,6 +30,16 @@ def test_dry_chain_trains_each_head_from_its_warm_start_in_order(tmp_path):
     assert not (tmp_path / "repo").exists()  # a dry run starts nothing
 
 
+def test_joined_heads_train_at_once_in_one_session(tmp_path):
+    r = _run(tmp_path, "start", CHAIN="w2+w3 w4", DRY="1")
+    assert r.returncode == 0, r.stderr
+    train = [x for x in r.stdout.splitlines() if "gpu_train_session.sh" in x]
+    assert len(train) == 2 and "SEQUENTIAL" not in train[0] and "SEQUENTIAL=1" in train[1]
+    assert "w2:partition.num_stages=2," in train[0] and " w3:partition.num_stages=3," in train[0]
+    assert f"OUT={tmp_path / 'work'}/out_w2_w3 " in train[0]
+    assert _run(tmp_path, "start", CHAIN="w2+w9", DRY="1").returncode == 2
+
+
 def test_unknown_head_and_usage_are_errors(tmp_path):
     r = _run(tmp_path, "start", CHAIN="w2 w5", DRY="1")
     assert r.returncode == 2 and "unknown head 'w5'" in r.stderr
