@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.test_pipe_worker import free_port
 
 
 def _worker(rank: int, port: int, n: int, out) -> None:
@@ -51,7 +46,7 @@ def _run_two(target, *args, timeout: float = 180.0) -> list:
     """Run ``target(rank, port, *args, out)`` in two spawned processes; the two items they put on ``out``."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(2)]
     for p in procs:
         p.start()

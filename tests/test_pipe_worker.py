@@ -195,11 +195,23 @@ WORKER = Path(__file__).resolve()
 
 
 def free_port() -> int:
+    """A free TCP port for a rendezvous, below the kernel's ephemeral range (32768-60999 on Linux) so that no
+    socket the system numbers itself (gloo's, another launcher's) can take it between this check and the bind, and
+    from a block of its own for each pytest-xdist worker (gw0: 20000-22999, gw1: 23000-25999, ...)."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    lo = 20000 + 3000 * (index % 4)
+    for port in random.Random().sample(range(lo, lo + 3000), 3000):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {lo}-{lo + 2999}")
 
 
 def worker_env(**extra) -> dict:

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +18,10 @@ import pytest
 import torch
 
 from tests.test_train_data import make_chat_model, make_chats
+from tests.test_pipe_worker import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _experiment(tmp: Path, model: Path, data: Path, **train) -> Path:
@@ -50,7 +44,7 @@ def _experiment(tmp: Path, model: Path, data: Path, **train) -> Path:
 def _launch(config: Path, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
-           str(_free_port()), "launch/train.py", "--config", str(config), "--deepspeed_config",
+           str(free_port()), "launch/train.py", "--config", str(config), "--deepspeed_config",
            "ds_configs/zero2.json", *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     return proc
