@@ -64,6 +64,21 @@ def test_stop_string_ends_spd_and_ar_at_the_same_token(smollm2_dir, tmp_path, la
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python", "deepspeed"])
+def test_stream_prints_the_answers_as_they_come(smollm2_dir, launcher):
+    """``--stream`` (one process, and under DeepSpeed on the head rank): each SPD answer is printed once, as verified
+    (cut before a stop string), then the metrics; the answers stay identical to AR."""
+    args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=12", "--stream",
+            "--stop", "Paris", "--prompt", "What is the capital of France?", "--prompt", "Name three colours."]
+    r = run([sys.executable, *args] if launcher == "python" else [*deepspeed_cmd(2), *args])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "=== [prompt0] What is the capital of France?\nThe capital of France is \n" in r.stdout
+    assert r.stdout.count("=== [prompt0]") == 2  # streamed, then its metrics
+    assert "Paris" not in r.stdout.split("=== [prompt0]", 1)[1] and "2/2 prompts" in r.stdout
+    assert "generation/s" not in r.stderr  # no progress line while streaming
+
+
 def test_bad_stop_list_under_the_launcher_is_one_line_on_every_rank(smollm2_dir):
     """A stop list that YAML reads as a nested list fails on every rank before any collective: one line each, exit 2."""
     r = run([*deepspeed_cmd(2), "launch/infer.py", "--config", str(CONFIG), "decoding.stop=[[a]]", "--prompt", "hi"])

@@ -157,3 +157,47 @@ def test_smollm2_spd_equals_ar_with_a_stop_string(smollm2_arch, smollm2_dir):
     assert stop_text not in stop.truncate(tok.decode(spd.tokens))
     with pytest.raises(ConfigError, match="needs the model's tokenizer"):
         builder.stop_strings(load_config(None, ['decoding.stop=["x"]']), None)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_on_token_streams_every_verified_token_in_order(tiny, n):
+    """``generate(on_token=...)`` hands over each returned token once, in order, rollbacks in flight included."""
+    target, head = build(tiny, n)
+    prompt = [3, 14, 15, 92, 65]
+    ar = ARDecoder(target).generate(prompt, 30).tokens
+    drafter = OracleDrafter(prompt + ar, 0.5, base=HeadDrafter(head, 256, torch.float32, "cpu"), seed=n)
+    seen = []
+    res = SPDReferenceDecoder(target, drafter, max_len=256).generate(prompt, 30, on_token=seen.append)
+    assert seen == res.tokens == ar and res.metrics.num_rollbacks > 0
+
+
+def test_streamer_prints_only_what_is_certain():
+    """``--stream``: an incomplete character and a possible stop-string start wait; the end cuts the stop string."""
+    import io
+    from types import SimpleNamespace
+
+    from spd_ds.commands.infer import _Streamer
+
+    pieces = {0: "ab", 1: "\ufffd", 2: "c", 3: "S", 4: "TOP", 5: "x"}  # 1 stands for half a character
+    tok = SimpleNamespace(decode=lambda ids, **kw: "".join(pieces[i] for i in ids).replace("\ufffdc", "é"))
+    out = io.StringIO()
+    s = _Streamer(tok, [("q0", "question")], StopStrings(["STOP"], letters), out)
+    s.start(0)
+    printed = []
+    for t in (0, 1, 2, 3):
+        s(0, t)
+        printed.append(out.getvalue().split("question\n", 1)[1])
+    # "ab" could be the start of nothing but is held back by len("STOP") - 1 = 3 characters; then "abé", "abéS"
+    assert printed == ["", "", "", "a"]
+    s(0, 4)  # "abéSTOP": the stop string is complete: everything before it is certain
+    s.end(SimpleNamespace(finish_reason="stop"))
+    assert out.getvalue() == "\n=== [q0] question\nabé\n"
+    out2 = io.StringIO()
+    s2 = _Streamer(tok, [("q0", "question")], None, out2)
+    s2.start(0)
+    for t in (0, 1):
+        s2(0, t)
+    assert out2.getvalue().endswith("question\nab")  # the half character waits
+    s2(0, 2)
+    s2.end(SimpleNamespace(finish_reason="length"))
+    assert out2.getvalue().endswith("question\nabé\n")

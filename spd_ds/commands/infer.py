@@ -18,6 +18,7 @@ AR). User errors (config, prompts, head, model) end the run with one line and ex
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -46,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stop", action="append", default=[], metavar="TEXT",
                     help="a stop string (repeatable; added to decoding.stop): an answer ends with the token that "
                          "completes it, and is printed without it (a newline: --stop $'\\n' in bash)")
+    ap.add_argument("--stream", action="store_true",
+                    help="print each SPD answer as its tokens are verified (in bursts: accepted drafts arrive "
+                         "together); the progress line is off then")
     ap.add_argument("--output", help="write per-prompt results as JSONL here")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                     help="a progress line (prompts, tokens) on stderr while decoding")
@@ -124,6 +128,55 @@ class _Progress:
             self.bar = None
 
 
+class _Streamer:
+    """``--stream``: prints each SPD answer on stdout as its tokens are verified.
+
+    Text is decoded from all the answer's tokens so far (special tokens left out, no clean-up) and only what is
+    certain is printed: a trailing incomplete character (``\ufffd``) and, with stop strings, the last ``len - 1``
+    characters that could still begin one wait for the next token; the answer's end prints the rest (cut before its
+    stop string, as the final answer is).
+
+    Args:
+        tok: the target's tokenizer. prompts: ``(id, text)`` pairs. stop: the run's
+            :class:`~spd_ds.decoding.stopping.StopStrings` or ``None``. out: the text stream (stdout).
+    """
+
+    def __init__(self, tok, prompts, stop, out=None) -> None:
+        self.tok, self.prompts, self.stop, self.out = tok, prompts, stop, out or sys.stdout
+        self.hold = max((len(s) for s in stop.strings), default=1) - 1 if stop is not None else 0
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def _text(self) -> str:
+        return self.tok.decode(self.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _write(self, upto: str) -> None:
+        if len(upto) > self.printed:
+            self.out.write(upto[self.printed:])
+            self.out.flush()
+            self.printed = len(upto)
+
+    def start(self, index: int) -> None:
+        qid, text = self.prompts[index]
+        self.tokens, self.printed = [], 0
+        self.out.write(f"\n=== [{qid}] {text[:200]}\n")
+        self.out.flush()
+
+    def __call__(self, index: int, token: int) -> None:
+        self.tokens.append(token)
+        text = self._text().rstrip("\ufffd")
+        if self.stop is not None:
+            cut = self.stop.truncate(text)
+            text = cut if len(cut) < len(text) else text[:max(0, len(text) - self.hold)]
+        self._write(text)
+
+    def end(self, result) -> None:
+        text = self._text()
+        self._write(self.stop.truncate(text) if result.finish_reason == "stop" else text)
+        self.out.write("\n")
+        self.out.flush()
+
+
 def _main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -140,7 +193,16 @@ def _main(argv=None) -> int:
     tok = builder.load_tokenizer(arch)
     ids = [builder.encode_prompt(tok, text, cfg.decoding.chat_template) for _, text in prompts]
     head_rank = int(os.environ.get("RANK", "0")) == 0
-    bar = _Progress(len(ids), 2 if args.compare_ar else 1, args.progress and head_rank)
+    bar = _Progress(len(ids), 2 if args.compare_ar else 1, args.progress and head_rank and not args.stream)
+    streamer = _Streamer(tok, prompts, builder.stop_strings(cfg, tok)) if args.stream and head_rank else None
+
+    def on_generation(kind, index, result):
+        bar(kind, index, result)
+        if streamer is not None and kind == "spd":
+            if result is None:
+                streamer.start(index)
+            else:
+                streamer.end(result)
     try:
         if engine == "deepspeed":
             from spd_ds.pipe.runner import run_distributed_inference
@@ -149,13 +211,13 @@ def _main(argv=None) -> int:
                 log.info("engine deepspeed: %d rank(s), partition.num_stages=%d, head.placement=%s", world,
                          cfg.partition.num_stages, cfg.head.placement)
             out = run_distributed_inference(cfg, ids, cfg.decoding.max_new_tokens, with_ar=args.compare_ar,
-                                            on_generation=bar)
+                                            on_generation=on_generation, on_token=streamer)
             if out is None:  # not the verifying rank
                 return 0
             results, ar = out if args.compare_ar else (out, None)
             ar_name = "AR through the same pipeline"
         else:
-            results, ar = run_reference(cfg, arch, tok, ids, args.compare_ar, bar)
+            results, ar = run_reference(cfg, arch, tok, ids, args.compare_ar, on_generation, streamer)
             ar_name = "AR decoding"
     finally:
         bar.close()
@@ -163,12 +225,12 @@ def _main(argv=None) -> int:
     return 0
 
 
-def run_reference(cfg, arch, tok, ids, with_ar: bool = False, on_generation=None):
+def run_reference(cfg, arch, tok, ids, with_ar: bool = False, on_generation=None, on_token=None):
     """Generate every prompt with the single-process reference decoder, then (``with_ar``) with the AR decoder on the
     same target. Prompt ``i`` is request ``i`` of the run (its sampling key, ``spd_ds.decoding.sampling``).
 
     ``on_generation(kind, index, result)``: progress callback, ``kind`` ``spd`` or ``ar``, ``result`` ``None`` when a
-    generation starts.
+    generation starts. ``on_token(index, token)``: streaming callback for each verified SPD token.
 
     Returns:
         ``(spd results, ar results or None)``, lists of :class:`~spd_ds.decoding.reference.GenerationResult`.
@@ -195,7 +257,8 @@ def run_reference(cfg, arch, tok, ids, with_ar: bool = False, on_generation=None
         dec = SPDReferenceDecoder(target, drafter, sampling, eos, cfg.decoding.max_length, stop_strings=stop)
         if on_generation is not None:
             on_generation("spd", i, None)
-        results.append(dec.generate(p, cfg.decoding.max_new_tokens))
+        stream = None if on_token is None else functools.partial(on_token, i)
+        results.append(dec.generate(p, cfg.decoding.max_new_tokens, on_token=stream))
         if on_generation is not None:
             on_generation("spd", i, results[-1])
     if not with_ar:
@@ -267,7 +330,8 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
             answer = stop.truncate(tok.decode(res.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False))
         else:
             answer = tok.decode(res.tokens, skip_special_tokens=True)
-        print(answer)
+        if not getattr(args, "stream", False):  # streamed: printed as it came
+            print(answer)
         same = None if ar_tokens is None else ar_tokens[i] == res.tokens
         print(f"--- {m.num_new_tokens} tokens in {m.num_cycles} cycles, draft acceptance "
               f"{m.draft_acceptance_rate:.3f}, equivalent accept length {m.equivalent_accept_length:.2f}, "

@@ -104,10 +104,12 @@ class TokenOutput:
         eos: ids that end the generation.
         max_new_tokens: at most this many tokens (the prefill token included).
         stop: stop strings (:class:`~spd_ds.decoding.stopping.StopStrings`), or ``None``.
+        on_token: called with every returned token id as it is returned (streaming), or ``None``.
     """
 
-    def __init__(self, eos: frozenset[int], max_new_tokens: int, stop: StopStrings | None = None) -> None:
-        self.eos, self.max_new_tokens, self.stop = eos, int(max_new_tokens), stop
+    def __init__(self, eos: frozenset[int], max_new_tokens: int, stop: StopStrings | None = None,
+                 on_token: Callable[[int], None] | None = None) -> None:
+        self.eos, self.max_new_tokens, self.stop, self.on_token = eos, int(max_new_tokens), stop, on_token
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
 
@@ -120,6 +122,8 @@ class TokenOutput:
         """Return ``token``; stop at an EOS (``"eos"``), when the text now contains a stop string (``"stop"``) or at
         the length limit (``"length"``), in that order. Returns :attr:`finished`."""
         self.tokens.append(token)
+        if self.on_token is not None:
+            self.on_token(token)
         if token in self.eos:
             self.finish_reason = "eos"
         elif self.stop is not None and self.stop.hit(self.tokens):
@@ -236,6 +240,7 @@ class SPDGeneration:
         new_seq: message numbers for entering tokens (default: 1, 2, ...).
         metrics: where to observe (default: a new :class:`~spd_ds.decoding.metrics.SPDMetrics`).
         stop: stop strings (:class:`~spd_ds.decoding.stopping.StopStrings`), or ``None``.
+        on_token: called with every verified token as it is returned (streaming), or ``None``.
 
     Attributes:
         pipeline: the in-flight :class:`InFlight` tokens, oldest (deepest) first.
@@ -249,14 +254,14 @@ class SPDGeneration:
                  max_new_tokens: int, embed: Callable[[int], torch.Tensor],
                  logits: Callable[[torch.Tensor], torch.Tensor], rewind: Callable[[RollbackPlan], None], *,
                  new_seq: Callable[[], int] | None = None, metrics: SPDMetrics | None = None,
-                 stop: StopStrings | None = None) -> None:
+                 stop: StopStrings | None = None, on_token: Callable[[int], None] | None = None) -> None:
         self.n, self.f = partition.num_stages, partition.depth_to_type
         self.anchors = Anchors(partition)
         self.drafter, self.sampling = drafter, sampling
         self.embed, self.logits, self.rewind = embed, logits, rewind
         self.new_seq = new_seq or itertools.count(1).__next__
         self.metrics = metrics or SPDMetrics(num_stages=self.n)
-        self.out = TokenOutput(eos, max_new_tokens, stop)
+        self.out = TokenOutput(eos, max_new_tokens, stop, on_token)
         self.pipeline: list[InFlight] = []
         self.completed: list[torch.Tensor] = []
         self.head_start = 0

@@ -19,7 +19,7 @@ Only verified tokens are ever returned. A draft is verified ``n - 1`` cycles aft
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -84,8 +84,10 @@ class SPDReferenceDecoder:
             c.crop(plan.keep)
 
     @torch.no_grad()
-    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` verified tokens after ``prompt`` (token ids).
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` verified tokens after ``prompt`` (token ids); ``on_token`` is called with
+        each verified token as it is returned (streaming).
 
         Raises:
             PromptError: empty prompt, or prompt + generation longer than the context.
@@ -95,7 +97,7 @@ class SPDReferenceDecoder:
         for c in self.caches:
             c.reset()
         gen = SPDGeneration(self.partition, self.drafter, self.sampling, self.eos, max_new_tokens, self._embed,
-                            target.ends.logits, self._rewind, stop=self.stop)
+                            target.ends.logits, self._rewind, stop=self.stop, on_token=on_token)
         t0 = time.perf_counter()
         logits, prompt_feats = prefill(target, self.caches, prompt)
         gen.start(len(prompt), logits, prompt_feats, since=t0)

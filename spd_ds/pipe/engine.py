@@ -145,13 +145,15 @@ class SPDPipelineEngine(PipelineEngine):
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, drafter: Drafter) -> GenerationResult:
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, drafter: Drafter, *,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
         """SPD generation of up to ``max_new_tokens`` verified tokens after ``prompt`` (head rank only).
 
         Args:
             prompt: token ids (non-empty).
             max_new_tokens: limit, the prefill token included.
             drafter: the proposer (:class:`~spd_ds.decoding.drafters.HeadDrafter`, oracle, ...).
+            on_token: called with each verified token as it is returned (streaming), or ``None``.
         Returns:
             :class:`~spd_ds.decoding.cycle.GenerationResult` with per-cycle timings in its metrics.
         Raises:
@@ -159,7 +161,7 @@ class SPDPipelineEngine(PipelineEngine):
             PromptError: empty or too long prompt (before any message is sent).
             PipeCommError: a stage rank died or stalled.
         """
-        return self._run_head(self.spd_head, prompt, max_new_tokens, drafter)
+        return self._run_head(self.spd_head, prompt, max_new_tokens, drafter, on_token)
 
     @torch.no_grad()
     def generate_ar(self, prompt: Sequence[int], max_new_tokens: int) -> GenerationResult:
@@ -167,10 +169,10 @@ class SPDPipelineEngine(PipelineEngine):
         reference on the same kernels and the oracle drafter's source. Same contract as :meth:`generate`."""
         return self._run_head(self.pipe_ar, prompt, max_new_tokens, None)
 
-    def _run_head(self, driver: HeadDriver | None, prompt, max_new_tokens, drafter) -> GenerationResult:
+    def _run_head(self, driver: HeadDriver | None, prompt, max_new_tokens, drafter, on_token=None) -> GenerationResult:
         if driver is None:
             raise RuntimeError("generate() runs on the head rank (pipe stage 0) only")
-        driver.request(prompt, max_new_tokens, drafter, self.sampling)
+        driver.request(prompt, max_new_tokens, drafter, self.sampling, on_token)
         self.role = driver
         try:
             self._exec_schedule(driver.schedule(self))

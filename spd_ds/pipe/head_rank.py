@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -215,22 +215,24 @@ class HeadDriver:
         self.sampling = SamplingParams()
         self.metrics = SPDMetrics(num_stages=rank.n)
         self.out = TokenOutput(rank.eos, 1)
+        self.on_token: Callable[[int], None] | None = None
         self.result: GenerationResult | None = None
         self._t_decode: float | None = None
         self._wait0 = 0.0
 
     def request(self, prompt: Sequence[int], max_new_tokens: int, drafter: Drafter | None,
-                sampling: SamplingParams) -> None:
-        """The next generation's prompt, limit (the prefill token included), drafter (``None`` for AR) and sampling
-        parameters (its distribution and the key of its uniforms)."""
+                sampling: SamplingParams, on_token: Callable[[int], None] | None = None) -> None:
+        """The next generation's prompt, limit (the prefill token included), drafter (``None`` for AR), sampling
+        parameters (its distribution and the key of its uniforms) and token callback (streaming; ``None``)."""
         self.prompt, self.max_new, self.drafter, self.sampling = list(prompt), int(max_new_tokens), drafter, sampling
+        self.on_token = on_token
 
     def load_prompt(self) -> None:
         """Instruction LoadPrompt: check the prompt (:class:`~spd_ds.decoding.cycle.PromptError` before any message)
         and start the generation's state."""
         check_prompt(self.prompt, self.max_new, self.rank.max_len, self.rank.n)
         self.metrics = SPDMetrics(num_stages=self.rank.n)
-        self.out = TokenOutput(self.rank.eos, self.max_new, self.rank.stop)
+        self.out = TokenOutput(self.rank.eos, self.max_new, self.rank.stop, self.on_token)
         self.result, self._t_decode = None, None
         self._wait0 = self.rank.links.wait_s()
 

@@ -15,6 +15,7 @@ destroyed.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -258,14 +259,15 @@ class SPDSession:
         """Key the engine's uniforms by ``request`` (the prompt's index in the run; ``spd_ds.decoding.sampling``)."""
         self.engine.sampling = self.sampling.for_request(request)
 
-    def generate(self, prompt: Sequence[int], max_new_tokens: int | None = None, request: int = 0) -> GenerationResult:
+    def generate(self, prompt: Sequence[int], max_new_tokens: int | None = None, request: int = 0, *,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
         """SPD generation on the head rank (see :meth:`SPDPipelineEngine.generate`); ``request`` is the prompt's index
         in the run, part of the key of its uniforms at T > 0 (the reference decoder with the same seed and request
-        draws the same tokens)."""
+        draws the same tokens); ``on_token`` is called with each verified token as it is returned (streaming)."""
         max_new = max_new_tokens or self.max_new_tokens
         self._use_request(request)
         drafter = self._drafter_for(list(prompt), max_new)
-        return self.engine.generate(prompt, max_new, drafter)
+        return self.engine.generate(prompt, max_new, drafter, on_token=on_token)
 
     def generate_ar(self, prompt: Sequence[int], max_new_tokens: int | None = None,
                     request: int = 0) -> GenerationResult:
@@ -323,7 +325,8 @@ GenerationCallback = Callable[[str, int, GenerationResult], None]
 def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequence[Sequence[int]],
                               max_new_tokens: int | None = None, *,
                               drafter_factory: DrafterFactory | None = None, with_ar: bool = False,
-                              requests: Sequence[int] | None = None, on_generation: GenerationCallback | None = None
+                              requests: Sequence[int] | None = None, on_generation: GenerationCallback | None = None,
+                              on_token: Callable[[int, int], None] | None = None
                               ) -> list[GenerationResult] | tuple[list[GenerationResult], list[GenerationResult]] | None:
     """Generate for every prompt with SPD through DeepSpeed's pipeline engine. Call it on every rank.
 
@@ -337,6 +340,8 @@ def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequenc
         requests: request index of each prompt (its sampling key with ``decoding.seed``; default ``0, 1, ...``).
         on_generation: progress callback ``f(kind, index, result)`` on the head rank (``kind``: ``spd`` or ``ar``;
             ``result`` ``None`` when the generation starts).
+        on_token: streaming callback ``f(index, token)`` on the head rank, for each verified SPD token as it is
+            returned (not for the AR pass).
     Returns:
         On the head rank (pipe stage 0, global rank 0) one :class:`GenerationResult` per prompt, or with ``with_ar``
         a pair ``(spd results, ar results)``; ``None`` elsewhere.
@@ -355,7 +360,8 @@ def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequenc
                 for i, p in enumerate(prompt_token_lists):
                     if on_generation is not None:
                         on_generation("spd", i, None)
-                    results.append(session.generate(p, max_new_tokens, reqs[i]))
+                    stream = None if on_token is None else functools.partial(on_token, i)
+                    results.append(session.generate(p, max_new_tokens, reqs[i], on_token=stream))
                     if on_generation is not None:
                         on_generation("spd", i, results[-1])
                 for i, p in enumerate(prompt_token_lists if with_ar else ()):

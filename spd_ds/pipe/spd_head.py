@@ -56,7 +56,8 @@ class SPDHead(HeadDriver):
         super().load_prompt()
         r = self.rank
         self.gen = SPDGeneration(r.plan.partition, self.drafter, self.sampling, r.eos, self.max_new, r.embed,
-                                 r.ends.logits, self._rewind, new_seq=r.next_seq, metrics=self.metrics, stop=r.stop)
+                                 r.ends.logits, self._rewind, new_seq=r.next_seq, metrics=self.metrics, stop=r.stop,
+                                 on_token=self.on_token)
         self.out = self.gen.out
         self.view, self.at_stage = None, {}
 
