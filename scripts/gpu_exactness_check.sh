@@ -9,7 +9,7 @@
 #                        bash scripts/gpu_exactness_check.sh
 # On one GPU (NUM_GPUS=1): the probe's single-GPU part (--single-gpu: AR_REPEATS ar_graph instances, default 4, and
 # the other single-GPU runs; no pipeline) for each variant, by default also with the SDPA backend pinned:
-#   NUM_GPUS=1 SKIP_TESTS=1 PROBE_OVERRIDES=head.checkpoint=null OUT=$OUT SPD_EVAL_DIR=runs/eval_sets \
+#   NUM_GPUS=1 PROBE_OVERRIDES=head.checkpoint=null OUT=$OUT SPD_EVAL_DIR=runs/eval_sets \
 #     bash scripts/gpu_exactness_check.sh
 # Knobs: VARIANTS ("bf16 det fp32"; one GPU: "bf16 det fp32 math efficient"; det = CUBLAS_WORKSPACE_CONFIG=:4096:8
 #   and --deterministic; math / efficient / cudnn = --sdpa-backend; also noreduce = --no-reduced-precision and

@@ -238,11 +238,15 @@ def test_bf16_static_path_equals_ar_through_the_pipeline(world2, name):
     assert r["spd"] == r["ar"] and sum(m["num_rollbacks"] for m in r["metrics"]) > 0
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on the GPU machine)")
-def test_cuda_engine_equals_ar_through_the_same_pipeline(tmp_path, tiny_root):
-    """On 2 GPUs (NCCL, bf16, static caches and CUDA-graph stages by default): greedy SPD with the eager head, with
-    the CUDA-graph head (overlapping stage 0 or after it), and with oracle drafts gives the tokens of AR through the same pipeline (same graphed
-    stages, same kernels), with rollbacks. Random tiny weights put many near-ties in the way, so a target
+@pytest.mark.parametrize("world", [
+    pytest.param(1, marks=pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU (run on the GPU machine)")),
+    pytest.param(2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on the GPU machine)")),
+])
+def test_cuda_engine_equals_ar_through_the_same_pipeline(tmp_path, tiny_root, world):
+    """On 2 GPUs (NCCL, bf16, static caches and CUDA-graph stages by default), and on one (both stages' graphs and the
+    head in one process, the head on its own stream): greedy SPD with the eager head, with the CUDA-graph head
+    (overlapping stage 0 or after it), and with oracle drafts gives the tokens of AR through the same pipeline (same
+    graphed stages, same kernels), with rollbacks. Random tiny weights put many near-ties in the way, so a target
     computation that depends on the drafts shows here."""
     jobs = [job(f"cuda_{name}", 2, "colocated", prompts=(P1, P2), max_new=64, ar=True, device="cuda",
                 reference=False, overrides=ov)
@@ -255,7 +259,7 @@ def test_cuda_engine_equals_ar_through_the_same_pipeline(tmp_path, tiny_root):
                  overrides=[*ov, *T1]) for name, ov in [("graph_head", ["head.cuda_graph=true"]),
                                                         ("graph_head_serial", ["head.cuda_graph=true",
                                                                                "head.overlap=false"])]]
-    res = run_world(tmp_path, tiny_root, 2, jobs)
+    res = run_world(tmp_path, tiny_root, world, jobs)
     for r in (res[j["name"]] for j in jobs if j.get("ar")):
         assert r["spd"] == r["ar"], r["name"]
         assert sum(m["num_rollbacks"] for m in r["metrics"]) > 0, r["name"]
