@@ -186,9 +186,10 @@ def test_streamer_prints_only_what_is_certain():
     printed = []
     for t in (0, 1, 2, 3):
         s(0, t)
-        printed.append(out.getvalue().split("question\n", 1)[1])
-    # "ab" could be the start of nothing but is held back by len("STOP") - 1 = 3 characters; then "abé", "abéS"
-    assert printed == ["", "", "", "a"]
+        printed.append(out.getvalue())
+    # "ab" is held back by len("STOP") - 1 = 3 characters (no header before the first printed character either);
+    # then "ab" + half a character, "abé", "abéS"
+    assert printed[:3] == ["", "", ""] and printed[3] == "\n=== [q0] question\na"
     s(0, 4)  # "abéSTOP": the stop string is complete: everything before it is certain
     s.end(SimpleNamespace(finish_reason="stop"))
     assert out.getvalue() == "\n=== [q0] question\nabé\n"
@@ -198,6 +199,10 @@ def test_streamer_prints_only_what_is_certain():
     for t in (0, 1):
         s2(0, t)
     assert out2.getvalue().endswith("question\nab")  # the half character waits
+    s3 = _Streamer(tok, [("q0", "question")], None, io.StringIO())
+    s3.start(0)
+    s3.close()  # a prompt refused before its first token: nothing printed
+    assert s3.out.getvalue() == ""
     s2(0, 2)
     s2.end(SimpleNamespace(finish_reason="length"))
     assert out2.getvalue().endswith("question\nabé\n")

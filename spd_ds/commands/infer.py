@@ -128,13 +128,22 @@ class _Progress:
             self.bar = None
 
 
+def answer_text(tok, tokens, finish_reason: str, stop) -> str:
+    """An answer's text as printed (special tokens left out, no clean-up of spaces), cut before its stop string when
+    one ended it (as vLLM returns it)."""
+    text = tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return stop.truncate(text) if finish_reason == "stop" and stop is not None else text
+
+
 class _Streamer:
     """``--stream``: prints each SPD answer on stdout as its tokens are verified.
 
-    Text is decoded from all the answer's tokens so far (special tokens left out, no clean-up) and only what is
-    certain is printed: a trailing incomplete character (``\ufffd``) and, with stop strings, the last ``len - 1``
-    characters that could still begin one wait for the next token; the answer's end prints the rest (cut before its
-    stop string, as the final answer is).
+    Detokenized incrementally (vLLM's way: the text of a few tokens before the new ones and of the new ones, so the
+    cost per token does not grow with the answer), and only what is certain is printed: an incomplete character
+    (``\ufffd``) and, with stop strings, the last ``len - 1`` characters that could still begin one wait for the next
+    token; the answer's end prints the rest of :func:`answer_text`. The header is printed with the first token (a
+    prompt refused before it prints nothing); :meth:`close` ends a line an error left open. The printing runs inside
+    the decode loop, so a ``--stream`` run's SPD timings include it (microseconds per token).
 
     Args:
         tok: the target's tokenizer. prompts: ``(id, text)`` pairs. stop: the run's
@@ -144,37 +153,57 @@ class _Streamer:
     def __init__(self, tok, prompts, stop, out=None) -> None:
         self.tok, self.prompts, self.stop, self.out = tok, prompts, stop, out or sys.stdout
         self.hold = max((len(s) for s in stop.strings), default=1) - 1 if stop is not None else 0
-        self.tokens: list[int] = []
-        self.printed = 0
+        self.index: int | None = None
+        self.open = False  # header printed, answer line not ended
 
-    def _text(self) -> str:
-        return self.tok.decode(self.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def _write(self, upto: str) -> None:
+    def _write(self, upto: str, header: bool = False) -> None:
+        if not (header or len(upto) > self.printed):
+            return
+        if not self.open:
+            qid, text = self.prompts[self.index]
+            self.out.write(f"\n=== [{qid}] {text[:200]}\n")
+            self.open = True
         if len(upto) > self.printed:
             self.out.write(upto[self.printed:])
-            self.out.flush()
             self.printed = len(upto)
+        self.out.flush()
 
     def start(self, index: int) -> None:
-        qid, text = self.prompts[index]
-        self.tokens, self.printed = [], 0
-        self.out.write(f"\n=== [{qid}] {text[:200]}\n")
-        self.out.flush()
+        self.index, self.open = index, False
+        self.tokens: list[int] = []
+        self.text, self.printed = "", 0
+        self.prefix, self.read = 0, 0  # token offsets: decoded context start, first token not yet in ``text``
 
     def __call__(self, index: int, token: int) -> None:
         self.tokens.append(token)
-        text = self._text().rstrip("\ufffd")
+        before = self._decode(self.tokens[self.prefix:self.read])
+        now = self._decode(self.tokens[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(self.tokens)
+        certain = self.text
         if self.stop is not None:
-            cut = self.stop.truncate(text)
-            text = cut if len(cut) < len(text) else text[:max(0, len(text) - self.hold)]
-        self._write(text)
+            cut = self.stop.truncate(certain)
+            certain = cut if len(cut) < len(certain) else certain[:max(0, len(certain) - self.hold)]
+        self._write(certain)
 
     def end(self, result) -> None:
-        text = self._text()
-        self._write(self.stop.truncate(text) if result.finish_reason == "stop" else text)
-        self.out.write("\n")
-        self.out.flush()
+        text = answer_text(self.tok, self.tokens, result.finish_reason, self.stop)
+        if not text.startswith(self.text[:self.printed]):  # a tokenizer that decodes differently in pieces
+            self.printed = 0
+            self.out.write("\n")
+        self._write(text, header=True)
+        self.close()
+
+    def close(self) -> None:
+        """End the current answer's line (after an error too)."""
+        if self.open:
+            self.out.write("\n")
+            self.out.flush()
+            self.open = False
 
 
 def _main(argv=None) -> int:
@@ -221,6 +250,8 @@ def _main(argv=None) -> int:
             ar_name = "AR decoding"
     finally:
         bar.close()
+        if streamer is not None:
+            streamer.close()
     report(cfg, tok, prompts, results, args, ar, ar_name, one_process=(engine == "reference" or world == 1))
     return 0
 
@@ -326,12 +357,8 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
     for i, ((qid, text), res) in enumerate(zip(prompts, results)):
         m = res.metrics
         print(f"\n=== [{qid}] {text[:200]}")
-        if res.finish_reason == "stop":  # as vLLM: without the stop string (found in the text as the matcher reads it)
-            answer = stop.truncate(tok.decode(res.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False))
-        else:
-            answer = tok.decode(res.tokens, skip_special_tokens=True)
         if not getattr(args, "stream", False):  # streamed: printed as it came
-            print(answer)
+            print(answer_text(tok, res.tokens, res.finish_reason, stop))
         same = None if ar_tokens is None else ar_tokens[i] == res.tokens
         print(f"--- {m.num_new_tokens} tokens in {m.num_cycles} cycles, draft acceptance "
               f"{m.draft_acceptance_rate:.3f}, equivalent accept length {m.equivalent_accept_length:.2f}, "
