@@ -23,3 +23,9 @@ def test_pipe_bench_oracle_equals_pipeline_ar(smollm2_dir, tmp_path):
     rec = out["prompts"][0]
     assert rec["spd_tokens"] == rec["ar_tokens"] and len(rec["spd_tokens"]) == 6
     assert rec["spd"]["draft_acceptance_rate"] == 1.0  # alpha 1: the oracle proposes the pipeline AR's tokens
+
+
+def test_pipe_bench_refuses_stop_strings_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "spd_ds.commands.pipe_bench", "--set", 'decoding.stop=["x"]'],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "decoding.stop is for launch/infer.py" in r.stderr and "Traceback" not in r.stderr

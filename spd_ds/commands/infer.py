@@ -356,13 +356,18 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
     stop = builder.stop_strings(cfg, tok)
     for i, ((qid, text), res) in enumerate(zip(prompts, results)):
         m = res.metrics
-        print(f"\n=== [{qid}] {text[:200]}")
-        if not getattr(args, "stream", False):  # streamed: printed as it came
+        streamed = getattr(args, "stream", False)
+        if streamed:  # the question and answer were printed as they came: one metrics line per prompt here
+            head = f"\n--- [{qid}] " if i == 0 else f"--- [{qid}] "
+        else:
+            print(f"\n=== [{qid}] {text[:200]}")
             print(answer_text(tok, res.tokens, res.finish_reason, stop))
+            head = "--- "
         same = None if ar_tokens is None else ar_tokens[i] == res.tokens
-        print(f"--- {m.num_new_tokens} tokens in {m.num_cycles} cycles, draft acceptance "
+        print(f"{head}{m.num_new_tokens} tokens in {m.num_cycles} cycles, draft acceptance "
               f"{m.draft_acceptance_rate:.3f}, equivalent accept length {m.equivalent_accept_length:.2f}, "
-              f"{m.decode_tok_s:.1f} tok/s, finish {res.finish_reason}" + ("" if same is None else f", identical to AR: {'yes' if same else 'NO'}"))
+              f"{m.decode_tok_s:.1f} tok/s, finish {res.finish_reason}"
+              + ("" if same is None else f", identical to AR: {'yes' if same else 'NO'}"))
         row = {"question_id": qid, "tokens": res.tokens, "finish_reason": res.finish_reason,
                "identical_to_ar": same, **m.to_dict()}
         if ar_results is not None:

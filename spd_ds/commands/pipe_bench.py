@@ -26,7 +26,15 @@ from spd_ds.eval.runner import first_divergence
 
 
 def main(argv=None) -> int:
-    """Run on every rank: SPD and AR through the same pipeline, compared token for token; writes the timings."""
+    """Run on every rank: SPD and AR through the same pipeline, compared token for token; writes the timings. A user
+    error (config, prompts, head, world size) is one line and exit status 2 (``spd_ds.cli.run_cli``)."""
+    from spd_ds.cli import run_cli
+    from spd_ds.eval.runner import USER_ERRORS
+
+    return run_cli(_main, argv, user_errors=USER_ERRORS, prog="pipe_bench")
+
+
+def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="experiment YAML")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
