@@ -182,7 +182,8 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         prefix: first word of the error line (``error``; ``train.py`` for the training program).
         prog: short program name for the traceback file (``infer``, ``eval``, ...).
     Returns:
-        ``main``'s status; 2 after a user error; 1 after another exception under a multi-process launcher.
+        ``main``'s status; 2 after a user error; 141 when stdout's reader went away (``| head``); 1 after another
+        exception under a multi-process launcher.
     Raises:
         Any other exception of ``main`` in a single process (its traceback is the bug report), and every exception
         with ``SPD_DEBUG=1`` set.
@@ -190,6 +191,10 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     debug = os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     try:
         return main(argv)
+    except BrokenPipeError:  # stdout closed by its reader (`| head`): stop quietly, as command-line tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
+        return 141  # 128 + SIGPIPE, the shell's status for a writer whose pipe closed
     except user_errors as e:
         if debug:
             traceback.print_exc()

@@ -196,3 +196,16 @@ def test_launch_wrapper_runs_the_installed_command():
     r = subprocess.run([sys.executable, "launch/eval.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "--strict-exact" in r.stdout
+
+
+def test_closed_stdout_ends_quietly():
+    """``launch/infer.py ... | head``: when stdout's reader goes away the program stops with status 141 (128 +
+    SIGPIPE) and no traceback, instead of a BrokenPipeError."""
+    code = ("import sys\nfrom spd_ds.cli import run_cli\n"
+            "def main(argv):\n    for _ in range(100000):\n        print('x' * 1000, flush=True)\n    return 0\n"
+            "sys.exit(run_cli(main))\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    p.stdout.read(10)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
