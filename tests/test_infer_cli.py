@@ -64,7 +64,6 @@ def test_stop_string_ends_spd_and_ar_at_the_same_token(smollm2_dir, tmp_path, la
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "deepspeed"])
 def test_stream_prints_the_answers_as_they_come(smollm2_dir, launcher):
     """``--stream`` (one process, and under DeepSpeed on the head rank): each SPD answer is printed once, as verified
@@ -79,6 +78,24 @@ def test_stream_prints_the_answers_as_they_come(smollm2_dir, launcher):
     assert "generation/s" not in r.stderr  # no progress line while streaming
 
 
+@pytest.mark.slow
+def test_sampled_stop_is_the_same_in_the_engine_and_the_reference(smollm2_dir, tmp_path):
+    """T = 0.8 with stop strings: the pipeline engine (2 gloo ranks) draws the reference decoder's tokens with the same
+    keyed uniforms and ends each answer at the same token, for the same reason (a stop string ends at least one)."""
+    rows = {}
+    for launcher in ("python", "deepspeed"):
+        out = tmp_path / f"{launcher}.jsonl"
+        args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=24", "decoding.temperature=0.8",
+                "--stop", ".", "--stop", "\n", "--no-compare-ar", "--no-progress", "--output", str(out),
+                "--prompt", "What is the capital of France?", "--prompt", "Name three colours."]
+        r = run([sys.executable, *args] if launcher == "python" else [*deepspeed_cmd(2), *args])
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows[launcher] = [(x["tokens"], x["finish_reason"]) for x in map(json.loads, out.read_text().splitlines())]
+    assert rows["deepspeed"] == rows["python"]
+    assert "stop" in [f for _, f in rows["python"]]
+
+
+@pytest.mark.slow
 def test_bad_stop_list_under_the_launcher_is_one_line_on_every_rank(smollm2_dir):
     """A stop list that YAML reads as a nested list fails on every rank before any collective: one line each, exit 2."""
     r = run([*deepspeed_cmd(2), "launch/infer.py", "--config", str(CONFIG), "decoding.stop=[[a]]", "--prompt", "hi"])

@@ -155,6 +155,9 @@ class _Streamer:
         self.hold = max((len(s) for s in stop.strings), default=1) - 1 if stop is not None else 0
         self.index: int | None = None
         self.open = False  # header printed, answer line not ended
+        self.tokens: list[int] = []  # the current answer's tokens so far
+        self.text, self.printed = "", 0  # its text decoded so far, and how much of it is on stdout
+        self.prefix, self.read = 0, 0  # token offsets: decoded context start, first token not yet in ``text``
 
     def _decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -173,9 +176,7 @@ class _Streamer:
 
     def start(self, index: int) -> None:
         self.index, self.open = index, False
-        self.tokens: list[int] = []
-        self.text, self.printed = "", 0
-        self.prefix, self.read = 0, 0  # token offsets: decoded context start, first token not yet in ``text``
+        self.tokens, self.text, self.printed, self.prefix, self.read = [], "", 0, 0, 0
 
     def __call__(self, index: int, token: int) -> None:
         self.tokens.append(token)

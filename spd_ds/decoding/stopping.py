@@ -10,7 +10,10 @@ Only the tail of the generation is decoded each time (:attr:`StopStrings.window`
 UTF-8 bytes spans at most ``b`` tokens when every token decodes to at least one byte, and the window adds margin for
 a partial multi-byte character at its start. Every decoder of the project (the SPD reference decoder, the DeepSpeed
 engine's head rank, the AR decoders) checks through the same object, so where they stop is decided identically.
-Stop strings apply to the generated tokens only, never to the prompt. The text matched is the tokens' raw decoding:
+Token ids the tokenizer does not know (padded embedding rows) decode to nothing and so widen a
+stop string's span by one token each: a window that missed it would miss it in every decoder alike (the stop is
+still a function of the tokens alone, so SPD and AR stay identical). Stop strings apply to the generated tokens
+only, never to the prompt. The text matched is the tokens' raw decoding:
 special tokens count as their text (``<|im_end|>``), and a multi-byte character whose last byte has not been generated
 yet reads as ``\ufffd`` (vLLM matches the detokenized text with special tokens left out).
 """
@@ -50,9 +53,10 @@ class StopStrings:
                                                          clean_up_tokenization_spaces=False))
 
     def hit(self, tokens: Sequence[int]) -> bool:
-        """Whether the text of ``tokens`` (the generation so far, the newest token last) contains a stop string.
+        """Whether the text of ``tokens`` (int token ids: the generation so far, the newest last) contains a stop string.
 
-        Called after every new token, so a stop string found here was completed by the newest token."""
+        Called after every new token, so a stop string found here was completed by the newest token. Decodes the last
+        :attr:`window` tokens (host work, no device access)."""
         text = self.decode(list(tokens[-self.window:]))
         return any(s in text for s in self.strings)
 

@@ -136,14 +136,13 @@ def _stop_strings(cfg: ExperimentConfig, arch):
 
     if not cfg.decoding.stop:
         return None
-    if not any(arch.model_dir.glob("tokenizer*")):
-        raise ConfigError(f"decoding.stop needs the model's tokenizer and {arch.model_dir} has none; remove "
-                          "decoding.stop or use a model with a tokenizer")
-    try:
-        tok = load_tokenizer(arch)
-    except Exception as e:  # noqa: BLE001 - any loader failure is the same user problem
-        raise ConfigError(f"decoding.stop needs the model's tokenizer, which did not load from {arch.model_dir} "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    tok = None
+    if any(arch.model_dir.glob("tokenizer*")):  # none: builder.stop_strings says so
+        try:
+            tok = load_tokenizer(arch)
+        except Exception as e:  # noqa: BLE001 - any loader failure is the same user problem
+            raise ConfigError(f"decoding.stop needs the model's tokenizer, which did not load from {arch.model_dir} "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     return stop_strings(cfg, tok)
 
 
