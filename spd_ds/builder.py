@@ -50,6 +50,27 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def set_sdpa_backends(backends: Sequence[str]) -> None:
+    """Enable exactly ``backends`` (names of :data:`spd_ds.config.SDPA_BACKENDS`) among torch's scaled-dot-product
+    attention kernels, process-wide (``torch.backends.cuda.enable_{flash,mem_efficient,math,cudnn}_sdp``; the
+    flags also steer the CPU kernel choice). Every method of one process then runs the same kernels, which is what
+    makes SPD and the AR baselines comparable bit for bit (``model.sdpa_backends``).
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    from spd_ds.config import SDPA_BACKENDS
+
+    unknown = [b for b in backends if b not in SDPA_BACKENDS]
+    if unknown:
+        raise ConfigError(f"model.sdpa_backends: unknown {unknown}; choose from {', '.join(SDPA_BACKENDS)}")
+    cuda = torch.backends.cuda
+    cuda.enable_flash_sdp("flash" in backends)
+    cuda.enable_mem_efficient_sdp("efficient" in backends)
+    cuda.enable_math_sdp("math" in backends)
+    cuda.enable_cudnn_sdp("cudnn" in backends)
+
+
 def model_dir(cfg: ExperimentConfig) -> Path:
     """Local HF directory of ``cfg.model.name`` (zoo name, local dir or hub id); see :func:`spd_ds.zoo.resolve_model`."""
     from spd_ds.zoo import resolve_model
@@ -57,9 +78,14 @@ def model_dir(cfg: ExperimentConfig) -> Path:
     return resolve_model(cfg.model.name, cfg.model.cache_dir)
 
 
-def build_arch(cfg: ExperimentConfig) -> TargetArch:
+def build_arch(cfg: ExperimentConfig, *, decoding: bool = True) -> TargetArch:
     """The target's :class:`TargetArch` (config + layer classes + lazy weights). Its stage caches support rewinds of
-    up to ``n - 1`` tokens for the configured ``n`` (the linear-attention snapshot rings of hybrid targets)."""
+    up to ``n - 1`` tokens for the configured ``n`` (the linear-attention snapshot rings of hybrid targets).
+
+    With ``decoding`` (every decoding entry point; training passes False) it also restricts this process's SDPA
+    kernels to ``model.sdpa_backends`` (:func:`set_sdpa_backends`), before any forward or CUDA-graph capture."""
+    if decoding:
+        set_sdpa_backends(cfg.model.sdpa_backends)
     p = cfg.partition
     n = len(p.stage_layers) if p.stage_layers else (p.num_stages or 1)
     return TargetArch(model_dir(cfg), cfg.model.attn_implementation, max_rollback=max(int(n) - 1, 0))
@@ -225,9 +251,9 @@ def build_drafter(cfg: ExperimentConfig, head: SpeculationHead | None, arch: Tar
 
 
 def head_cuda_graph(cfg: ExperimentConfig, device) -> bool:
-    """Whether the head drafts through a CUDA graph: a CUDA device and ``head.cuda_graph`` (opt-in, see
+    """Whether the head drafts through a CUDA graph: a CUDA device and ``head.cuda_graph`` (default true, see
     :class:`~spd_ds.config.HeadConfig`; independent of the stages' ``deepspeed.cuda_graphs``)."""
-    return torch.device(device).type == "cuda" and bool(cfg.head.cuda_graph)
+    return torch.device(device).type == "cuda" and cfg.head.cuda_graph is not False  # null = the default
 
 
 def build_head_drafter(cfg: ExperimentConfig, head: SpeculationHead, max_len: int, device):

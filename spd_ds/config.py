@@ -18,19 +18,30 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 
+SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # model.sdpa_backends (torch.backends.cuda.enable_*_sdp)
+
+
 class ConfigError(ValueError):
     """A bad experiment file or override; the message says what to change."""
 
 
 @dataclasses.dataclass
 class ModelConfig:
-    """The target. ``name``: zoo name (default ``smollm2-135m-instruct``), local HF directory or hub id."""
+    """The target. ``name``: zoo name (default ``smollm2-135m-instruct``), local HF directory or hub id.
+
+    ``sdpa_backends``: the scaled-dot-product-attention kernels a decoding process may use (``flash``,
+    ``efficient``, ``math``, ``cudnn``; torch picks among them per call), set process-wide by
+    :func:`spd_ds.builder.build_arch` for decoding (not for training). The default leaves out ``cudnn``: on an H200 in
+    bf16 torch picked cuDNN's attention for the static-cache decode step, and separate CUDA-graph captures of the
+    same decoder then gave different tokens at near-ties, which neither ``math`` nor ``efficient`` did
+    (``docs/benchmarks.md`` (a)). A masked call needs ``efficient``, ``math`` or ``cudnn`` (``flash`` takes no mask)."""
 
     name: str = "smollm2-135m-instruct"
     dtype: str = "float32"  # float32 | bfloat16 | float16
     attn_implementation: str = "sdpa"
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: Optional[str] = None
+    sdpa_backends: list[Any] = dataclasses.field(default_factory=lambda: ["flash", "efficient", "math"])
 
 
 @dataclasses.dataclass
@@ -50,8 +61,8 @@ class HeadConfig:
     distributed engine
     (``colocated``: inside the first stage's process, world n; ``dedicated``: its own rank, world n + 1),
     ``cuda_graph``: draft through a static KV cache replayed as one CUDA graph per cycle
-    (``spd_ds.decoding.head_graph``) when the head is on a CUDA device. Opt-in (default false) until its bf16
-    exactness against the CUDA-graph AR on GPU is settled (``docs/benchmarks.md`` (a)); null = false. Ignored on CPU,
+    (``spd_ds.decoding.head_graph``) when the head is on a CUDA device (default true; false: the eager head, ~5x
+    slower per cycle, ``docs/benchmarks.md`` (a)); null (configs saved by older versions) = true. Ignored on CPU,
     where the head runs eagerly.
     ``overlap`` (GPU engine): draft on the head's own CUDA stream while stage 0 runs (false: after it, on the default
     stream; slower, no concurrency: a check for the question above).
@@ -64,7 +75,7 @@ class HeadConfig:
     intermediate_size: Optional[int] = None
     placement: str = "colocated"
     dtype: Optional[str] = None  # None = model.dtype
-    cuda_graph: Optional[bool] = False  # null (configs saved before it was opt-in) = false
+    cuda_graph: Optional[bool] = True  # null (configs saved by older versions) = true
     overlap: bool = True  # GPU engine: draft on a CUDA stream of its own, concurrently with stage 0's forward
     lm_head_from_target: bool = False  # new heads: the LM head is the target's rows at the draft ids, frozen and not
     # stored in the checkpoint (smaller files); a loaded checkpoint says for itself
@@ -321,6 +332,12 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(str(e)) from None
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.model.device)):
         raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {cfg.model.device!r}")
+    backends = cfg.model.sdpa_backends
+    if (isinstance(backends, str) or not isinstance(backends, (list, tuple))
+            or any(b not in SDPA_BACKENDS for b in backends) or not set(backends) - {"flash"}):
+        raise ConfigError(f"model.sdpa_backends must list some of {', '.join(SDPA_BACKENDS)}, with efficient, math "
+                          f"or cudnn among them (flash takes no attention mask), e.g. "
+                          f"model.sdpa_backends='[efficient, math]'; got {backends!r}")
     if cfg.head.placement not in ("colocated", "dedicated"):
         raise ConfigError(f"head.placement must be 'colocated' or 'dedicated', got {cfg.head.placement!r}")
     if cfg.decoding.drafter not in ("head", "oracle"):

@@ -118,14 +118,53 @@ def test_teacher_attention_auto_is_sdpa_and_flex_is_selectable():
         teacher_attention("eager", torch.device("cpu"))
 
 
-def test_head_cuda_graph_is_opt_in_and_old_saved_configs_load(tmp_path):
+def test_head_cuda_graph_is_the_default_and_old_saved_configs_load(tmp_path):
     from spd_ds.builder import head_cuda_graph
 
-    assert load_config(None).head.cuda_graph is False
-    # configs saved by train.py before the graphed head became opt-in hold `cuda_graph: null`
+    assert load_config(None).head.cuda_graph is True and head_cuda_graph(load_config(None), "cuda")
+    assert not head_cuda_graph(load_config(None), "cpu")  # the head runs eagerly on CPU
+    # configs saved by older versions of train.py hold `cuda_graph: null`: the default
     (tmp_path / "old.yaml").write_text("head:\n  cuda_graph: null\n")
     old = load_config(tmp_path / "old.yaml")
-    assert old.head.cuda_graph is None and not head_cuda_graph(old, "cuda")
-    assert head_cuda_graph(load_config(None, ["head.cuda_graph=true"]), "cuda")
+    assert old.head.cuda_graph is None and head_cuda_graph(old, "cuda")
+    assert not head_cuda_graph(load_config(None, ["head.cuda_graph=false"]), "cuda")
     with pytest.raises(ConfigError):
         load_config(None, ["head.cuda_graph=maybe"])
+
+
+def test_sdpa_backends_default_leaves_out_cudnn_and_bad_lists_are_one_line_errors():
+    assert load_config(None).model.sdpa_backends == ["flash", "efficient", "math"]
+    assert load_config(None, ["model.sdpa_backends=[efficient, math]"]).model.sdpa_backends == ["efficient", "math"]
+    for bad in ("[flash]", "[]", "[fast]", "[efficient, cuDNN]"):
+        with pytest.raises(ConfigError, match="model.sdpa_backends must list") as e:
+            load_config(None, [f"model.sdpa_backends={bad}"])
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="takes a list"):
+        load_config(None, ["model.sdpa_backends=math"])
+
+
+@pytest.fixture
+def sdpa_flags():
+    import torch
+
+    c = torch.backends.cuda
+    saved = (c.flash_sdp_enabled(), c.mem_efficient_sdp_enabled(), c.math_sdp_enabled(), c.cudnn_sdp_enabled())
+    yield c
+    for enable, on in zip((c.enable_flash_sdp, c.enable_mem_efficient_sdp, c.enable_math_sdp, c.enable_cudnn_sdp), saved):
+        enable(on)
+
+
+def test_build_arch_sets_the_sdpa_backends_for_decoding_only(sdpa_flags):
+    from spd_ds.builder import build_arch
+
+    def flags():
+        c = sdpa_flags
+        return (c.flash_sdp_enabled(), c.mem_efficient_sdp_enabled(), c.math_sdp_enabled(), c.cudnn_sdp_enabled())
+
+    sdpa_flags.enable_cudnn_sdp(True)
+    build_arch(load_config(None, ["model.name=random:qwen3.5-tiny"]), decoding=False)  # training: untouched
+    assert flags() == (True, True, True, True)
+    build_arch(load_config(None, ["model.name=random:qwen3.5-tiny"]))  # decoding: the default, no cuDNN
+    assert flags() == (True, True, True, False)
+    build_arch(load_config(None, ["model.name=random:qwen3.5-tiny", "model.sdpa_backends=[math, cudnn]"]))
+    assert flags() == (False, False, True, True)

@@ -186,7 +186,7 @@ def test_builder_picks_the_graphed_head_on_cuda_only(arch8):
     def cfg(*o):
         return load_config(None, list(o))
 
-    assert not head_cuda_graph(cfg(), "cuda") and not head_cuda_graph(cfg(), "cpu")  # opt-in
+    assert head_cuda_graph(cfg(), "cuda") and not head_cuda_graph(cfg(), "cpu")  # the default on GPU only
     assert head_cuda_graph(cfg("head.cuda_graph=true"), "cuda")
     assert not head_cuda_graph(cfg("head.cuda_graph=true"), "cpu")
     assert head_cuda_graph(cfg("deepspeed.static_cache=false", "head.cuda_graph=true"), "cuda:1")

@@ -215,7 +215,8 @@ def free_port() -> int:
 
 
 def worker_env(**extra) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep the caller's
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     env.update({k: str(v) for k, v in extra.items()})

@@ -265,7 +265,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         _say(f"compile cache {tc.compile_cache}: {n_cached} artifacts loaded", rank)
 
     # 2. target, partition, head (same partition for the teacher and the head)
-    arch = build_arch(cfg)
+    arch = build_arch(cfg, decoding=False)  # training keeps torch's own attention kernels (model.sdpa_backends)
     part = build_partition(cfg, arch)
     tokenizer = load_tokenizer(arch)
     set_chat_template(tokenizer, dc.chat_template)
