@@ -33,6 +33,13 @@ def test_overrides_before_and_after_options():
     assert ev.overrides == ["a.b=1", "c.d=2"] and ev.strict_exact and ev.engine == "reference"
     bench = launcher_module("benchmark").parse_args(["e.f=3", "--out", "o", "g.h=4", "--suite", "c"])
     assert bench.overrides == ["e.f=3", "g.h=4"] and bench.suite == ["c"] and bench.out == "o"
+    # --prompt-sets takes every word up to the next option: the overrides among them are given back as overrides
+    bench = launcher_module("benchmark").parse_args(["--prompt-sets", "gsm8k", "runs/my.set.jsonl",
+                                                     "data.eval_dir=runs/eval_sets", "model.device=cpu", "--suite", "c"])
+    assert bench.prompt_sets == ["gsm8k", "runs/my.set.jsonl"]
+    assert bench.overrides == ["data.eval_dir=runs/eval_sets", "model.device=cpu"]
+    with pytest.raises(SystemExit):  # nothing but overrides after --prompt-sets
+        launcher_module("benchmark").parse_args(["--prompt-sets", "model.device=cpu"])
 
 
 def test_infer_takes_overrides_after_options():

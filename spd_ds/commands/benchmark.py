@@ -25,8 +25,8 @@ machine with 2 GPUs::
     deepspeed --num_gpus 2 launch/benchmark.py --suite a b --out outputs/benchmark
 
 ``section.key=value`` overrides apply to every suite (e.g. ``data.eval_dir=/data/eval``); put them before options
-that take several values (``--suite``, ``--alphas``, ``--stages``, ``--prompt-sets``), which would take them as
-values. Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json`` (rows + stage forward times) and each
+that take several values (``--suite``, ``--alphas``, ``--stages``), which would take them as values (after
+``--prompt-sets`` they are recognised as overrides). Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json`` (rows + stage forward times) and each
 evaluation's reports under ``--out``/``<suite>``.
 """
 
@@ -38,6 +38,7 @@ import gc
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -48,6 +49,9 @@ from spd_ds.pipe.topology import detect_world_size
 
 
 log = logging.getLogger("spd_ds.benchmark")
+
+
+OVERRIDE_WORD = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_][\w.]*=")  # section.key=value (no path has this start)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,8 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The parsed command line (``argv``: default ``sys.argv[1:]``; ``--help`` documents every option)."""
-    return build_parser().parse_args(argv)
+    """The parsed command line (``argv``: default ``sys.argv[1:]``; ``--help`` documents every option).
+
+    ``--prompt-sets`` takes every word up to the next option, so ``section.key=value`` words after it are taken back
+    out of the prompt sets and applied as the overrides they are (``--prompt-sets gsm8k data.eval_dir=DIR``)."""
+    args = build_parser().parse_args(argv)
+    words = args.prompt_sets
+    args.prompt_sets = [w for w in words if not OVERRIDE_WORD.match(w)]
+    args.overrides = [*args.overrides, *(w for w in words if OVERRIDE_WORD.match(w))]
+    if not args.prompt_sets:
+        build_parser().error("--prompt-sets needs at least one prompt set name or jsonl path")
+    return args
 
 
 def main(argv=None) -> int:
