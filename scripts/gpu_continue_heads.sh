@@ -14,7 +14,8 @@
 #   w2 w3 wp3 w4 w6 wp6 (one-layer towers: SPD n = 2, 3, 4, 6; PPSD n = 3, 6) and w2l2 w3l2 (two-layer, n = 2, 3);
 # default "w2 w3 wp3 w4". Head <name> starts from $WORK/warm/<src> (w2 <- s2, wp3 <- p3, w3l2 <- s3l2, ...).
 # Heads joined by + ("w2+w3 wp3+w4") train at the same time, one process each on the one GPU: the steps and
-# the data are the same as alone, only the wall time differs (a lone head leaves the GPU idle part of each step).
+# the data are the same as alone, only the wall time differs. Measured (sixteenth session): w2+w3 took 537 s of
+# steps together against 539 s one after the other, so a pair saves only the second start (~35 s of model load).
 # Alone on one H200 a continuation takes about 310 s (n = 2), 400 s (n = 3), 450 s (n = 4), 600 s (n = 6).
 # Knobs: WORK (/root/spd_work), REPO (/root/spd_repo), STEPS (3600), LR (5.0e-4), SPD_TRAIN_DATA
 # (runs/train_data/sharegpt.jsonl.gz, carried), DRY=1 (`start` prints the chain script instead of starting it).

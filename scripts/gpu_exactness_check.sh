@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# The open bf16 exactness question of docs/benchmarks.md (a) in one device call on 2 GPUs (about 6 minutes): the CUDA
-# engine test (tests/test_pipe_engine.py -k cuda), then scripts/diagnostics/gpu_exactness_probe.py three times: bf16, bf16 under
-# CUBLAS_WORKSPACE_CONFIG=:4096:8, and fp32. Results into $OUT: log.txt, pytest.log, divergence_<variant>.md (the
-# probe's table) and tokens.tgz (every method's tokens per prompt).
+# The bf16 exactness check of docs/benchmarks.md (a) in one device call (2 GPUs by default, about 4 minutes): the
+# CUDA engine test (tests/test_pipe_engine.py -k cuda), then scripts/diagnostics/gpu_exactness_probe.py twice: bf16
+# with the default model.sdpa_backends (cuDNN's attention left out) and bf16 with torch's own SDPA choice (all four
+# backends: cuDNN on an H200), the variant whose separately captured CUDA-graph ARs parted from one another. Results
+# into $OUT: log.txt, pytest.log, divergence_<variant>.md (the probe's table) and tokens.tgz (every method's tokens).
 #
 # Needs what scripts/gpu_benchmarks.sh needs (dependencies, $SPD_GGUF, prompt sets in $SPD_EVAL_DIR).
 # Usage (repo root): source .devkit/on_device.sh && OUT=$OUT SPD_EVAL_DIR=/root/spd_data/eval_data \
 #                        bash scripts/gpu_exactness_check.sh
 # On one GPU (NUM_GPUS=1): the probe's single-GPU part (--single-gpu: AR_REPEATS ar_graph instances, default 4, and
-# the other single-GPU runs; no pipeline) for each variant, by default also with the SDPA backend pinned:
+# the other single-GPU runs; no pipeline) for each variant:
 #   NUM_GPUS=1 PROBE_OVERRIDES=head.checkpoint=null OUT=$OUT SPD_EVAL_DIR=runs/eval_sets \
 #     bash scripts/gpu_exactness_check.sh
-# Knobs: VARIANTS ("bf16 det fp32"; one GPU: "bf16 det fp32 math efficient"; det = CUBLAS_WORKSPACE_CONFIG=:4096:8
-#   and --deterministic; math / efficient / cudnn = --sdpa-backend; also noreduce = --no-reduced-precision and
-#   cublas / cublaslt = --blas, not run by default), PROBE_ARGS (extra probe options, e.g.
-#   "--num-prompts 1 --max-new-tokens 8"), PROBE_OVERRIDES (section.key=value words; "deepspeed.backend=gloo" for a
-#   CPU dry run), SKIP_TESTS=1, NUM_GPUS (2), AR_REPEATS.
+# Knobs: VARIANTS ("bf16 torch"; also det = CUBLAS_WORKSPACE_CONFIG=:4096:8 and --deterministic, fp32,
+#   math / efficient / cudnn = --sdpa-backend (that backend alone), noreduce = --no-reduced-precision,
+#   cublas / cublaslt = --blas), PROBE_ARGS (extra probe options, e.g. "--num-prompts 1 --max-new-tokens 8"),
+#   PROBE_OVERRIDES (section.key=value words; "deepspeed.backend=gloo" for a CPU dry run), SKIP_TESTS=1,
+#   NUM_GPUS (2), AR_REPEATS.
 source "$(dirname "$0")/gpu_common.sh"
 EVAL_DIR=${SPD_EVAL_DIR:-eval_data}
 WORK=$(mktemp -d /tmp/spd_exactness.XXXXXX)
@@ -26,11 +27,11 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
   say "CUDA engine test: exit $? ($(tail -1 "$OUT/pytest.log"))"
 fi
 ONE=$([[ ${NUM_GPUS:-2} == 1 ]] && echo 1)
-for v in ${VARIANTS:-bf16 det fp32${ONE:+ math efficient}}; do
+for v in ${VARIANTS:-bf16 torch}; do
   vars=(SPD_PROBE_VARIANT="$v") extra=() opts=()  # (the variable only labels the processes)
   [[ $v == det ]] && vars+=(CUBLAS_WORKSPACE_CONFIG=:4096:8) && opts+=(--deterministic)
   [[ $v == fp32 ]] && extra=(model.dtype=float32)
-  [[ $v == math || $v == efficient || $v == cudnn ]] && opts+=(--sdpa-backend "$v")
+  [[ $v == torch || $v == math || $v == efficient || $v == cudnn ]] && opts+=(--sdpa-backend "$v")
   [[ $v == noreduce ]] && opts+=(--no-reduced-precision)
   [[ $v == cublas || $v == cublaslt ]] && opts+=(--blas "$v")
   if [[ -n $ONE ]]; then  # one process, no pipeline: the single-GPU AR runs only (the probe's --single-gpu)

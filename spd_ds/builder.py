@@ -50,20 +50,29 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def set_sdpa_backends(backends: Sequence[str]) -> None:
+def set_sdpa_backends(backends: Sequence[str], device_type: str = "cuda") -> None:
     """Enable exactly ``backends`` (names of :data:`spd_ds.config.SDPA_BACKENDS`) among torch's scaled-dot-product
     attention kernels, process-wide (``torch.backends.cuda.enable_{flash,mem_efficient,math,cudnn}_sdp``; the
-    flags also steer the CPU kernel choice). Every method of one process then runs the same kernels, which is what
-    makes SPD and the AR baselines comparable bit for bit (``model.sdpa_backends``).
+    flags also steer the CPU kernel choice), so that SPD and the AR baselines of one process choose among the same
+    kernels (``model.sdpa_backends``).
+
+    Args:
+        backends: backend names.
+        device_type: ``cpu`` or ``cuda``, the device the decoding runs on (which backends can run every call).
 
     Raises:
-        ConfigError: an unknown name.
+        ConfigError: an unknown name, or a list that cannot run every attention call there (CPU needs ``math`` or
+            ``flash``, CUDA ``math`` or ``efficient``).
     """
     from spd_ds.config import SDPA_BACKENDS
 
     unknown = [b for b in backends if b not in SDPA_BACKENDS]
     if unknown:
         raise ConfigError(f"model.sdpa_backends: unknown {unknown}; choose from {', '.join(SDPA_BACKENDS)}")
+    need = ("math", "flash") if device_type == "cpu" else ("math", "efficient")
+    if not set(need) & set(backends):
+        raise ConfigError(f"model.sdpa_backends={list(backends)} cannot run every attention call on {device_type}; "
+                          f"add {need[0]} or {need[1]} (e.g. model.sdpa_backends='[{', '.join([*backends, 'math'])}]')")
     cuda = torch.backends.cuda
     cuda.enable_flash_sdp("flash" in backends)
     cuda.enable_mem_efficient_sdp("efficient" in backends)
@@ -85,7 +94,9 @@ def build_arch(cfg: ExperimentConfig, *, decoding: bool = True) -> TargetArch:
     With ``decoding`` (every decoding entry point; training passes False) it also restricts this process's SDPA
     kernels to ``model.sdpa_backends`` (:func:`set_sdpa_backends`), before any forward or CUDA-graph capture."""
     if decoding:
-        set_sdpa_backends(cfg.model.sdpa_backends)
+        dev = str(cfg.model.device)
+        cuda = dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available())
+        set_sdpa_backends(cfg.model.sdpa_backends, "cuda" if cuda else "cpu")
     p = cfg.partition
     n = len(p.stage_layers) if p.stage_layers else (p.num_stages or 1)
     return TargetArch(model_dir(cfg), cfg.model.attn_implementation, max_rollback=max(int(n) - 1, 0))

@@ -31,10 +31,11 @@ class ModelConfig:
 
     ``sdpa_backends``: the scaled-dot-product-attention kernels a decoding process may use (``flash``,
     ``efficient``, ``math``, ``cudnn``; torch picks among them per call), set process-wide by
-    :func:`spd_ds.builder.build_arch` for decoding (not for training). The default leaves out ``cudnn``: on an H200 in
-    bf16 torch picked cuDNN's attention for the static-cache decode step, and separate CUDA-graph captures of the
-    same decoder then gave different tokens at near-ties, which neither ``math`` nor ``efficient`` did
-    (``docs/benchmarks.md`` (a)). A masked call needs ``efficient``, ``math`` or ``cudnn`` (``flash`` takes no mask)."""
+    :func:`spd_ds.builder.build_arch` for decoding (not for training); it matters with ``attn_implementation=sdpa``.
+    The default leaves out ``cudnn``: on an H200 in bf16 torch picks cuDNN's attention for the static-cache decode
+    step, and separately captured CUDA-graph AR decoders then parted from one another at near-ties, which they did not
+    with ``math`` or ``efficient`` alone (``docs/benchmarks.md`` (a)). The list must be able to run every call: on
+    CPU it needs ``math`` or ``flash``, on CUDA ``math`` or ``efficient``."""
 
     name: str = "smollm2-135m-instruct"
     dtype: str = "float32"  # float32 | bfloat16 | float16
@@ -62,7 +63,8 @@ class HeadConfig:
     (``colocated``: inside the first stage's process, world n; ``dedicated``: its own rank, world n + 1),
     ``cuda_graph``: draft through a static KV cache replayed as one CUDA graph per cycle
     (``spd_ds.decoding.head_graph``) when the head is on a CUDA device (default true; false: the eager head, ~5x
-    slower per cycle, ``docs/benchmarks.md`` (a)); null (configs saved by older versions) = true. Ignored on CPU,
+    slower per cycle, ``docs/benchmarks.md`` (a)); null (configs saved when it followed ``deepspeed.cuda_graphs``)
+    = true. Ignored on CPU,
     where the head runs eagerly.
     ``overlap`` (GPU engine): draft on the head's own CUDA stream while stage 0 runs (false: after it, on the default
     stream; slower, no concurrency: a check for the question above).
@@ -75,7 +77,7 @@ class HeadConfig:
     intermediate_size: Optional[int] = None
     placement: str = "colocated"
     dtype: Optional[str] = None  # None = model.dtype
-    cuda_graph: Optional[bool] = True  # null (configs saved by older versions) = true
+    cuda_graph: Optional[bool] = True  # null (saved before it was a bool: follow the stages' graphs, on) = true
     overlap: bool = True  # GPU engine: draft on a CUDA stream of its own, concurrently with stage 0's forward
     lm_head_from_target: bool = False  # new heads: the LM head is the target's rows at the draft ids, frozen and not
     # stored in the checkpoint (smaller files); a loaded checkpoint says for itself
@@ -333,11 +335,10 @@ def validate(cfg: ExperimentConfig) -> None:
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.model.device)):
         raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {cfg.model.device!r}")
     backends = cfg.model.sdpa_backends
-    if (isinstance(backends, str) or not isinstance(backends, (list, tuple))
-            or any(b not in SDPA_BACKENDS for b in backends) or not set(backends) - {"flash"}):
-        raise ConfigError(f"model.sdpa_backends must list some of {', '.join(SDPA_BACKENDS)}, with efficient, math "
-                          f"or cudnn among them (flash takes no attention mask), e.g. "
-                          f"model.sdpa_backends='[efficient, math]'; got {backends!r}")
+    if (isinstance(backends, str) or not isinstance(backends, (list, tuple)) or not backends
+            or any(b not in SDPA_BACKENDS for b in backends)):
+        raise ConfigError(f"model.sdpa_backends must list some of {', '.join(SDPA_BACKENDS)} (e.g. "
+                          f"model.sdpa_backends='[efficient, math]'), got {backends!r}")
     if cfg.head.placement not in ("colocated", "dedicated"):
         raise ConfigError(f"head.placement must be 'colocated' or 'dedicated', got {cfg.head.placement!r}")
     if cfg.decoding.drafter not in ("head", "oracle"):

@@ -38,6 +38,8 @@ def test_overrides_before_and_after_options():
                                                      "data.eval_dir=runs/eval_sets", "model.device=cpu", "--suite", "c"])
     assert bench.prompt_sets == ["gsm8k", "runs/my.set.jsonl"]
     assert bench.overrides == ["data.eval_dir=runs/eval_sets", "model.device=cpu"]
+    bench = launcher_module("benchmark").parse_args(["--prompt-sets", "gsm8k", "x.y=2", "--out", "o", "x.y=3"])
+    assert bench.overrides == ["x.y=2", "x.y=3"]  # command-line order: the later one wins
     with pytest.raises(SystemExit):  # nothing but overrides after --prompt-sets
         launcher_module("benchmark").parse_args(["--prompt-sets", "model.device=cpu"])
 

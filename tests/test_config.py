@@ -135,12 +135,23 @@ def test_head_cuda_graph_is_the_default_and_old_saved_configs_load(tmp_path):
 def test_sdpa_backends_default_leaves_out_cudnn_and_bad_lists_are_one_line_errors():
     assert load_config(None).model.sdpa_backends == ["flash", "efficient", "math"]
     assert load_config(None, ["model.sdpa_backends=[efficient, math]"]).model.sdpa_backends == ["efficient", "math"]
-    for bad in ("[flash]", "[]", "[fast]", "[efficient, cuDNN]"):
+    for bad in ("[]", "[fast]", "[efficient, cuDNN]"):
         with pytest.raises(ConfigError, match="model.sdpa_backends must list") as e:
             load_config(None, [f"model.sdpa_backends={bad}"])
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="takes a list"):
         load_config(None, ["model.sdpa_backends=math"])
+
+
+def test_sdpa_backends_that_cannot_run_every_call_are_refused_per_device(sdpa_flags):
+    from spd_ds.builder import set_sdpa_backends
+
+    for backends, device in ((["efficient"], "cpu"), (["cudnn"], "cpu"), (["flash"], "cuda"), (["cudnn"], "cuda")):
+        with pytest.raises(ConfigError, match="cannot run every attention call") as e:
+            set_sdpa_backends(backends, device)
+        assert "\n" not in str(e.value)
+    set_sdpa_backends(["flash"], "cpu")  # CPU's flash kernel takes masks
+    set_sdpa_backends(["efficient", "cudnn"], "cuda")
 
 
 @pytest.fixture

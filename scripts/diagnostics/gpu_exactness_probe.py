@@ -18,7 +18,8 @@ same ``decoding.max_length`` (static caches of one length everywhere):
 With ``--single-gpu`` (one process, no process group) only the rank-0 part runs: ``ar_graph`` ``--ar-repeats``
 times, ``sync1``, ``+head``, ``+head replaying`` and the eager AR (``ar_eager``: the same decoder, no graph), which
 tells whether the single-GPU AR alone changes its tokens between runs. ``--sdpa-backend`` pins the attention kernel
-and ``--deterministic`` asks torch for deterministic algorithms, to find which kernel varies.
+(``torch``: all four backends, torch's own choice, as before ``model.sdpa_backends`` left cuDNN out) and
+``--deterministic`` asks torch for deterministic algorithms, to find which kernel varies.
 
 Writes ``tokens.json`` (every method's tokens per prompt) and ``divergence.md`` (first divergence of every method
 from ``ar_graph#0`` and from ``pipe_ar[eager]``, with ``--single-gpu`` from ``ar_eager``) to ``--out`` and prints the
@@ -62,8 +63,10 @@ def main() -> None:
     ap.add_argument("--single-gpu", action="store_true",
                     help="one process: only the single-GPU AR runs (no pipeline sessions, no process group)")
     ap.add_argument("--ar-repeats", type=int, default=2, help="ar_graph runs (>= 1)")
-    ap.add_argument("--sdpa-backend", choices=["math", "efficient", "cudnn"],  # (flash takes no mask)
-                    help="run every method with only this scaled-dot-product-attention backend")
+    ap.add_argument("--sdpa-backend", choices=["torch", "math", "efficient", "cudnn"],
+                    help="run every method with only this scaled-dot-product-attention backend (model.sdpa_backends="
+                         "[X]; torch: all four, torch's own choice, which picks cuDNN on an H200); default: "
+                         "model.sdpa_backends of the config")
     ap.add_argument("--deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms(True) (set CUBLAS_WORKSPACE_CONFIG=:4096:8 too)")
     ap.add_argument("--no-reduced-precision", action="store_true",
@@ -83,13 +86,9 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
-    if args.sdpa_backend:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        backend = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                   "cudnn": SDPBackend.CUDNN_ATTENTION}[args.sdpa_backend]
-        with sdpa_kernel([backend]):
-            return probe(args)
+    if args.sdpa_backend:  # an override, since every build_arch sets the process's SDPA flags from the config
+        chosen = "flash,efficient,math,cudnn" if args.sdpa_backend == "torch" else args.sdpa_backend
+        args.overrides = [*args.overrides, f"model.sdpa_backends=[{chosen}]"]
     return probe(args)
 
 

@@ -92,10 +92,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     ``--prompt-sets`` takes every word up to the next option, so ``section.key=value`` words after it are taken back
     out of the prompt sets and applied as the overrides they are (``--prompt-sets gsm8k data.eval_dir=DIR``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     words = args.prompt_sets
     args.prompt_sets = [w for w in words if not OVERRIDE_WORD.match(w)]
-    args.overrides = [*args.overrides, *(w for w in words if OVERRIDE_WORD.match(w))]
+    moved = [*args.overrides, *(w for w in words if OVERRIDE_WORD.match(w))]
+    args.overrides = sorted(moved, key=argv.index)  # in command-line order: a later override wins
     if not args.prompt_sets:
         build_parser().error("--prompt-sets needs at least one prompt set name or jsonl path")
     return args
