@@ -319,11 +319,15 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
 
 def run_baselines(run: EvalRun, progress: bool | None = None) -> EvalRun:
     """Measure ``eval.baselines`` of ``run`` on its prompts (the first ``eval.baseline_num_prompts`` of each set)
-    on ``run.device``, building ``run.target`` there if needed; adds them to ``run.methods`` and returns ``run``."""
+    on ``run.device`` with the run's ``model.sdpa_backends``, building ``run.target`` there if needed; adds them to
+    ``run.methods`` and returns ``run``."""
     cfg = run.cfg
     single = _single_device_baselines(cfg)
     if not single:
         return run
+    # this run's attention kernels, whatever build_arch ran last in the process (benchmark.py measures baselines
+    # after all of its suites' SPD runs)
+    builder.set_sdpa_backends(cfg.model.sdpa_backends, torch.device(run.device).type)
     if run.target is None:
         run.target = builder.build_target(cfg, run.arch, run.partition, torch.device(run.device))
     progress = cfg.eval.progress if progress is None else progress
