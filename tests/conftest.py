@@ -88,3 +88,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def sdpa_flags():
+    """``torch.backends.cuda`` with its four SDPA backend flags restored after the test (``build_arch`` and
+    ``set_sdpa_backends`` set them process-wide)."""
+    c = torch.backends.cuda
+    saved = (c.flash_sdp_enabled(), c.mem_efficient_sdp_enabled(), c.math_sdp_enabled(), c.cudnn_sdp_enabled())
+    yield c
+    for enable, on in zip((c.enable_flash_sdp, c.enable_mem_efficient_sdp, c.enable_math_sdp, c.enable_cudnn_sdp), saved):
+        enable(on)

@@ -154,17 +154,6 @@ def test_sdpa_backends_that_cannot_run_every_call_are_refused_per_device(sdpa_fl
     set_sdpa_backends(["efficient", "cudnn"], "cuda")
 
 
-@pytest.fixture
-def sdpa_flags():
-    import torch
-
-    c = torch.backends.cuda
-    saved = (c.flash_sdp_enabled(), c.mem_efficient_sdp_enabled(), c.math_sdp_enabled(), c.cudnn_sdp_enabled())
-    yield c
-    for enable, on in zip((c.enable_flash_sdp, c.enable_mem_efficient_sdp, c.enable_math_sdp, c.enable_cudnn_sdp), saved):
-        enable(on)
-
-
 def test_build_arch_sets_the_sdpa_backends_for_decoding_only(sdpa_flags):
     from spd_ds.builder import build_arch
 

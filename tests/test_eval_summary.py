@@ -204,27 +204,21 @@ def test_bandwidth_only_against_a_named_gpu():
     assert "GPU runs only" in bandwidth_line({"device": "cpu", "bandwidth": None})
 
 
-def test_run_baselines_applies_its_own_runs_sdpa_backends(heads, tmp_path):
+def test_run_baselines_applies_its_own_runs_sdpa_backends(heads, tmp_path, sdpa_flags):
     # benchmark.py measures every suite's baselines after all SPD runs: another run's build_arch may have set other
     # SDPA flags in between, and the baselines must run with their own run's model.sdpa_backends
     from spd_ds.eval.runner import run_baselines
 
     shape, spd, _ = heads
-    c = torch.backends.cuda
-    saved = (c.flash_sdp_enabled(), c.mem_efficient_sdp_enabled(), c.math_sdp_enabled(), c.cudnn_sdp_enabled())
-    try:
-        cfg = load_config(None, overrides(shape, tmp_path, f"head.checkpoint={spd}", "eval.baselines=[ar]",
-                                          "model.sdpa_backends=[flash, math]"))
-        run = run_eval(cfg, engine="reference", baselines=False)
-        assert list(run.methods) == ["spd"]
-        c.enable_mem_efficient_sdp(True)  # as another suite's build_arch would leave them
-        c.enable_cudnn_sdp(True)
-        run_baselines(run)
-        assert (c.flash_sdp_enabled(), c.mem_efficient_sdp_enabled(), c.math_sdp_enabled(),
-                c.cudnn_sdp_enabled()) == (True, False, True, False)
-        ar, sp = run.methods["ar"].results, run.methods["spd"].results
-        assert ar and all(ar[i].tokens == sp[i].tokens for i in ar)
-    finally:
-        for enable, on in zip((c.enable_flash_sdp, c.enable_mem_efficient_sdp, c.enable_math_sdp,
-                               c.enable_cudnn_sdp), saved):
-            enable(on)
+    c = sdpa_flags
+    cfg = load_config(None, overrides(shape, tmp_path, f"head.checkpoint={spd}", "eval.baselines=[ar]",
+                                      "model.sdpa_backends=[flash, math]"))
+    run = run_eval(cfg, engine="reference", baselines=False)
+    assert list(run.methods) == ["spd"]
+    c.enable_mem_efficient_sdp(True)  # as another suite's build_arch would leave them
+    c.enable_cudnn_sdp(True)
+    run_baselines(run)
+    assert (c.flash_sdp_enabled(), c.mem_efficient_sdp_enabled(), c.math_sdp_enabled(),
+            c.cudnn_sdp_enabled()) == (True, False, True, False)
+    ar, sp = run.methods["ar"].results, run.methods["spd"].results
+    assert ar and all(ar[i].tokens == sp[i].tokens for i in ar)

@@ -130,7 +130,14 @@ class _Progress:
 
 def answer_text(tok, tokens, finish_reason: str, stop) -> str:
     """An answer's text as printed (special tokens left out, no clean-up of spaces), cut before its stop string when
-    one ended it (as vLLM returns it)."""
+    one ended it (as vLLM returns it).
+
+    Args:
+        tok: the target's tokenizer. tokens: the answer's token ids (``list[int]``, the prefill token first).
+        finish_reason: ``eos``, ``length`` or ``stop`` (``GenerationResult.finish_reason``).
+        stop: the run's :class:`~spd_ds.decoding.stopping.StopStrings`, or None without ``decoding.stop``.
+    Returns:
+        The text (``str``). Raises nothing of its own (the tokenizer's errors propagate)."""
     text = tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     return stop.truncate(text) if finish_reason == "stop" and stop is not None else text
 
