@@ -13,6 +13,9 @@
 # and later heads may be carried by later calls. CHAIN (at `start`) names the heads, in order, from:
 #   w2 w3 wp3 w4 w6 wp6 (one-layer towers: SPD n = 2, 3, 4, 6; PPSD n = 3, 6) and w2l2 w3l2 (two-layer, n = 2, 3);
 # default "w2 w3 wp3 w4". Head <name> starts from $WORK/warm/<src> (w2 <- s2, wp3 <- p3, w3l2 <- s3l2, ...).
+# A warm start's own name in CHAIN (s2 s3 p3 s4 s6 p6 s2l2 s3l2) trains it first, fresh, with the equal-tokens recipe
+# (lr 1e-3, 3,600 steps: docs/training.md "SPD and PPSD at equal tokens"), and puts its best head into $WORK/warm:
+# CHAIN="s4 w4" = the whole 7,200 steps on a machine that holds no warm start (a run repeats exactly on one H200).
 # Heads joined by + ("w2+w3 wp3+w4") train at the same time, one process each on the one GPU: the steps and
 # the data are the same as alone, only the wall time differs. Measured (sixteenth session): w2+w3 took 537 s of
 # steps together against 539 s one after the other, so a pair saves only the second start (~35 s of model load).
@@ -29,15 +32,23 @@ declare -A SHAPE=([w2]="partition.num_stages=2" [w3]="partition.num_stages=3"
                   [wp3]="partition.num_stages=3,partition.anchors=[0,10]" [w4]="partition.num_stages=4"
                   [w6]="partition.num_stages=6" [wp6]="partition.num_stages=6,partition.anchors=[0,5]"
                   [w2l2]="partition.num_stages=2" [w3l2]="partition.num_stages=3")
+declare -A FRESH=([s2]="partition.num_stages=2" [s3]="partition.num_stages=3"
+                  [p3]="partition.num_stages=3,partition.anchors=[0,10]" [s4]="partition.num_stages=4"
+                  [s6]="partition.num_stages=6" [p6]="partition.num_stages=6,partition.anchors=[0,5]"
+                  [s2l2]="partition.num_stages=2,head.num_layers=2" [s3l2]="partition.num_stages=3,head.num_layers=2")
 RECIPE="head.lm_head_from_target=true head.tower_init_layer=-1 train.lr_stable_fraction=0.6 train.warmup_steps=50"
 
 chain_script() {  # the detached job: one gpu_train_session.sh per item (a head, or heads joined by +), own OUT each
   echo "cd $REPO"
   echo "[ -f .devkit/on_device.sh ] && source .devkit/on_device.sh"
   for item in $1; do
-    local variants="" seq=1 name
+    local variants="" seq=1 name fresh=""
     [[ $item == *+* ]] && seq=""  # a group trains at once on the GPU (one process per head)
     for name in ${item//+/ }; do
+      if [[ -n "${FRESH[$name]:-}" ]]; then  # a fresh equal-tokens head, then its best head becomes a warm start
+        variants+="${variants:+ }$name:${FRESH[$name]},train.max_steps=3600"
+        fresh+=" $name"; continue
+      fi
       local warm="$WORK/warm/${SRC[$name]}"
       variants+="${variants:+ }$name:${SHAPE[$name]},head.checkpoint=$warm,train.lr=${LR:-5.0e-4},train.max_steps=${STEPS:-3600}"
       echo "for i in \$(seq 360); do [ -f $warm/head.safetensors ] && break; sleep 5; done"
@@ -48,6 +59,9 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
          "TRAIN_SECONDS=1500 SESSION_SECONDS=1500 ${seq:+SEQUENTIAL=1 }VARIANTS=\"$variants\" EXTRA=\"$RECIPE\" FETCH=1" \
          "bash scripts/gpu_train_session.sh > $WORK/train_$name.out 2>&1"
     echo "echo \"[\$(date +%T)] train $item end rc \$?\""
+    for name in $fresh; do
+      echo "mkdir -p $WORK/warm && rm -rf $WORK/warm/$name && cp -r $WORK/heads/$name/best_head $WORK/warm/$name"
+    done
     echo "rm -f $WORK/out_$name/compile_cache.tgz.part-*  # not needed back"
   done
   echo "echo \"[\$(date +%T)] CHAIN DONE\""
@@ -57,7 +71,7 @@ case "${1:-}" in
   start)
     CHAIN=${CHAIN:-"w2 w3 wp3 w4"}
     for name in ${CHAIN//+/ }; do
-      [[ -n "${SRC[$name]:-}" ]] || { echo "gpu_continue_heads.sh: unknown head '$name' in CHAIN; known: ${!SRC[*]}" >&2; exit 2; }
+      [[ -n "${SRC[$name]:-}${FRESH[$name]:-}" ]] || { echo "gpu_continue_heads.sh: unknown head '$name' in CHAIN; known: ${!FRESH[*]} ${!SRC[*]}" >&2; exit 2; }
     done
     if [[ -n "${DRY:-}" ]]; then chain_script "$CHAIN"; exit 0; fi
     mkdir -p "$WORK" && rm -rf "$REPO" "$REPO.tmp" && cp -r "$HERE" "$REPO.tmp" && mv "$REPO.tmp" "$REPO"

@@ -50,22 +50,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def set_sdpa_backends(backends: Sequence[str], device_type: str = "cuda") -> None:
-    """Enable exactly ``backends`` (names of :data:`spd_ds.config.SDPA_BACKENDS`) among torch's scaled-dot-product
-    attention kernels, process-wide (``torch.backends.cuda.enable_{flash,mem_efficient,math,cudnn}_sdp``; the
+def set_sdpa_backends(backends: Sequence[str] | None, device_type: str = "cuda") -> None:
+    """Enable exactly ``backends`` (names of :data:`spd_ds.config.SDPA_BACKENDS`; ``None`` = the device's
+    :data:`spd_ds.config.DEFAULT_SDPA_BACKENDS`) among torch's scaled-dot-product attention kernels, process-wide (``torch.backends.cuda.enable_{flash,mem_efficient,math,cudnn}_sdp``; the
     flags also steer the CPU kernel choice), so that SPD and the AR baselines of one process choose among the same
     kernels (``model.sdpa_backends``).
 
     Args:
-        backends: backend names.
+        backends: backend names, or ``None`` for the device's default.
         device_type: ``cpu`` or ``cuda``, the device the decoding runs on (which backends can run every call).
 
     Raises:
         ConfigError: an unknown name, or a list that cannot run every attention call there (CPU needs ``math`` or
             ``flash``, CUDA ``math`` or ``efficient``).
     """
-    from spd_ds.config import SDPA_BACKENDS
+    from spd_ds.config import DEFAULT_SDPA_BACKENDS, SDPA_BACKENDS
 
+    if backends is None:
+        backends = DEFAULT_SDPA_BACKENDS["cpu" if device_type == "cpu" else "cuda"]
     unknown = [b for b in backends if b not in SDPA_BACKENDS]
     if unknown:
         raise ConfigError(f"model.sdpa_backends: unknown {unknown}; choose from {', '.join(SDPA_BACKENDS)}")

@@ -19,6 +19,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # model.sdpa_backends (torch.backends.cuda.enable_*_sdp)
+# model.sdpa_backends=None: one kernel for every decoding attention call on CUDA (masked or not), torch's choice on CPU
+DEFAULT_SDPA_BACKENDS = {"cuda": ("efficient", "math"), "cpu": ("flash", "efficient", "math")}
 
 
 class ConfigError(ValueError):
@@ -32,17 +34,19 @@ class ModelConfig:
     ``sdpa_backends``: the scaled-dot-product-attention kernels a decoding process may use (``flash``,
     ``efficient``, ``math``, ``cudnn``; torch picks among them per call), set process-wide by
     :func:`spd_ds.builder.build_arch` for decoding (not for training); it matters with ``attn_implementation=sdpa``.
-    The default leaves out ``cudnn``: on an H200 in bf16 torch picks cuDNN's attention for the static-cache decode
-    step, and separately captured CUDA-graph AR decoders then parted from one another at near-ties, which they did not
-    with ``math`` or ``efficient`` alone (``docs/benchmarks.md`` (a)). The list must be able to run every call: on
-    CPU it needs ``math`` or ``flash``, on CUDA ``math`` or ``efficient``."""
+    ``None`` (the default) = :data:`DEFAULT_SDPA_BACKENDS` of the device: on CUDA ``[efficient, math]``, so that the
+    eager decoder (no mask for one new token) and the static-cache decoders of the CUDA graphs (a mask over the whole
+    cache) run the same kernel: with ``flash`` allowed torch picked it for the unmasked calls only, and with ``cudnn``
+    separately captured CUDA-graph AR decoders parted from one another at bf16 near-ties (``docs/benchmarks.md`` (a));
+    on CPU ``[flash, efficient, math]`` (torch's own choice there). A list must be able to run every call: on CPU it
+    needs ``math`` or ``flash``, on CUDA ``math`` or ``efficient``."""
 
     name: str = "smollm2-135m-instruct"
     dtype: str = "float32"  # float32 | bfloat16 | float16
     attn_implementation: str = "sdpa"
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: Optional[str] = None
-    sdpa_backends: list[Any] = dataclasses.field(default_factory=lambda: ["flash", "efficient", "math"])
+    sdpa_backends: Optional[list[Any]] = None
 
 
 @dataclasses.dataclass
@@ -288,10 +292,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
                 current = OmegaConf.select(base, key, throw_on_missing=False)
             except OmegaConfBaseException:
                 current = None
+            takes_list = ConfigError(f"override {o!r}: {key} takes a list; write it as a YAML list in quotes, e.g. "
+                                     f"{key}='[\"{value}\"]'")
             if isinstance(current, ListConfig) and not isinstance(OmegaConf.select(parsed, key), ListConfig):
-                raise ConfigError(f"override {o!r}: {key} takes a list; write it as a YAML list in quotes, e.g. "
-                                  f"{key}='[\"{value}\"]'")
-            base = OmegaConf.merge(base, parsed)
+                raise takes_list
+            try:
+                base = OmegaConf.merge(base, parsed)
+            except OmegaConfBaseException as e:  # an optional list whose default is null
+                if "is not a ListConfig" in str(e):
+                    raise takes_list from None
+                raise
     except (ConfigKeyError, ConfigAttributeError) as e:
         key = getattr(e, "full_key", None) or str(e)
         raise ConfigError(f"unknown config key {key!r}; {_valid_keys(str(key).split('.'))}") from None
@@ -335,10 +345,10 @@ def validate(cfg: ExperimentConfig) -> None:
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.model.device)):
         raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {cfg.model.device!r}")
     backends = cfg.model.sdpa_backends
-    if (isinstance(backends, str) or not isinstance(backends, (list, tuple)) or not backends
+    if backends is not None and (isinstance(backends, str) or not isinstance(backends, (list, tuple)) or not backends
             or any(b not in SDPA_BACKENDS for b in backends)):
         raise ConfigError(f"model.sdpa_backends must list some of {', '.join(SDPA_BACKENDS)} (e.g. "
-                          f"model.sdpa_backends='[efficient, math]'), got {backends!r}")
+                          f"model.sdpa_backends='[efficient, math]', or null for the device's default), got {backends!r}")
     if cfg.head.placement not in ("colocated", "dedicated"):
         raise ConfigError(f"head.placement must be 'colocated' or 'dedicated', got {cfg.head.placement!r}")
     if cfg.decoding.drafter not in ("head", "oracle"):

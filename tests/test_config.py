@@ -132,8 +132,9 @@ def test_head_cuda_graph_is_the_default_and_old_saved_configs_load(tmp_path):
         load_config(None, ["head.cuda_graph=maybe"])
 
 
-def test_sdpa_backends_default_leaves_out_cudnn_and_bad_lists_are_one_line_errors():
-    assert load_config(None).model.sdpa_backends == ["flash", "efficient", "math"]
+def test_sdpa_backends_default_is_per_device_and_bad_lists_are_one_line_errors():
+    assert load_config(None).model.sdpa_backends is None  # the device's DEFAULT_SDPA_BACKENDS
+    assert load_config(None, ["model.sdpa_backends=null"]).model.sdpa_backends is None
     assert load_config(None, ["model.sdpa_backends=[efficient, math]"]).model.sdpa_backends == ["efficient", "math"]
     for bad in ("[]", "[fast]", "[efficient, cuDNN]"):
         with pytest.raises(ConfigError, match="model.sdpa_backends must list") as e:
@@ -155,7 +156,7 @@ def test_sdpa_backends_that_cannot_run_every_call_are_refused_per_device(sdpa_fl
 
 
 def test_build_arch_sets_the_sdpa_backends_for_decoding_only(sdpa_flags):
-    from spd_ds.builder import build_arch
+    from spd_ds.builder import build_arch, set_sdpa_backends
 
     def flags():
         c = sdpa_flags
@@ -164,7 +165,10 @@ def test_build_arch_sets_the_sdpa_backends_for_decoding_only(sdpa_flags):
     sdpa_flags.enable_cudnn_sdp(True)
     build_arch(load_config(None, ["model.name=random:qwen3.5-tiny"]), decoding=False)  # training: untouched
     assert flags() == (True, True, True, True)
-    build_arch(load_config(None, ["model.name=random:qwen3.5-tiny"]))  # decoding: the default, no cuDNN
+    build_arch(load_config(None, ["model.name=random:qwen3.5-tiny", "model.device=cpu"]))  # CPU default: no cuDNN
     assert flags() == (True, True, True, False)
+    sdpa_flags.enable_cudnn_sdp(True)
+    set_sdpa_backends(None, "cuda")  # the CUDA default: one kernel (efficient) for masked and unmasked calls
+    assert flags() == (False, True, True, False)
     build_arch(load_config(None, ["model.name=random:qwen3.5-tiny", "model.sdpa_backends=[math, cudnn]"]))
     assert flags() == (False, False, True, True)

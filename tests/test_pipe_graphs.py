@@ -34,7 +34,7 @@ def test_static_cache_writes_at_bound_positions_and_masks_the_rest():
 
 def run_eager(target, ids, caches):
     h = target.ends.embed(ids)
-    pos = torch.arange(caches[0].length, caches[0].length + ids.shape[1])
+    pos = torch.arange(caches[0].length, caches[0].length + ids.shape[1], device=ids.device)
     for s, st in enumerate(target.stages):
         h, _ = st(h, pos, caches[s])
     return target.ends.logits(h[0, -1])
@@ -136,3 +136,33 @@ def test_capture_graph_warms_up_then_captures_once():
         torch.cuda.synchronize()
         assert torch.equal(y, torch.full((4,), 7.0, device=dev))
         x.zero_()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)")
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+@torch.no_grad()
+def test_eager_decoder_equals_static_cache_decoder_bitwise_on_cuda_under_the_default_kernels(tiny_root, model_type,
+                                                                                            sdpa_flags):
+    """The eager decoder (length-based cache, no mask for one new token: the reference decoder's and the eager AR's
+    path) and the static-cache decoder of the CUDA graphs (a mask over the whole cache: ``ar_graph`` and the engine's
+    graphed stages) give bit-identical logits in bf16 under the default ``model.sdpa_backends``: with ``flash``
+    allowed, torch ran it for the unmasked calls and the efficient kernel for the masked ones, and greedy SPD through
+    the reference decoder parted from ``ar_graph`` on 3 of 4 MT-Bench prompts on an H200 (docs/benchmarks.md (a))."""
+    from spd_ds.builder import set_sdpa_backends
+
+    set_sdpa_backends(None, "cuda")
+    arch = TargetArch(make_tiny_model(tiny_root, model_type, 6))
+    tgt = Target(arch, StagePartition.build(6, 2), torch.bfloat16, "cuda")
+    graphed = GraphedStage(list(tgt.stages), 96, use_graph=True)
+    caches = tgt.new_caches(96)
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]], device="cuda")
+    ref = run_eager(tgt, prompt, caches)
+    h, _ = graphed.prefill(tgt.ends.embed(prompt))
+    assert torch.equal(tgt.ends.logits(h[0, -1]), ref)
+    tok = int(ref.argmax())
+    for pos in range(prompt.shape[1], prompt.shape[1] + 48):
+        y, _ = graphed.step(tgt.ends.embed(torch.tensor([[tok]], device="cuda")), pos)
+        lg = tgt.ends.logits(y[0, 0])
+        e = run_eager(tgt, torch.tensor([[tok]], device="cuda"), caches)
+        assert torch.equal(lg, e), f"position {pos}: eager and static-cache logits differ"
+        tok = int(lg.argmax())
