@@ -25,7 +25,7 @@ PARTITIONS = [
     ((3, 3, 2), None, 1),
 ]
 PROMPT = [5, 9, 13, 4, 7, 11]
-TOL = dict(atol=2e-5, rtol=2e-5)
+TOL = dict(atol=5e-5, rtol=5e-5)  # fp32 logits of size 10-40 by two summation orders (static vs eager; 1 or 2 threads)
 
 
 @pytest.fixture(scope="module")
