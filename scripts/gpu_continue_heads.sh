@@ -53,16 +53,17 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
       variants+="${variants:+ }$name:${SHAPE[$name]},head.checkpoint=$warm,train.lr=${LR:-5.0e-4},train.max_steps=${STEPS:-3600}"
       echo "for i in \$(seq 360); do [ -f $warm/head.safetensors ] && break; sleep 5; done"
     done
-    name=${item//+/_}
-    echo "mkdir -p $WORK/out_$name; echo \"[\$(date +%T)] train $item\""
-    echo "OUT=$WORK/out_$name WORK=$WORK SPD_TRAIN_DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt.jsonl.gz}" \
+    local out=$WORK/out_${item//+/_}
+    echo "mkdir -p $out; echo \"[\$(date +%T)] train $item\""
+    echo "OUT=$out WORK=$WORK SPD_TRAIN_DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt.jsonl.gz}" \
          "TRAIN_SECONDS=1500 SESSION_SECONDS=1500 ${seq:+SEQUENTIAL=1 }VARIANTS=\"$variants\" EXTRA=\"$RECIPE\" FETCH=1" \
-         "bash scripts/gpu_train_session.sh > $WORK/train_$name.out 2>&1"
+         "bash scripts/gpu_train_session.sh > $WORK/train_${item//+/_}.out 2>&1"
     echo "echo \"[\$(date +%T)] train $item end rc \$?\""
-    for name in $fresh; do
-      echo "mkdir -p $WORK/warm && rm -rf $WORK/warm/$name && cp -r $WORK/heads/$name/best_head $WORK/warm/$name"
+    for name in $fresh; do  # its best head becomes the warm start (a failed run leaves a carried one in place)
+      echo "[ -f $WORK/heads/$name/best_head/head.safetensors ] && mkdir -p $WORK/warm && rm -rf $WORK/warm/$name &&" \
+           "cp -r $WORK/heads/$name/best_head $WORK/warm/$name"
     done
-    echo "rm -f $WORK/out_$name/compile_cache.tgz.part-*  # not needed back"
+    echo "rm -f $out/compile_cache.tgz.part-*  # not needed back"
   done
   echo "echo \"[\$(date +%T)] CHAIN DONE\""
 }
@@ -70,6 +71,12 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
 case "${1:-}" in
   start)
     CHAIN=${CHAIN:-"w2 w3 wp3 w4"}
+    for item in $CHAIN; do  # a group cannot hold a fresh head and its own continuation (it would wait for itself)
+      for name in ${item//+/ }; do
+        [[ -n "${SRC[$name]:-}" && " ${item//+/ } " == *" ${SRC[$name]} "* ]] && {
+          echo "gpu_continue_heads.sh: '$item' trains $name beside its warm start ${SRC[$name]}; put them in order: \"${SRC[$name]} $name\"" >&2; exit 2; }
+      done
+    done
     for name in ${CHAIN//+/ }; do
       [[ -n "${SRC[$name]:-}${FRESH[$name]:-}" ]] || { echo "gpu_continue_heads.sh: unknown head '$name' in CHAIN; known: ${!FRESH[*]} ${!SRC[*]}" >&2; exit 2; }
     done

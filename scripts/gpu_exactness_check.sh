@@ -2,7 +2,7 @@
 # The bf16 exactness check of docs/benchmarks.md (a) in one device call (2 GPUs by default; on one H200 each probe
 # run of the single-GPU part took 1.5-2.5 min, the engine test ~45 s; the 2-GPU run of the new variants is untimed): the
 # CUDA tests (tests/test_pipe_engine.py and tests/test_pipe_graphs.py, -k cuda), then scripts/diagnostics/gpu_exactness_probe.py twice: bf16
-# with the default model.sdpa_backends (cuDNN's attention left out) and bf16 with torch's own SDPA choice (all four
+# with the default model.sdpa_backends (on CUDA [efficient, math]: cuDNN's and flash attention left out) and bf16 with torch's own SDPA choice (all four
 # backends: cuDNN on an H200), the variant whose separately captured CUDA-graph ARs parted from one another. Results
 # into $OUT: log.txt, pytest.log, divergence_<variant>.md (the probe's table) and tokens.tgz (every method's tokens).
 #
@@ -25,7 +25,7 @@ say "gpu_exactness_check: ${NUM_GPUS:-2} GPU(s), prompt sets from $EVAL_DIR"
 set +e
 if [[ -z "${SKIP_TESTS:-}" ]]; then
   timeout 300 "$PY" -m pytest -q tests/test_pipe_engine.py tests/test_pipe_graphs.py -k cuda -rs > "$OUT/pytest.log" 2>&1
-  say "CUDA engine test: exit $? ($(tail -1 "$OUT/pytest.log"))"
+  say "CUDA tests: exit $? ($(tail -1 "$OUT/pytest.log"))"
 fi
 ONE=$([[ ${NUM_GPUS:-2} == 1 ]] && echo 1)
 for v in ${VARIANTS:-bf16 torch}; do

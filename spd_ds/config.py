@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # model.sdpa_backends (torch.backends.cuda.enable_*_sdp)
-# model.sdpa_backends=None: one kernel for every decoding attention call on CUDA (masked or not), torch's choice on CPU
+# model.sdpa_backends=None: the memory-efficient kernel for every decoding attention call on CUDA, torch's choice on CPU
 DEFAULT_SDPA_BACKENDS = {"cuda": ("efficient", "math"), "cpu": ("flash", "efficient", "math")}
 
 
@@ -35,10 +35,11 @@ class ModelConfig:
     ``efficient``, ``math``, ``cudnn``; torch picks among them per call), set process-wide by
     :func:`spd_ds.builder.build_arch` for decoding (not for training); it matters with ``attn_implementation=sdpa``.
     ``None`` (the default) = :data:`DEFAULT_SDPA_BACKENDS` of the device: on CUDA ``[efficient, math]``, so that the
-    eager decoder (no mask for one new token) and the static-cache decoders of the CUDA graphs (a mask over the whole
-    cache) run the same kernel: with ``flash`` allowed torch picked it for the unmasked calls only, and with ``cudnn``
-    separately captured CUDA-graph AR decoders parted from one another at bf16 near-ties (``docs/benchmarks.md`` (a));
-    on CPU ``[flash, efficient, math]`` (torch's own choice there). A list must be able to run every call: on CPU it
+    eager decoder and the static-cache decoders of the CUDA graphs run the same kernel (both pass a mask on GPU:
+    :func:`spd_ds.models.adapter.causal_mask`): with ``flash`` allowed the eager decoder, then unmasked for one new
+    token, ran flash and parted from the CUDA-graph AR, and with ``cudnn`` separately captured CUDA-graph AR decoders
+    parted from one another at bf16 near-ties (``docs/benchmarks.md`` (a)); on CPU ``[flash, efficient, math]``
+    (torch's own choice there). A list must be able to run every call: on CPU it
     needs ``math`` or ``flash``, on CUDA ``math`` or ``efficient``."""
 
     name: str = "smollm2-135m-instruct"

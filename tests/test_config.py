@@ -168,7 +168,7 @@ def test_build_arch_sets_the_sdpa_backends_for_decoding_only(sdpa_flags):
     build_arch(load_config(None, ["model.name=random:qwen3.5-tiny", "model.device=cpu"]))  # CPU default: no cuDNN
     assert flags() == (True, True, True, False)
     sdpa_flags.enable_cudnn_sdp(True)
-    set_sdpa_backends(None, "cuda")  # the CUDA default: one kernel (efficient) for masked and unmasked calls
+    set_sdpa_backends(None, "cuda")  # the CUDA default: the memory-efficient kernel (every call passes a mask there)
     assert flags() == (False, True, True, False)
     build_arch(load_config(None, ["model.name=random:qwen3.5-tiny", "model.sdpa_backends=[math, cudnn]"]))
     assert flags() == (False, False, True, True)

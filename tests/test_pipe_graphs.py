@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from spd_ds.models.adapter import Target, TargetArch
+from spd_ds.models.adapter import Target, TargetArch, causal_mask
 from spd_ds.models.graphs import GraphedStage, capture_graph, make_static_cache, static_stage_forward
 from spd_ds.models.kv_cache import StageKVCache
 from spd_ds.partition import StagePartition
@@ -138,20 +138,31 @@ def test_capture_graph_warms_up_then_captures_once():
         x.zero_()
 
 
+def test_causal_mask_masks_single_rows_off_cpu_only():
+    """One new row: no mask on CPU; on a GPU an all-True mask (the static-cache decoders always pass one, and an
+    unmasked call would make transformers ask SDPA for grouped-query attention, i.e. another kernel)."""
+    assert causal_mask(1, 7, "cpu") is None
+    m = causal_mask(1, 7, "meta")  # any other device: a mask over the 7 cached positions and the new one
+    assert m is not None and m.shape == (1, 1, 1, 8) and m.dtype == torch.bool
+    assert causal_mask(3, 2, "cpu")[0, 0].tolist() == [[i <= r for i in range(5)] for r in range(2, 5)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)")
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 @torch.no_grad()
 def test_eager_decoder_equals_static_cache_decoder_bitwise_on_cuda_under_the_default_kernels(tiny_root, model_type,
                                                                                             sdpa_flags):
-    """The eager decoder (length-based cache, no mask for one new token: the reference decoder's and the eager AR's
-    path) and the static-cache decoder of the CUDA graphs (a mask over the whole cache: ``ar_graph`` and the engine's
-    graphed stages) give bit-identical logits in bf16 under the default ``model.sdpa_backends``: with ``flash``
-    allowed, torch ran it for the unmasked calls and the efficient kernel for the masked ones, and greedy SPD through
-    the reference decoder parted from ``ar_graph`` on 3 of 4 MT-Bench prompts on an H200 (docs/benchmarks.md (a))."""
+    """The eager decoder (length-based cache: the reference decoder's and the eager AR's path) and the static-cache
+    decoder of the CUDA graphs (a mask over the whole cache: ``ar_graph`` and the engine's graphed stages) give
+    bit-identical logits in bf16 under the default ``model.sdpa_backends`` of CUDA, full-attention GQA targets (the
+    hybrid ones keep their linear-attention states differently in the two caches). Under the former default
+    (``[flash, efficient, math]``, the eager step unmasked) greedy SPD through the reference decoder parted from
+    ``ar_graph`` on 3 of 4 MT-Bench prompts on an H200 (docs/benchmarks.md (a))."""
     from spd_ds.builder import set_sdpa_backends
 
     set_sdpa_backends(None, "cuda")
     arch = TargetArch(make_tiny_model(tiny_root, model_type, 6))
+    assert arch.config.num_key_value_heads < arch.config.num_attention_heads  # grouped-query, as SmolLM2
     tgt = Target(arch, StagePartition.build(6, 2), torch.bfloat16, "cuda")
     graphed = GraphedStage(list(tgt.stages), 96, use_graph=True)
     caches = tgt.new_caches(96)

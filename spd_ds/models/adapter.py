@@ -364,10 +364,14 @@ class TextPositionRotary(nn.Module):
 def causal_mask(q: int, past: int, device) -> torch.Tensor | None:
     """Boolean attention mask ``[1, 1, q, past + q]`` (True = attend) for ``q`` new rows after ``past`` cached ones.
 
-    Returns ``None`` for ``q == 1`` (a single row attends to everything before it).
+    Returns ``None`` for ``q == 1`` on CPU (a single row attends to everything before it). On a GPU a single row gets
+    an all-True mask too, so that the eager decoder runs the attention kernel of the static-cache decoders (CUDA
+    graphs), which always pass a mask: without one, transformers asks SDPA for grouped-query attention, which the
+    memory-efficient kernel does not run, and torch takes another kernel (flash or math) with other rounding.
     """
     if q == 1:
-        return None
+        return None if torch.device(device).type == "cpu" else torch.ones(1, 1, 1, past + 1, dtype=torch.bool,
+                                                                           device=device)
     k = torch.arange(past + q, device=device)
     rows = torch.arange(q, device=device)[:, None] + past
     return (k[None, :] <= rows)[None, None]
