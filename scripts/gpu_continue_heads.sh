@@ -74,11 +74,13 @@ case "${1:-}" in
     for item in $CHAIN; do  # a group cannot hold a fresh head and its own continuation (it would wait for itself)
       for name in ${item//+/ }; do
         [[ -n "${SRC[$name]:-}" && " ${item//+/ } " == *" ${SRC[$name]} "* ]] && {
-          echo "gpu_continue_heads.sh: '$item' trains $name beside its warm start ${SRC[$name]}; put them in order: \"${SRC[$name]} $name\"" >&2; exit 2; }
+          echo "gpu_continue_heads.sh: '$item' trains $name beside its warm start ${SRC[$name]};" \
+               "put them in order: \"${SRC[$name]} $name\"" >&2; exit 2; }
       done
     done
     for name in ${CHAIN//+/ }; do
-      [[ -n "${SRC[$name]:-}${FRESH[$name]:-}" ]] || { echo "gpu_continue_heads.sh: unknown head '$name' in CHAIN; known: ${!FRESH[*]} ${!SRC[*]}" >&2; exit 2; }
+      [[ -n "${SRC[$name]:-}${FRESH[$name]:-}" ]] || {
+        echo "gpu_continue_heads.sh: unknown head '$name' in CHAIN; known: ${!FRESH[*]} ${!SRC[*]}" >&2; exit 2; }
     done
     if [[ -n "${DRY:-}" ]]; then chain_script "$CHAIN"; exit 0; fi
     mkdir -p "$WORK" && rm -rf "$REPO" "$REPO.tmp" && cp -r "$HERE" "$REPO.tmp" && mv "$REPO.tmp" "$REPO"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The bf16 exactness check of docs/benchmarks.md (a) in one device call (2 GPUs by default; on one H200 each probe
 # run of the single-GPU part took 1.5-2.5 min, the engine test ~45 s; the 2-GPU run of the new variants is untimed): the
-# CUDA tests (tests/test_pipe_engine.py and tests/test_pipe_graphs.py, -k cuda), then scripts/diagnostics/gpu_exactness_probe.py twice: bf16
-# with the default model.sdpa_backends (on CUDA [efficient, math]: cuDNN's and flash attention left out) and bf16 with torch's own SDPA choice (all four
+# CUDA tests (tests/test_pipe_engine.py and tests/test_pipe_graphs.py, -k cuda), then
+# scripts/diagnostics/gpu_exactness_probe.py twice: bf16 with the default model.sdpa_backends (on CUDA
+# [efficient, math]: cuDNN's and flash attention left out) and bf16 with torch's own SDPA choice (all four
 # backends: cuDNN on an H200), the variant whose separately captured CUDA-graph ARs parted from one another. Results
 # into $OUT: log.txt, pytest.log, divergence_<variant>.md (the probe's table) and tokens.tgz (every method's tokens).
 #

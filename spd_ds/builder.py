@@ -52,8 +52,9 @@ def resolve_device(name: str) -> torch.device:
 
 def set_sdpa_backends(backends: Sequence[str] | None, device_type: str = "cuda") -> None:
     """Enable exactly ``backends`` (names of :data:`spd_ds.config.SDPA_BACKENDS`; ``None`` = the device's
-    :data:`spd_ds.config.DEFAULT_SDPA_BACKENDS`) among torch's scaled-dot-product attention kernels, process-wide (``torch.backends.cuda.enable_{flash,mem_efficient,math,cudnn}_sdp``; the
-    flags also steer the CPU kernel choice), so that SPD and the AR baselines of one process choose among the same
+    :data:`spd_ds.config.DEFAULT_SDPA_BACKENDS`) among torch's scaled-dot-product attention kernels, process-wide
+    (``torch.backends.cuda.enable_{flash,mem_efficient,math,cudnn}_sdp``; the flags also steer the CPU kernel
+    choice), so that SPD and the AR baselines of one process choose among the same
     kernels (``model.sdpa_backends``).
 
     Args:

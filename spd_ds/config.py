@@ -39,8 +39,8 @@ class ModelConfig:
     :func:`spd_ds.models.adapter.causal_mask`): with ``flash`` allowed the eager decoder, then unmasked for one new
     token, ran flash and parted from the CUDA-graph AR, and with ``cudnn`` separately captured CUDA-graph AR decoders
     parted from one another at bf16 near-ties (``docs/benchmarks.md`` (a)); on CPU ``[flash, efficient, math]``
-    (torch's own choice there). A list must be able to run every call: on CPU it
-    needs ``math`` or ``flash``, on CUDA ``math`` or ``efficient``."""
+    (torch's own choice there). A list must be able to run every call: on CPU it needs ``math`` or ``flash``, on
+    CUDA ``math`` or ``efficient``."""
 
     name: str = "smollm2-135m-instruct"
     dtype: str = "float32"  # float32 | bfloat16 | float16
@@ -348,8 +348,8 @@ def validate(cfg: ExperimentConfig) -> None:
     backends = cfg.model.sdpa_backends
     if backends is not None and (isinstance(backends, str) or not isinstance(backends, (list, tuple)) or not backends
             or any(b not in SDPA_BACKENDS for b in backends)):
-        raise ConfigError(f"model.sdpa_backends must list some of {', '.join(SDPA_BACKENDS)} (e.g. "
-                          f"model.sdpa_backends='[efficient, math]', or null for the device's default), got {backends!r}")
+        raise ConfigError(f"model.sdpa_backends must list some of {', '.join(SDPA_BACKENDS)} (e.g. model.sdpa_backends="
+                          f"'[efficient, math]', or null for the device's default), got {backends!r}")
     if cfg.head.placement not in ("colocated", "dedicated"):
         raise ConfigError(f"head.placement must be 'colocated' or 'dedicated', got {cfg.head.placement!r}")
     if cfg.decoding.drafter not in ("head", "oracle"):

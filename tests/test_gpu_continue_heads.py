@@ -44,3 +44,25 @@ def test_unknown_head_and_usage_are_errors(tmp_path):
     r = _run(tmp_path, "start", CHAIN="w2 w5", DRY="1")
     assert r.returncode == 2 and "unknown head 'w5'" in r.stderr
     assert _run(tmp_path, "bogus").returncode == 2
+
+
+def test_a_fresh_head_in_the_chain_becomes_the_next_heads_warm_start(tmp_path):
+    r = _run(tmp_path, "start", CHAIN="s2l2 w2l2", DRY="1")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    train = [x for x in lines if "gpu_train_session.sh" in x]
+    work = tmp_path / "work"
+    # the fresh head: the equal-tokens recipe (default lr, 3,600 steps, its tower depth), no checkpoint
+    assert 'VARIANTS="s2l2:partition.num_stages=2,head.num_layers=2,train.max_steps=3600"' in train[0]
+    assert "head.checkpoint" not in train[0] and "train.lr=" not in train[0]
+    # its best head is copied to the warm starts only if the run produced one, before the continuation waits for it
+    copy = next(i for i, x in enumerate(lines) if f"cp -r {work}/heads/s2l2/best_head {work}/warm/s2l2" in x)
+    assert lines[copy].startswith(f"[ -f {work}/heads/s2l2/best_head/head.safetensors ] &&")
+    wait = lines.index(f"for i in $(seq 360); do [ -f {work}/warm/s2l2/head.safetensors ] && break; sleep 5; done")
+    assert lines.index(train[0]) < copy < wait < lines.index(train[1])
+    assert f"head.checkpoint={work}/warm/s2l2,train.lr=5.0e-4" in train[1]
+
+
+def test_a_group_cannot_hold_a_head_and_its_own_warm_start(tmp_path):
+    r = _run(tmp_path, "start", CHAIN="s4+w4", DRY="1")
+    assert r.returncode == 2 and 'put them in order: "s4 w4"' in r.stderr

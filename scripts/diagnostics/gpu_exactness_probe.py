@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--sdpa-backend", choices=["torch", "math", "efficient", "cudnn"],
                     help="run every method with only this scaled-dot-product-attention backend (model.sdpa_backends="
                          "[X]; cudnn: [cudnn, math], math only where cuDNN cannot run a call; torch: all four, "
-                         "torch's own choice, which picks cuDNN on an H200); default: model.sdpa_backends of the config")
+                         "torch's own choice, which picks cuDNN on an H200); default: model.sdpa_backends of the "
+                         "config")
     ap.add_argument("--deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms(True) (set CUBLAS_WORKSPACE_CONFIG=:4096:8 too)")
     ap.add_argument("--no-reduced-precision", action="store_true",
@@ -87,7 +88,8 @@ def main() -> None:
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     if args.sdpa_backend:  # an override, since every build_arch sets the process's SDPA flags from the config
-        chosen = {"torch": "flash,efficient,math,cudnn", "cudnn": "cudnn,math"}.get(args.sdpa_backend, args.sdpa_backend)
+        lists = {"torch": "flash,efficient,math,cudnn", "cudnn": "cudnn,math"}
+        chosen = lists.get(args.sdpa_backend, args.sdpa_backend)
         args.overrides = [*args.overrides, f"model.sdpa_backends=[{chosen}]"]
     return probe(args)
 
