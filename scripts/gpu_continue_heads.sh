@@ -32,10 +32,8 @@ declare -A SHAPE=([w2]="partition.num_stages=2" [w3]="partition.num_stages=3"
                   [wp3]="partition.num_stages=3,partition.anchors=[0,10]" [w4]="partition.num_stages=4"
                   [w6]="partition.num_stages=6" [wp6]="partition.num_stages=6,partition.anchors=[0,5]"
                   [w2l2]="partition.num_stages=2" [w3l2]="partition.num_stages=3")
-declare -A FRESH=([s2]="partition.num_stages=2" [s3]="partition.num_stages=3"
-                  [p3]="partition.num_stages=3,partition.anchors=[0,10]" [s4]="partition.num_stages=4"
-                  [s6]="partition.num_stages=6" [p6]="partition.num_stages=6,partition.anchors=[0,5]"
-                  [s2l2]="partition.num_stages=2,head.num_layers=2" [s3l2]="partition.num_stages=3,head.num_layers=2")
+declare -A FRESH=()  # the warm starts trained fresh: their continuation's shape (+ the two-layer tower of *l2)
+for w in "${!SRC[@]}"; do FRESH[${SRC[$w]}]=${SHAPE[$w]}; [[ $w == *l2 ]] && FRESH[${SRC[$w]}]+=",head.num_layers=2"; done
 RECIPE="head.lm_head_from_target=true head.tower_init_layer=-1 train.lr_stable_fraction=0.6 train.warmup_steps=50"
 
 chain_script() {  # the detached job: one gpu_train_session.sh per item (a head, or heads joined by +), own OUT each

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -267,6 +268,16 @@ def _valid_keys(path: Sequence[str]) -> str:
     return f"valid keys of {path[0]}: " + ", ".join(f.name for f in dataclasses.fields(cls))
 
 
+def _list_field(path: Sequence[str]) -> bool:
+    """Whether ``section.key`` (``path``) is a list in the schema, ``Optional[list]`` included (a null default holds
+    no ListConfig to recognise it by)."""
+    if len(path) != 2 or path[0] not in _SECTIONS:
+        return False
+    cls = {f.name: f for f in dataclasses.fields(ExperimentConfig)}[path[0]].default_factory
+    hint = typing.get_type_hints(cls).get(path[1])
+    return any(typing.get_origin(t) is list for t in (hint, *typing.get_args(hint)))
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Load ``path`` (YAML) over the defaults, then apply ``section.key=value`` overrides (values parsed as YAML).
 
@@ -295,14 +306,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
                 current = None
             takes_list = ConfigError(f"override {o!r}: {key} takes a list; write it as a YAML list in quotes, e.g. "
                                      f"{key}='[\"{value}\"]'")
-            if isinstance(current, ListConfig) and not isinstance(OmegaConf.select(parsed, key), ListConfig):
+            new = OmegaConf.select(parsed, key)
+            if isinstance(current, ListConfig) and not isinstance(new, ListConfig):
                 raise takes_list
-            try:
-                base = OmegaConf.merge(base, parsed)
-            except OmegaConfBaseException as e:  # an optional list whose default is null
-                if "is not a ListConfig" in str(e):
-                    raise takes_list from None
-                raise
+            if current is None and new is not None and not isinstance(new, ListConfig) and _list_field(key.split(".")):
+                raise takes_list  # an optional list whose value is null (null itself is fine)
+            base = OmegaConf.merge(base, parsed)
     except (ConfigKeyError, ConfigAttributeError) as e:
         key = getattr(e, "full_key", None) or str(e)
         raise ConfigError(f"unknown config key {key!r}; {_valid_keys(str(key).split('.'))}") from None

@@ -142,9 +142,42 @@ def test_causal_mask_masks_single_rows_off_cpu_only():
     """One new row: no mask on CPU; on a GPU an all-True mask (the static-cache decoders always pass one, and an
     unmasked call would make transformers ask SDPA for grouped-query attention, i.e. another kernel)."""
     assert causal_mask(1, 7, "cpu") is None
+    assert causal_mask(1, 7, "cpu", single_row_mask=True).tolist() == [[[[True] * 8]]]
+    assert causal_mask(1, 7, "meta", single_row_mask=False) is None
     m = causal_mask(1, 7, "meta")  # any other device: a mask over the 7 cached positions and the new one
     assert m is not None and m.shape == (1, 1, 1, 8) and m.dtype == torch.bool
     assert causal_mask(3, 2, "cpu")[0, 0].tolist() == [[i <= r for i in range(5)] for r in range(2, 5)]
+
+
+@torch.no_grad()
+def test_the_single_row_mask_of_the_gpu_path_attends_like_no_mask(tiny_root, monkeypatch):
+    """The GPU path's all-True mask for one new row is the same attention as no mask (checked on CPU, fp32, a
+    grouped-query target, the target's stages; the speculation head's eager tower takes its mask from the same
+    function): same greedy tokens, same logits to rounding (the masked call runs another kernel)."""
+    import spd_ds.models.adapter as adapter
+
+    arch = TargetArch(make_tiny_model(tiny_root, "llama", 6))
+    assert arch.config.num_key_value_heads < arch.config.num_attention_heads
+    tgt = Target(arch, StagePartition.build(6, 2), torch.float32, "cpu")
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+
+    def greedy(steps=12):
+        caches = tgt.new_caches(64)
+        lg = run_eager(tgt, prompt, caches)
+        out = [lg]
+        for _ in range(steps):
+            lg = run_eager(tgt, lg.argmax().view(1, 1), caches)
+            out.append(lg)
+        return out
+
+    unmasked = greedy()
+    orig = adapter.causal_mask
+    forced = lambda q, past, device, single_row_mask=None: orig(q, past, device, single_row_mask=True)  # noqa: E731
+    monkeypatch.setattr(adapter, "causal_mask", forced)
+    masked = greedy()
+    assert [int(x.argmax()) for x in masked] == [int(x.argmax()) for x in unmasked]
+    for a, b in zip(masked, unmasked):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)")

@@ -361,17 +361,20 @@ class TextPositionRotary(nn.Module):
         return self.inner(x, position_ids[None].expand(3, *position_ids.shape))
 
 
-def causal_mask(q: int, past: int, device) -> torch.Tensor | None:
-    """Boolean attention mask ``[1, 1, q, past + q]`` (True = attend) for ``q`` new rows after ``past`` cached ones.
+def causal_mask(q: int, past: int, device, single_row_mask: bool | None = None) -> torch.Tensor | None:
+    """Boolean attention mask ``[1, 1, q, past + q]`` (True = attend) for ``q`` new rows after ``past`` cached ones,
+    on ``device``.
 
-    Returns ``None`` for ``q == 1`` on CPU (a single row attends to everything before it). On a GPU a single row gets
-    an all-True mask too, so that the eager decoder runs the attention kernel of the static-cache decoders (CUDA
-    graphs), which always pass a mask: without one, transformers asks SDPA for grouped-query attention, which the
-    memory-efficient kernel does not run, and torch takes another kernel (flash or math) with other rounding.
+    For ``q == 1`` (a single row attends to everything before it) the mask is all True, or ``None`` when
+    ``single_row_mask`` is false; by default (``None``) it is ``None`` on CPU and a mask elsewhere, so that on a GPU
+    the eager decoder runs the attention kernel of the static-cache decoders (CUDA graphs), which always pass a mask:
+    without one, transformers asks SDPA for grouped-query attention, which the memory-efficient kernel does not run,
+    and torch takes another kernel (flash or math) with other rounding.
     """
     if q == 1:
-        return None if torch.device(device).type == "cpu" else torch.ones(1, 1, 1, past + 1, dtype=torch.bool,
-                                                                           device=device)
+        if single_row_mask is None:
+            single_row_mask = torch.device(device).type != "cpu"
+        return torch.ones(1, 1, 1, past + 1, dtype=torch.bool, device=device) if single_row_mask else None
     k = torch.arange(past + q, device=device)
     rows = torch.arange(q, device=device)[:, None] + past
     return (k[None, :] <= rows)[None, None]
