@@ -15,6 +15,7 @@ from tests.test_eval_random_weights import make_random_shape
 from tests.test_pipe_worker import deepspeed_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
+THREE_KV = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}  # SmolLM2's 3 KV heads: 2 + 1
 
 
 def run(args, timeout=600, launcher=None):
@@ -105,8 +106,12 @@ def test_benchmark_cli_tiny_suite_b(tmp_path, family):
 def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
     """The distributed path (2 gloo ranks through the pipeline engine) gives the reference decoder's tokens and
     cycle counts; baselines run on rank 0 after the pipeline, ``tp_ar`` (DeepSpeed AutoTP over both ranks, its
-    static-cache decoder) before them, with ``ar``'s tokens (fp32)."""
-    shape = make_random_shape(tmp_path)
+    static-cache decoder) before them, with ``ar``'s tokens (fp32).
+
+    The model is the 3-KV-head llama (SmolLM2's 3 KV heads: 2 and 1 over the 2 ranks), so this one launch is also the
+    greedy uneven-shard case of the ``tp_ar`` test below (it was a launch of its own there); the even split and an
+    untied LM head are its ``qwen3`` case."""
+    shape = make_random_shape(tmp_path, "llama", **THREE_KV)
     args = tiny(shape, tmp_path / "ds", "eval.baselines=[ar,tp_ar]", "deepspeed.backend=gloo")
     p = run(["launch/eval.py", "--strict-exact", *args], launcher=deepspeed_cmd(2))
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
@@ -124,15 +129,16 @@ def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "ds" / "per_prompt.jsonl").read_text().splitlines()]
     by = {m: [r["tokens"] for r in rows if r["method"] == m] for m in ("ar", "tp_ar")}
     assert by["tp_ar"] == by["ar"] and len(by["ar"]) == 2 and all(len(t) == 10 for t in by["ar"])
-    assert "static KV cache" in s["methods"]["tp_ar"]["description"]
+    assert s["methods"]["tp_ar"]["description"].endswith("static KV cache, eager"), s["methods"]["tp_ar"]
 
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="needs the deepspeed launcher")
 @pytest.mark.parametrize("model_type,overrides,temperature", [
-    ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}, 0),  # SmolLM2's 3 KV heads
+    # the greedy 3-KV-head llama case is test_eval_cli_under_deepspeed_matches_reference's launch (same model, same
+    # baselines, the same tp_ar == ar assertions there)
     ("qwen3", {}, 0),  # an untied LM head, explicit head_dim
-    ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}, 0.8),  # sampled
-], ids=["llama-3kv", "qwen3", "llama-3kv-T0.8"])
+    ("llama", THREE_KV, 0.8),  # sampled, SmolLM2's 3 KV heads
+], ids=["qwen3", "llama-3kv-T0.8"])
 def test_tp_ar_static_decoder_matches_ar_on_uneven_and_untied_shards(tmp_path, model_type, overrides, temperature):
     """``tp_ar``'s static-cache decoder over AutoTP shards (2 gloo ranks, fp32) gives ``ar``'s tokens when the KV heads
     do not split evenly (3 over 2 ranks: 2 and 1) and with an LM head of its own; at T > 0 too, where both draw with

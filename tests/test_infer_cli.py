@@ -22,20 +22,35 @@ def run(cmd, timeout=600):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "deepspeed"])
-def test_infer_answers_match_ar(smollm2_dir, tmp_path, launcher):
-    # python: reference decoder, checked against the single-process AR decoder; deepspeed: 2 ranks (2 stages, gloo)
-    # through the pipeline engine, checked against AR through the same pipeline. Both with the shipped n=2 head.
-    args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=12",
+def test_infer_answers_match_ar_and_a_stop_string_ends_spd_and_ar_at_the_same_token(smollm2_dir, tmp_path, launcher):
+    """One launch per launcher checks what were two tests (each paid its own SmolLM2 launch, the deepspeed one a
+    2-rank DeepSpeed start): the answers against AR, and ``--stop Paris``.
+
+    python: reference decoder, checked against the single-process AR decoder; deepspeed: 2 ranks (2 stages, gloo)
+    through the pipeline engine, checked against AR through the same pipeline. Both with the shipped n=2 head.
+    ``--stop Paris``: the answer that reaches it ends with the token completing it (finish ``stop``) and is printed
+    without it; the other ends by length (so the length path of a run with stop strings runs too); SPD and AR
+    (through the same pipeline under DeepSpeed) stay identical."""
+    from transformers import AutoTokenizer
+
+    args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=12", "--stop", "Paris",
             "--prompt", "What is the capital of France?", "--prompt", "Name three colours.",
             "--output", str(tmp_path / "out.jsonl")]
     cmd = [sys.executable, *args] if launcher == "python" else [*deepspeed_cmd(2), *args]
     r = run(cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     ar = "AR decoding" if launcher == "python" else "AR through the same pipeline"
-    assert f"identical to {ar}: 2/2 prompts" in r.stdout
-    assert "Paris" in r.stdout
+    assert f"identical to {ar}: 2/2 prompts" in r.stdout and "identical to AR: yes" in r.stdout
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
     assert len(lines) == 2 and '"equivalent_accept_length"' in lines[0] and '"ar_decode_tok_s"' in lines[0]
+    rows = [json.loads(x) for x in lines]
+    assert [x["finish_reason"] for x in rows] == ["stop", "length"]
+    assert len(rows[0]["tokens"]) < 12 and len(rows[1]["tokens"]) == 12
+    # the model's answer is right: its tokens hold "Paris" (the stop string keeps it out of the printed answer)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert "Paris" in tok.decode(rows[0]["tokens"], skip_special_tokens=True)
+    answer = r.stdout.split("=== [prompt0] What is the capital of France?", 1)[1].split("\n--- ", 1)[0]
+    assert "finish stop" in r.stdout and answer.strip() and "Paris" not in answer  # printed up to the stop string
     # the speed verdict from the same run, and what the acceptance metric means
     speed = next(x for x in r.stdout.splitlines() if x.startswith("speed: "))
     assert re.search(rf"SPD [0-9.]+ tok/s, AR [0-9.]+ tok/s \({ar}, same run.*\): SPD is [0-9.]+x AR", speed)
@@ -43,24 +58,6 @@ def test_infer_answers_match_ar(smollm2_dir, tmp_path, launcher):
     one_process_note = "in one process the 2 stages run one after another" in r.stdout
     assert one_process_note == (launcher == "python")
     assert "SPD" in r.stderr and "tokens" in r.stderr  # the progress line (tqdm, stderr)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["python", "deepspeed"])
-def test_stop_string_ends_spd_and_ar_at_the_same_token(smollm2_dir, tmp_path, launcher):
-    """``--stop Paris``: the answer that reaches it ends with the token completing it (finish ``stop``) and is printed
-    without it; the other ends by length; SPD and AR (through the same pipeline under DeepSpeed) stay identical."""
-    args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=12", "--stop", "Paris",
-            "--prompt", "What is the capital of France?", "--prompt", "Name three colours.",
-            "--output", str(tmp_path / "out.jsonl")]
-    r = run([sys.executable, *args] if launcher == "python" else [*deepspeed_cmd(2), *args])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "2/2 prompts" in r.stdout and "identical to AR: yes" in r.stdout
-    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [x["finish_reason"] for x in rows] == ["stop", "length"]
-    assert len(rows[0]["tokens"]) < 12 and len(rows[1]["tokens"]) == 12
-    answer = r.stdout.split("=== [prompt0] What is the capital of France?", 1)[1].split("\n--- ", 1)[0]
-    assert "finish stop" in r.stdout and answer.strip() and "Paris" not in answer  # printed up to the stop string
 
 
 @pytest.mark.slow

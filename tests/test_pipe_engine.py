@@ -145,10 +145,19 @@ def world2(tmp_path_factory, tiny_root):
             head_drafter="static", overrides=["model.dtype=bfloat16", "deepspeed.static_cache=true"]),
         *hybrid_jobs(HYBRID_W2),
     ]
+    # launched as README / docs/distributed.md document a localhost hostfile: ``deepspeed --hostfile hosts
+    # --no_ssh_check --master_addr 127.0.0.1`` (no ssh probe); test_localhost_hostfile_with_the_documented_flags
+    # checks it. It was a launch of its own (tests/test_cli.py); world3, world4 and the other launches keep the
+    # ``--num_gpus`` form.
     port = free_port()
-    res = run_world(tmp_path_factory.mktemp("w2"), tiny_root, 2, jobs,
-                    cmd=["deepspeed", "--num_gpus", "2", "--master_port", str(port)])
+    tmp = tmp_path_factory.mktemp("w2")
+    hosts = tmp / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    res = run_world(tmp, tiny_root, 2, jobs,
+                    cmd=["deepspeed", "--hostfile", str(hosts), "--no_ssh_check", "--master_addr", "127.0.0.1",
+                         "--master_port", str(port)])
     res["_master_port"] = port
+    res["_log"] = (tmp / "log.txt").read_text()
     return res
 
 
@@ -221,6 +230,17 @@ def test_engine_is_deepspeed_pipeline_engine(world2):
     assert info["module_class"] == "SPDPipelineModule" and "PipelineModule" in info["module_bases"]
     assert info["parts"] == [0, 2, 3] and info["local_layers"] == {"0": [0, 1, 2]}  # head + stage 0 on pipe stage 0
     assert {"StageForward", "Verify", "Rollback", "ForwardPass"} <= set(info["instructions"])
+
+
+def test_localhost_hostfile_with_the_documented_flags(world2):
+    """README / docs/distributed.md: ``deepspeed --hostfile hosts --no_ssh_check --master_addr 127.0.0.1`` runs a
+    localhost hostfile without ssh (the launcher otherwise probes ssh for any hostfile): world2's launch is that
+    command, and its jobs equal the reference decoder (here the untrained head's, as the test had it in
+    tests/test_cli.py; every other world2 job too, in the tests above)."""
+    r = world2["colo2_head"]
+    assert r["spd"] == r["reference"] and len(r["spd"]) == 2
+    log = world2["_log"]
+    assert "Unable to find hostfile" not in log and "--master_addr=127.0.0.1" in log  # the hostfile was read
 
 
 def test_no_shared_memory_workspace_left_behind(world2):
