@@ -16,7 +16,11 @@ CONFIG = ROOT / "launch" / "configs" / "smollm2_spd.yaml"
 
 
 def run(cmd, timeout=600):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # one intra-op thread, as for the suite's in-process tests (tests/conftest.py) and the other tests' launches: the
+    # command runs beside the other pytest-xdist worker on two cores, where a second OpenMP thread only spins (a
+    # one-process SmolLM2 run took twice as long with two threads as with one next to a busy core). Under the
+    # deepspeed launcher each of the 2 ranks had one thread already (spd_ds.cli: cores // local ranks).
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 

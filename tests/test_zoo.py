@@ -173,7 +173,7 @@ def test_missing_gguf_and_registry_raise_one_line(tmp_path, monkeypatch):
 def test_concurrent_conversion_from_spd_gguf(smollm2_dir, tmp_path):
     """Two processes (like two ranks) converting at once into a fresh cache: one converts, both succeed."""
     gguf = zoo.fetch_gguf("smollm2-135m-instruct")  # already cached by the fixture
-    env = dict(os.environ, SPD_GGUF=str(gguf), SPD_DS_CACHE=str(tmp_path / "cache"),
+    env = dict(os.environ, SPD_GGUF=str(gguf), SPD_DS_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",  # 2 cores
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     code = "from spd_ds.zoo import resolve_model; print(resolve_model())"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
