@@ -11,7 +11,10 @@ greedy (equal to transformers' ``generate``) and at T > 0 (equal to the referenc
 
 from __future__ import annotations
 
+import base64
+import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -239,8 +242,14 @@ def test_localhost_hostfile_with_the_documented_flags(world2):
     tests/test_cli.py; every other world2 job too, in the tests above)."""
     r = world2["colo2_head"]
     assert r["spd"] == r["reference"] and len(r["spd"]) == 2
+    # the launcher's own record of what it started (runner.py logs ``cmd = ... --world_info=<base64 json> ...``): the
+    # two slots of the hostfile on localhost. Without the hostfile (and without --num_gpus) it would have counted this
+    # host's accelerator devices (one CPU device here) and warned "Unable to find hostfile"
     log = world2["_log"]
-    assert "Unable to find hostfile" not in log and "--master_addr=127.0.0.1" in log  # the hostfile was read
+    m = re.search(r"--world_info=([A-Za-z0-9_=-]+)", log)
+    assert m, log[-3000:]
+    assert json.loads(base64.urlsafe_b64decode(m.group(1))) == {"localhost": [0, 1]}
+    assert "Unable to find hostfile" not in log
 
 
 def test_no_shared_memory_workspace_left_behind(world2):
