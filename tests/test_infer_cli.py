@@ -33,23 +33,24 @@ def test_infer_answers_match_ar_and_a_stop_string_ends_spd_and_ar_at_the_same_to
     python: reference decoder, checked against the single-process AR decoder; deepspeed: 2 ranks (2 stages, gloo)
     through the pipeline engine, checked against AR through the same pipeline. Both with the shipped n=2 head.
     ``--stop Paris``: the answer that reaches it ends with the token completing it (finish ``stop``) and is printed
-    without it; the other ends by length (so the length path of a run with stop strings runs too); SPD and AR
-    (through the same pipeline under DeepSpeed) stay identical."""
+    without it; the others end by length (so the length path of a run with stop strings runs too); SPD and AR
+    (through the same pipeline under DeepSpeed) stay identical. The third prompt keeps a second full 12-token answer
+    beside the colours one (the stopped answer is compared only up to its stop)."""
     from transformers import AutoTokenizer
 
     args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=12", "--stop", "Paris",
             "--prompt", "What is the capital of France?", "--prompt", "Name three colours.",
-            "--output", str(tmp_path / "out.jsonl")]
+            "--prompt", "Describe a sunny day in the park.", "--output", str(tmp_path / "out.jsonl")]
     cmd = [sys.executable, *args] if launcher == "python" else [*deepspeed_cmd(2), *args]
     r = run(cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     ar = "AR decoding" if launcher == "python" else "AR through the same pipeline"
-    assert f"identical to {ar}: 2/2 prompts" in r.stdout and "identical to AR: yes" in r.stdout
+    assert f"identical to {ar}: 3/3 prompts" in r.stdout and "identical to AR: yes" in r.stdout
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
-    assert len(lines) == 2 and '"equivalent_accept_length"' in lines[0] and '"ar_decode_tok_s"' in lines[0]
+    assert len(lines) == 3 and '"equivalent_accept_length"' in lines[0] and '"ar_decode_tok_s"' in lines[0]
     rows = [json.loads(x) for x in lines]
-    assert [x["finish_reason"] for x in rows] == ["stop", "length"]
-    assert len(rows[0]["tokens"]) < 12 and len(rows[1]["tokens"]) == 12
+    assert [x["finish_reason"] for x in rows] == ["stop", "length", "length"]
+    assert len(rows[0]["tokens"]) < 12 and len(rows[1]["tokens"]) == len(rows[2]["tokens"]) == 12
     # the model's answer is right: its tokens hold "Paris" (the stop string keeps it out of the printed answer)
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     assert "Paris" in tok.decode(rows[0]["tokens"], skip_special_tokens=True)

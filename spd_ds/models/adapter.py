@@ -370,6 +370,14 @@ def causal_mask(q: int, past: int, device, single_row_mask: bool | None = None) 
     the eager decoder runs the attention kernel of the static-cache decoders (CUDA graphs), which always pass a mask:
     without one, transformers asks SDPA for grouped-query attention, which the memory-efficient kernel does not run,
     and torch takes another kernel (flash or math) with other rounding.
+
+    Args:
+        q: new rows (tokens) in this forward, >= 1. past: cached positions before them, >= 0.
+        device: a ``torch.device`` or its name; the mask is allocated there. single_row_mask: see above.
+
+    Returns:
+        ``torch.bool`` tensor ``[1, 1, q, past + q]``, or ``None`` (one row, no mask). Raises nothing of its own
+        (``torch.device`` raises ``RuntimeError`` for an unknown device name).
     """
     if q == 1:
         if single_row_mask is None:
