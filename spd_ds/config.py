@@ -213,7 +213,8 @@ class EvalConfig:
     kind a model without tokenizer, e.g. ``model.name=random:qwen3-4b``, gets). ``baselines``: names of
     ``spd_ds.eval.baselines.BASELINES`` (``hf_generate``, ``ar``, ``ar_graph``; ``tp_ar``, AR with tensor
     parallelism over every rank, with the pipeline engine only). ``ppsd_checkpoint``: a second head
-    (features from the first stage only) reported beside the SPD head."""
+    (features from the first stage only) reported beside the SPD head; ``spd=false`` reports the PPSD head alone
+    (no ``spd`` row, ``head.checkpoint`` unused)."""
 
     prompt_sets: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_PROMPT_SETS))
     baselines: list[str] = dataclasses.field(default_factory=lambda: ["hf_generate", "ar", "ar_graph"])
@@ -221,6 +222,7 @@ class EvalConfig:
     plots: bool = True
     warmup_prompts: int = 1
     ppsd_checkpoint: Optional[str] = None
+    spd: bool = True  # the SPD head's row (false: only eval.ppsd_checkpoint's, which must then be set)
     oracle_alphas: Optional[list[float]] = None  # drafter=oracle: one SPD variant per alpha (None: oracle_alpha)
     random_prompt_lengths: list[int] = dataclasses.field(default_factory=lambda: [128])
     baseline_num_prompts: Optional[int] = None  # run the baselines on the first k prompts of each set (None = all)

@@ -110,6 +110,8 @@ def test_clear_errors(heads, tmp_path):
         run_eval(load_config(None, overrides("random:qwen9-1t", tmp_path)), engine="reference")
     odd = SpeculationHead(TargetArch(shape), StagePartition.build(4, stage_layers=[1, 3], anchors=[0, 1])).save(
         tmp_path / "ppsd-odd")
+    with pytest.raises(ConfigError, match="eval.spd=false leaves no head"):
+        run_eval(load_config(None, overrides(shape, tmp_path, "eval.spd=false")), engine="reference")
     with pytest.raises(ConfigError, match="PPSD head's stages"):
         run_eval(load_config(None, overrides(shape, tmp_path, f"head.checkpoint={spd}", f"eval.ppsd_checkpoint={odd}",
                                              "eval.baselines=[]")), engine="reference")

@@ -7,8 +7,9 @@ Suites (``spd_ds/eval/benchmark.py``; method and commands in ``docs/benchmarks.m
   b  Qwen3-4B-shaped random weights, n=2, oracle alpha in {1, 0.8, 0.6} (speedup, cycle vs slowest stage, GB/s).
      Needs a GPU: its 4B parameters take ~16 GB in fp32 on CPU. On CPU run it small with
      ``--suite b --model-b random:smollm2-135m``.
-  c  CPU: equivalent accept length of SPD and PPSD heads on SmolLM2, n = 2, 3, 5, 6 (untrained heads where
-     ``--spd-head``/``--ppsd-head`` name no checkpoint for that n).
+  c  CPU: equivalent accept length of SPD and PPSD heads on SmolLM2, n = 2, 3, 5, 6 (no PPSD row where
+     ``--ppsd-head`` names no checkpoint for that n; an untrained SPD head where ``--spd-head`` names none,
+     unless that n has a PPSD head: then the PPSD row alone).
 
 Default suites: a b c on a GPU machine, a c on CPU (b is skipped there, with a note).
 
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="outputs/benchmark", help="output directory (default: %(default)s)")
     ap.add_argument("--spd-head", help="SPD head checkpoint path pattern with {n}, e.g. "
                     "'spd_ds/assets/heads/smollm2-135m-instruct-n{n}' (default: suite a uses that shipped n=2 head, "
-                    "suite c untrained heads)")
+                    "suite c untrained heads, or none where --ppsd-head names one)")
     ap.add_argument("--ppsd-head", help="PPSD head checkpoint path pattern with {n} (suite c; default: no PPSD row)")
     ap.add_argument("--model-b", default="random:qwen3-4b",
                     help="random-weight shape of suite b (default: %(default)s; random:smollm2-135m fits a CPU)")

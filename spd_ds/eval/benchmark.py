@@ -70,7 +70,8 @@ def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None
     Args:
         cuda: GPU run (bf16, CUDA-graph baselines); else CPU fp32.
         spd_head, ppsd_head: head checkpoint path patterns with ``{n}`` (e.g. ``runs/smollm2-n{n}``); a missing
-            directory means an untrained head (SPD) or no PPSD row. Suite a defaults to the shipped n=2 head.
+            directory means no PPSD row, and an untrained SPD head unless that n has a PPSD head (then the PPSD
+            row alone). Suite a defaults to the shipped n=2 head.
         model_b: the random-weight shape of suite b (``random:smollm2-135m`` makes it CPU-sized).
         num_prompts: per prompt set; ``baseline_prompts``: per set for the baselines (``None`` = all).
         prompt_sets: the prompt sets of suites a and c (suite b uses random token prompts).
@@ -103,7 +104,8 @@ def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None
                   "eval.baselines=[]", "eval.warmup_prompts=0"]
             ov += [f"head.checkpoint={head}"] if head else []
             ov += [f"eval.ppsd_checkpoint={ppsd}"] if ppsd else []
-            note = f"spd: {head or 'untrained'}; ppsd: {ppsd or 'none'}"
+            ov += ["eval.spd=false"] if ppsd and not head else []  # a PPSD head alone: no untrained SPD row
+            note = f"spd: {head or ('none' if ppsd else 'untrained')}; ppsd: {ppsd or 'none'}"
             out.append(SuiteRun("c", f"smollm2 fp32 cpu n={n}", ov + common + list(extra), head_note=note))
     return out
 

@@ -174,12 +174,12 @@ class _Variant:
 
 
 def spd_variants(cfg: ExperimentConfig, arch, alphas: Sequence[float] | None = None) -> list[_Variant]:
-    """The drafting methods of a run: ``spd`` (the head of ``head.checkpoint``, untrained if none) and ``ppsd``
-    (``eval.ppsd_checkpoint``), or with ``decoding.drafter=oracle`` one ``spd_oracle_<alpha>`` per alpha
+    """The drafting methods of a run: ``spd`` (the head of ``head.checkpoint``, untrained if none; not with
+    ``eval.spd=false``) and ``ppsd`` (``eval.ppsd_checkpoint``), or with ``decoding.drafter=oracle`` one ``spd_oracle_<alpha>`` per alpha
     (``alphas``, default ``eval.oracle_alphas`` or ``[decoding.oracle_alpha]``).
 
     Raises:
-        ConfigError: alpha outside [0, 1], unreadable PPSD checkpoint.
+        ConfigError: alpha outside [0, 1], unreadable PPSD checkpoint, ``eval.spd=false`` without a PPSD head.
     """
     if cfg.decoding.drafter == "oracle":
         alphas = list(alphas if alphas is not None else (cfg.eval.oracle_alphas or [cfg.decoding.oracle_alpha]))
@@ -193,7 +193,10 @@ def spd_variants(cfg: ExperimentConfig, arch, alphas: Sequence[float] | None = N
         if cfg.eval.ppsd_checkpoint:
             log.warning("eval.ppsd_checkpoint is ignored with decoding.drafter=oracle")
         return out
-    out = [_Variant("spd", f"head {cfg.head.checkpoint or 'untrained (no head.checkpoint)'}", cfg)]
+    if not cfg.eval.spd and not cfg.eval.ppsd_checkpoint:
+        raise ConfigError("eval.spd=false leaves no head to evaluate: set eval.ppsd_checkpoint=DIR or eval.spd=true")
+    out = [_Variant("spd", f"head {cfg.head.checkpoint or 'untrained (no head.checkpoint)'}", cfg)] if cfg.eval.spd \
+        else []
     if cfg.eval.ppsd_checkpoint:
         part = ppsd_partition(cfg.eval.ppsd_checkpoint, arch)
         c = copy.deepcopy(cfg)
