@@ -11,8 +11,11 @@
 #
 # The chain waits (up to 30 min) for each head's warm start to appear in $WORK/warm, so `warm` may come after `start`
 # and later heads may be carried by later calls. CHAIN (at `start`) names the heads, in order, from:
-#   w2 w3 wp3 w4 w6 wp6 (one-layer towers: SPD n = 2, 3, 4, 6; PPSD n = 3, 6) and w2l2 w3l2 (two-layer, n = 2, 3);
-# default "w2 w3 wp3 w4". Head <name> starts from $WORK/warm/<src> (w2 <- s2, wp3 <- p3, w3l2 <- s3l2, ...).
+#   w2 w3 wp3 w4 w6 wp6 (one-layer towers: SPD n = 2, 3, 4, 6; PPSD n = 3, 6) and w2l2 w3l2 (two-layer, n = 2, 3),
+#   x2l2 x3l2 (a third 3,600 steps of the two-layer heads, from w2l2 / w3l2);
+# default "w2 w3 wp3 w4". Head <name> starts from $WORK/warm/<src> (w2 <- s2, wp3 <- p3, w3l2 <- s3l2, x3l2 <- w3l2).
+# A continued head that is another's warm start (w2l2, w3l2) puts its best head into $WORK/warm too, so
+# CHAIN="s2l2 w2l2 x2l2" is the whole 10,800 steps on a machine that holds no warm start.
 # A warm start's own name in CHAIN (s2 s3 p3 s4 s6 p6 s2l2 s3l2) trains it first, fresh, with the equal-tokens recipe
 # (lr 1e-3, 3,600 steps: docs/training.md "SPD and PPSD at equal tokens"), and puts its best head into $WORK/warm:
 # CHAIN="s4 w4" = the whole 7,200 steps on a machine that holds no warm start (a run repeats exactly on one H200).
@@ -27,25 +30,32 @@ set -uo pipefail
 WORK=${WORK:-/root/spd_work}
 REPO=${REPO:-/root/spd_repo}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-declare -A SRC=([w2]=s2 [w3]=s3 [wp3]=p3 [w4]=s4 [w6]=s6 [wp6]=p6 [w2l2]=s2l2 [w3l2]=s3l2)
+declare -A SRC=([w2]=s2 [w3]=s3 [wp3]=p3 [w4]=s4 [w6]=s6 [wp6]=p6 [w2l2]=s2l2 [w3l2]=s3l2 [x2l2]=w2l2 [x3l2]=w3l2)
 declare -A SHAPE=([w2]="partition.num_stages=2" [w3]="partition.num_stages=3"
                   [wp3]="partition.num_stages=3,partition.anchors=[0,10]" [w4]="partition.num_stages=4"
                   [w6]="partition.num_stages=6" [wp6]="partition.num_stages=6,partition.anchors=[0,5]"
-                  [w2l2]="partition.num_stages=2" [w3l2]="partition.num_stages=3")
+                  [w2l2]="partition.num_stages=2" [w3l2]="partition.num_stages=3"
+                  [x2l2]="partition.num_stages=2" [x3l2]="partition.num_stages=3")
 declare -A FRESH=()  # the warm starts trained fresh: their continuation's shape (+ the two-layer tower of *l2)
-for w in "${!SRC[@]}"; do FRESH[${SRC[$w]}]=${SHAPE[$w]}; [[ $w == *l2 ]] && FRESH[${SRC[$w]}]+=",head.num_layers=2"; done
+for w in "${!SRC[@]}"; do
+  [[ -n "${SRC[${SRC[$w]}]:-}" ]] && continue  # its warm start is itself a continuation, not trained fresh
+  FRESH[${SRC[$w]}]=${SHAPE[$w]}; [[ $w == *l2 ]] && FRESH[${SRC[$w]}]+=",head.num_layers=2"
+done
+declare -A IS_SRC=()  # heads that are another head's warm start: their best head goes to $WORK/warm
+for w in "${!SRC[@]}"; do IS_SRC[${SRC[$w]}]=1; done
 RECIPE="head.lm_head_from_target=true head.tower_init_layer=-1 train.lr_stable_fraction=0.6 train.warmup_steps=50"
 
 chain_script() {  # the detached job: one gpu_train_session.sh per item (a head, or heads joined by +), own OUT each
   echo "cd $REPO"
   echo "[ -f .devkit/on_device.sh ] && source .devkit/on_device.sh"
   for item in $1; do
-    local variants="" seq=1 name fresh=""
+    local variants="" seq=1 name keep=""
     [[ $item == *+* ]] && seq=""  # a group trains at once on the GPU (one process per head)
     for name in ${item//+/ }; do
-      if [[ -n "${FRESH[$name]:-}" ]]; then  # a fresh equal-tokens head, then its best head becomes a warm start
+      [[ -n "${IS_SRC[$name]:-}" ]] && keep+=" $name"  # its best head becomes a warm start
+      if [[ -n "${FRESH[$name]:-}" ]]; then  # a fresh equal-tokens head
         variants+="${variants:+ }$name:${FRESH[$name]},train.max_steps=3600"
-        fresh+=" $name"; continue
+        continue
       fi
       local warm="$WORK/warm/${SRC[$name]}"
       variants+="${variants:+ }$name:${SHAPE[$name]},head.checkpoint=$warm,train.lr=${LR:-5.0e-4},train.max_steps=${STEPS:-3600}"
@@ -57,7 +67,7 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
          "TRAIN_SECONDS=1500 SESSION_SECONDS=1500 ${seq:+SEQUENTIAL=1 }VARIANTS=\"$variants\" EXTRA=\"$RECIPE\" FETCH=1" \
          "bash scripts/gpu_train_session.sh > $WORK/train_${item//+/_}.out 2>&1"
     echo "echo \"[\$(date +%T)] train $item end rc \$?\""
-    for name in $fresh; do  # its best head becomes the warm start (a failed run leaves a carried one in place)
+    for name in $keep; do  # its best head becomes the warm start (a failed run leaves a carried one in place)
       echo "[ -f $WORK/heads/$name/best_head/head.safetensors ] && mkdir -p $WORK/warm && rm -rf $WORK/warm/$name &&" \
            "cp -r $WORK/heads/$name/best_head $WORK/warm/$name"
     done

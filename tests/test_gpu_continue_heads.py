@@ -66,3 +66,19 @@ def test_a_fresh_head_in_the_chain_becomes_the_next_heads_warm_start(tmp_path):
 def test_a_group_cannot_hold_a_head_and_its_own_warm_start(tmp_path):
     r = _run(tmp_path, "start", CHAIN="s4+w4", DRY="1")
     assert r.returncode == 2 and 'put them in order: "s4 w4"' in r.stderr
+
+
+def test_a_continued_head_is_the_warm_start_of_a_third_run(tmp_path):
+    r = _run(tmp_path, "start", CHAIN="s3l2 w3l2 x3l2", DRY="1")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    train = [x for x in lines if "gpu_train_session.sh" in x]
+    work = tmp_path / "work"
+    assert len(train) == 3 and "head.num_layers=2,train.max_steps=3600" in train[0]
+    # w3l2 continues s3l2 (not trained fresh), and its best head becomes x3l2's warm start
+    assert f"w3l2:partition.num_stages=3,head.checkpoint={work}/warm/s3l2,train.lr=5.0e-4" in train[1]
+    assert f"x3l2:partition.num_stages=3,head.checkpoint={work}/warm/w3l2,train.lr=5.0e-4" in train[2]
+    copy = next(i for i, x in enumerate(lines) if f"cp -r {work}/heads/w3l2/best_head {work}/warm/w3l2" in x)
+    wait = lines.index(f"for i in $(seq 360); do [ -f {work}/warm/w3l2/head.safetensors ] && break; sleep 5; done")
+    assert lines.index(train[1]) < copy < wait < lines.index(train[2])
+    assert not any(f"heads/x3l2/best_head {work}/warm" in x for x in lines)  # nothing continues x3l2
