@@ -214,7 +214,7 @@ class EvalConfig:
     ``spd_ds.eval.baselines.BASELINES`` (``hf_generate``, ``ar``, ``ar_graph``; ``tp_ar``, AR with tensor
     parallelism over every rank, with the pipeline engine only). ``ppsd_checkpoint``: a second head
     (features from the first stage only) reported beside the SPD head; ``spd=false`` reports the PPSD head alone
-    (no ``spd`` row, ``head.checkpoint`` unused)."""
+    (no ``spd`` row is evaluated; drafter ``head`` only)."""
 
     prompt_sets: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_PROMPT_SETS))
     baselines: list[str] = dataclasses.field(default_factory=lambda: ["hf_generate", "ar", "ar_graph"])

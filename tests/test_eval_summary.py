@@ -73,6 +73,40 @@ def test_summary_schema_ppsd_and_exactness(heads, tmp_path):
     assert spd_o["repeated_ngram_share"] == repeated_ngram_share(tokens) is not None
 
 
+def test_ppsd_head_alone_equals_its_row_beside_spd(heads, tmp_path):
+    """eval.spd=false: the PPSD row alone, the same tokens and acceptance as beside the SPD head, exact against AR."""
+    shape, spd, ppsd = heads
+    both = run_eval(load_config(None, overrides(shape, tmp_path / "both", f"head.checkpoint={spd}",
+                                                f"eval.ppsd_checkpoint={ppsd}", "eval.baselines=[]",
+                                                "eval.warmup_prompts=0")), engine="reference")
+    alone = run_eval(load_config(None, overrides(shape, tmp_path / "alone", f"eval.ppsd_checkpoint={ppsd}",
+                                                 "eval.spd=false", "eval.baselines=[ar]", "eval.warmup_prompts=0")),
+                     engine="reference")
+    assert list(alone.methods) == ["ppsd", "ar"]
+    assert [r.tokens for r in alone.methods["ppsd"].results.values()] == \
+        [r.tokens for r in both.methods["ppsd"].results.values()]
+    s, b = summarize(alone), summarize(both)
+    assert s["results"]["ppsd"]["overall"]["num_accepted_tokens"] == b["results"]["ppsd"]["overall"][
+        "num_accepted_tokens"]
+    assert all(r["identical"] == r["prompts"] == 2 for per in s["exactness"]["by_method"].values()
+               for r in per.values())
+
+
+def test_suite_c_runs_a_ppsd_head_alone_where_no_spd_head_is_given(tmp_path):
+    from spd_ds.eval.benchmark import suite_runs
+
+    for name in ("spd-n2", "ppsd-n2", "ppsd-n3"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "head_config.json").write_text("{}")
+    runs = suite_runs(["c"], cuda=False, spd_head=str(tmp_path / "spd-n{n}"), ppsd_head=str(tmp_path / "ppsd-n{n}"),
+                      stages_c=(2, 3, 5))
+    ov = {int(r.label.rsplit("=", 1)[1]): r.overrides for r in runs}
+    has = {n: ({x.split("=")[0] for x in o}, "eval.spd=false" in o) for n, o in ov.items()}
+    assert has[2][0] >= {"head.checkpoint", "eval.ppsd_checkpoint"} and not has[2][1]  # both heads
+    assert "head.checkpoint" not in has[3][0] and "eval.ppsd_checkpoint" in has[3][0] and has[3][1]  # PPSD alone
+    assert not has[5][0] & {"head.checkpoint", "eval.ppsd_checkpoint"} and not has[5][1]  # untrained SPD head
+
+
 def test_oracle_sweep_in_one_run(heads, tmp_path):
     shape, _, _ = heads
     cfg = load_config(None, overrides(shape, tmp_path, "decoding.drafter=oracle", "eval.oracle_alphas=[1,0.5]",

@@ -9,9 +9,10 @@ Through DeepSpeed's pipeline engine (n stage ranks; the baselines then run on ra
     deepspeed --num_gpus 2 launch/eval.py --config launch/configs/smollm2_spd.yaml
 
 Useful overrides: ``eval.prompt_sets=[mt_bench,humaneval,gsm8k]`` (names or jsonl paths), ``data.num_prompts=10``
-(per set), ``data.eval_dir=DIR``, ``eval.baselines=[hf_generate,ar,ar_graph]``, ``eval.ppsd_checkpoint=DIR`` (a
-PPSD head beside the SPD head), ``decoding.drafter=oracle eval.oracle_alphas=[1,0.8,0.6]`` (oracle drafts),
-``model.name=random:qwen3-4b model.dtype=bfloat16 eval.prompt_sets=[random]`` (random weights of a real shape).
+(per set), ``data.eval_dir=DIR``, ``eval.baselines=[hf_generate,ar,ar_graph]``, ``eval.ppsd_checkpoint=DIR`` (a PPSD
+head beside the SPD head; with ``eval.spd=false`` the PPSD head alone), ``decoding.drafter=oracle
+eval.oracle_alphas=[1,0.8,0.6]`` (oracle drafts), ``model.name=random:qwen3-4b model.dtype=bfloat16
+eval.prompt_sets=[random]`` (random weights of a real shape).
 
 Writes ``eval.output_dir``/``per_prompt.jsonl``, ``summary.json`` (the metrics of spd_ds.decoding.metrics.SPDMetrics,
 per prompt set and pooled), ``acceptance_by_depth.png`` and ``cycle_time_split.png``, and prints the table and the

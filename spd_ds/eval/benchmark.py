@@ -48,15 +48,15 @@ class SuiteRun:
     head_note: str = ""
 
 
-def _head_for(pattern: str | None, n: int) -> str | None:
-    """``pattern`` with ``{n}`` substituted, if that directory holds a head checkpoint."""
+def _head_for(pattern: str | None, n: int, missing: str = "") -> str | None:
+    """``pattern`` with ``{n}`` substituted, if that directory holds a head checkpoint (else a warning that
+    ends with ``missing``, what the run does without it)."""
     if not pattern:
         return None
     p = Path(pattern.format(n=n))
     if (p / "head_config.json").is_file():
         return str(p)
-    log.warning("no head checkpoint at %s (pattern %s, n=%d): SPD runs an untrained head, PPSD is left out",
-                p, pattern, n)
+    log.warning("no head checkpoint at %s (pattern %s, n=%d)%s", p, pattern, n, missing and f": {missing}")
     return None
 
 
@@ -84,7 +84,7 @@ def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None
         common.append(f"eval.baseline_num_prompts={baseline_prompts}")
     out = []
     if "a" in suites:
-        head = _head_for(spd_head or str(SHIPPED_HEAD_N2), 2)
+        head = _head_for(spd_head or str(SHIPPED_HEAD_N2), 2, "SPD runs an untrained head")
         ov = ["model.name=smollm2-135m-instruct", f"model.dtype={dtype}", "partition.num_stages=2",
               f"eval.prompt_sets={sets}", "decoding.drafter=head", "eval.baselines=[ar_graph,hf_generate,ar]"]
         ov += [f"head.checkpoint={head}"] if head else []
@@ -98,7 +98,8 @@ def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None
                             head_note="oracle drafts"))
     if "c" in suites:
         for n in stages_c:
-            head, ppsd = _head_for(spd_head, n), _head_for(ppsd_head, n)
+            ppsd = _head_for(ppsd_head, n, "no PPSD row")
+            head = _head_for(spd_head, n, "no SPD row" if ppsd else "SPD runs an untrained head")
             ov = ["model.name=smollm2-135m-instruct", "model.dtype=float32", "model.device=cpu",
                   f"partition.num_stages={n}", f"eval.prompt_sets={sets}", "decoding.drafter=head",
                   "eval.baselines=[]", "eval.warmup_prompts=0"]

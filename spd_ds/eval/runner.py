@@ -192,6 +192,8 @@ def spd_variants(cfg: ExperimentConfig, arch, alphas: Sequence[float] | None = N
             out.append(_Variant(f"spd_oracle_{float(a):g}", f"oracle drafts, alpha={float(a):g}", c, float(a)))
         if cfg.eval.ppsd_checkpoint:
             log.warning("eval.ppsd_checkpoint is ignored with decoding.drafter=oracle")
+        if not cfg.eval.spd:
+            log.warning("eval.spd=false is ignored with decoding.drafter=oracle (the oracle variants are SPD's)")
         return out
     if not cfg.eval.spd and not cfg.eval.ppsd_checkpoint:
         raise ConfigError("eval.spd=false leaves no head to evaluate: set eval.ppsd_checkpoint=DIR or eval.spd=true")
