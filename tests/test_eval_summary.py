@@ -86,6 +86,7 @@ def test_ppsd_head_alone_equals_its_row_beside_spd(heads, tmp_path):
     assert [r.tokens for r in alone.methods["ppsd"].results.values()] == \
         [r.tokens for r in both.methods["ppsd"].results.values()]
     s, b = summarize(alone), summarize(both)
+    assert s["partition"]["anchors"] == [0, 2] and b["partition"]["anchors"] == [0, 2, 4]  # the PPSD head's own
     assert s["results"]["ppsd"]["overall"]["num_accepted_tokens"] == b["results"]["ppsd"]["overall"][
         "num_accepted_tokens"]
     assert all(r["identical"] == r["prompts"] == 2 for per in s["exactness"]["by_method"].values()

@@ -292,6 +292,8 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
     progress = cfg.eval.progress if progress is None else progress
     cfg, arch, part, tok, prompts = prepare(cfg)
     variants = spd_variants(cfg, arch, oracle_alphas)
+    if not cfg.eval.spd and cfg.decoding.drafter != "oracle":  # the PPSD head alone: the run reports its anchors
+        part = builder.build_partition(variants[0].cfg, arch)
     unknown = [b for b in cfg.eval.baselines if b not in BASELINES]
     if unknown:
         raise ConfigError(f"unknown baseline(s) {unknown} in eval.baselines; known: {', '.join(BASELINES)}")
