@@ -61,3 +61,19 @@ def test_methods_pick_one_method_of_each_file(paired, tmp_path, capsys):
     g.write_text("".join(json.dumps(_rec("spd", "s", q, 10, 3, 10, 20)) + "\n" for q in ("1", "2", "3")))
     assert paired.main([str(f), str(g), "--methods", "ppsd", "spd"]) == 0  # ppsd of f against spd of g
     assert "3 prompts): mean -0.1000" in capsys.readouterr().out
+
+
+def test_draws_joined_by_commas_are_pooled_per_prompt(paired, tmp_path, capsys):
+    a1, a2, b = tmp_path / "a1.jsonl", tmp_path / "a2.jsonl", tmp_path / "b.jsonl"
+    a1.write_text("".join(json.dumps(_rec("spd", "s", q, 10, k, 10, 20)) + "\n" for q, k in (("1", 6), ("2", 2))))
+    a2.write_text("".join(json.dumps(_rec("spd", "s", q, d, k, 10, 20)) + "\n"
+                          for q, d, k in (("1", 30, 10), ("2", 10, 4))))
+    b.write_text("".join(json.dumps(_rec("spd", "s", q, 10, 3, 10, 20)) + "\n" for q in ("1", "2")))
+    side = paired.load_draws(f"{a1},{a2}", "spd")
+    assert side[("s", "1")]["draft_acceptance_rate"] == pytest.approx(16 / 40)  # pooled, not the mean of 0.6, 0.33
+    assert side[("s", "2")]["num_cycles"] == 40
+    assert paired.main([f"{a1},{a2}", str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "| 0.367 | " in out  # 22 / 60 drafts over both draws
+    assert "2 prompts): mean +0.0500" in out and "A leads on 1, B on 0" in out  # 16/40 - 0.3 and 6/20 - 0.3
+    assert paired.load_draws(f"{a1},{b}", "ppsd") is None

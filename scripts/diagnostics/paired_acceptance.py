@@ -9,10 +9,16 @@ acceptance A - B: its mean, standard deviation, standard error, the prompts wher
 per-prompt acceptance. "Ahead by more than the prompt-to-prompt spread" is read as: mean difference > 2 standard errors.
 Prompts where either method verified no draft are left out of the paired difference.
 
+At T > 0 each head samples its own text, so one draw per prompt is noisy: a side may be several draws of the same
+head (runs with different ``decoding.seed``) joined by commas; its figures are then pooled over the draws, per prompt
+too (Σaccepted / Σdrafts of that prompt's draws), and the paired difference is taken on those per-prompt figures.
+
     python scripts/diagnostics/paired_acceptance.py runs/ev10_n3/c3/per_prompt.jsonl            # spd vs ppsd
     python scripts/diagnostics/paired_acceptance.py A/c2/per_prompt.jsonl B/c6/per_prompt.jsonl  # spd of each file
     python scripts/diagnostics/paired_acceptance.py A/c3/per_prompt.jsonl B/c3/per_prompt.jsonl \\
         --methods spd ppsd
+    python scripts/diagnostics/paired_acceptance.py A_T1/c3/per_prompt.jsonl,A_T1_seed1/c3/per_prompt.jsonl \
+        B_T1/c3/per_prompt.jsonl,B_T1_seed1/c3/per_prompt.jsonl                                # two draws a side
 """
 
 from __future__ import annotations
@@ -33,6 +39,28 @@ def load(path: str) -> dict[str, dict[tuple[str, str], dict]]:
     return out
 
 
+def load_draws(paths: str, method: str) -> dict[tuple[str, str], dict] | None:
+    """``{(prompt_set, question_id): record}`` of ``method`` pooled over the comma-separated ``per_prompt.jsonl``
+    files in ``paths`` (draws of one head; counts summed, ``draft_acceptance_rate`` recomputed); ``None`` if a file
+    does not hold ``method``. Prompts missing from any draw are left out."""
+    draws = []
+    for path in paths.split(","):
+        held = load(path)
+        if method not in held:
+            return None
+        draws.append(held[method])
+    keys = set(draws[0]).intersection(*draws[1:])
+    out = {}
+    for k in keys:
+        recs = [d[k] for d in draws]
+        r = dict(recs[0])
+        for f in ("num_drafts", "num_accepted_tokens", "num_new_tokens", "num_cycles"):
+            r[f] = sum(x[f] for x in recs)
+        r["draft_acceptance_rate"] = r["num_accepted_tokens"] / r["num_drafts"] if r["num_drafts"] else 0.0
+        out[k] = r
+    return out
+
+
 def pooled(recs) -> tuple[float, float]:
     """(draft acceptance, L') pooled over records: Σaccepted / Σdrafts and n·ΣN / ΣK (as suite (c)'s table)."""
     recs = list(recs)
@@ -47,7 +75,8 @@ def main(argv=None) -> int:
     for a wrong number of files, a method a file does not hold, no shared prompt, or fewer than two prompts with
     drafts under both methods."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="+", help="one per_prompt.jsonl with two methods, or two files (A then B)")
+    ap.add_argument("files", nargs="+", help="one per_prompt.jsonl with two methods, or two files (A then B); "
+                    "several draws of one side joined by commas")
     ap.add_argument("--methods", nargs=2, default=None, metavar=("A", "B"),
                     help="method A and method B (one file: default spd ppsd; two files: A of the first, B of the "
                          "second, default spd spd)")
@@ -58,10 +87,12 @@ def main(argv=None) -> int:
     fa, fb = args.files[0], args.files[-1]
     sides = []
     for path, method in ((fa, ma), (fb, mb)):
-        held = load(path)
-        if method not in held:
-            ap.error(f"{path} holds no method {method!r} (it holds {', '.join(sorted(held))}): pick one with --methods")
-        sides.append(held[method])
+        side = load_draws(path, method)
+        if side is None:
+            bad = next(p for p in path.split(",") if method not in load(p))
+            ap.error(f"{bad} holds no method {method!r} (it holds {', '.join(sorted(load(bad)))}): pick one with "
+                     "--methods")
+        sides.append(side)
     a, b = sides
     la, lb = (ma, mb) if fa == fb else (f"{fa} ({ma})", f"{fb} ({mb})")
     keys = sorted(set(a) & set(b))
