@@ -396,6 +396,103 @@ def test_evaluate_loop_free_figures_by_hand():
     assert plain["val_pred_acceptance"] == val["val_pred_acceptance"]
 
 
+def _teacher_targets(z: torch.Tensor, draft_ids: torch.Tensor, temperature: float):
+    """TeacherTargets as the teacher builds them from full-vocabulary logits ``z`` ``[N, V]``."""
+    from spd_ds.train.loss import TeacherTargets
+
+    return TeacherTargets(z[:, draft_ids], torch.logsumexp(z / temperature, dim=-1), z.argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_draft_overlap_is_the_acceptance_rate_of_verify_sampling(temperature):
+    """Σ min(p_T, q_T) is the probability that the decoders' own verification (verify_sampling) accepts a draft sampled
+    from the head over a draft vocabulary smaller than the target's: checked by Monte Carlo, 4 standard errors."""
+    from spd_ds.decoding.verify import verify_sampling
+    from spd_ds.train.loss import draft_overlap
+
+    g = torch.Generator().manual_seed(3)
+    V, draft_ids = 12, torch.tensor([0, 2, 3, 5, 7, 8, 10, 11])
+    z = torch.randn(4, V, generator=g) * 2
+    s = z[:, draft_ids] + torch.randn(4, len(draft_ids), generator=g)  # a head close to the teacher, not equal
+    overlap = draft_overlap(s, _teacher_targets(z, draft_ids, temperature), temperature)
+    rng = random.Random(0)
+    trials = 20_000
+    for t in range(4):
+        p = torch.softmax(z[t] / temperature, -1)
+        q = torch.zeros(V)
+        q[draft_ids] = torch.softmax(s[t] / temperature, -1)
+        drafts = torch.multinomial(q, trials, replacement=True, generator=g).tolist()
+        rate = sum(verify_sampling(p, q, x, rng.random(), rng.random())[0] for x in drafts) / trials
+        expect = float(torch.minimum(p, q).sum())
+        assert float(overlap[t]) == pytest.approx(expect, abs=1e-6)
+        assert abs(rate - expect) < 4 * math.sqrt(expect * (1 - expect) / trials), (t, rate, expect)
+
+
+def test_draft_overlap_limits():
+    """A head equal to the teacher over the whole vocabulary accepts every sampled draft; over a draft vocabulary it
+    accepts the teacher's mass inside it; at a low temperature the overlap is the top-1 agreement."""
+    from spd_ds.train.loss import draft_overlap, top1_agreement
+
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(64, 10, generator=g) * 3
+    full = torch.arange(10)
+    assert torch.allclose(draft_overlap(z, _teacher_targets(z, full, 1.0)), torch.ones(64), atol=1e-6)
+    sub = torch.tensor([1, 4, 6])
+    t = _teacher_targets(z, sub, 1.0)
+    mass = torch.softmax(z, -1)[:, sub].sum(-1)  # q = p renormalised on D: min(p, q) = p there
+    assert torch.allclose(draft_overlap(z[:, sub], t), mass, atol=1e-6)
+    def spaced():  # logits 0.5 apart: no near-ties at T = 0.01
+        return torch.stack([torch.randperm(10, generator=g) for _ in range(64)]).float() * 0.5
+
+    z, s = spaced(), spaced()
+    cold = draft_overlap(s, _teacher_targets(z, full, 0.01), 0.01)
+    agree = top1_agreement(s, _teacher_targets(z, full, 0.01), full)
+    assert 0 < int(agree.sum()) < 64
+    assert torch.allclose(cold, agree.float(), atol=1e-6)
+    with pytest.raises(ValueError, match="temperature"):
+        draft_overlap(s, t, 0.0)
+
+
+def test_evaluate_sampled_figures_by_hand():
+    """evaluate's sampled figures are the mean draft_overlap by fill, overall and outside loops, fed to the same
+    prediction as the T = 0 agreement; temperature=None leaves them out."""
+    from spd_ds.train.loss import draft_overlap
+
+    answer = [5, 6, 7, 8] * 3 + [9, 10, 11, 12, 13, 14, 15, 16]
+    ids = torch.tensor([[1, 2] + answer])
+    seg = torch.ones_like(ids)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    valid[0, 1:-1] = True
+    keep = ~loop_positions(ids, valid, n=4)[valid]
+    P, V = int(valid.sum()), 32
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(P, V, generator=g) * 2
+    targets = _teacher_targets(z, torch.arange(V), 1.0)
+
+    class Head(torch.nn.Module):  # another draft distribution at every fill
+        def forward(self, feats, segments, valid, fill):
+            return z + fill * torch.randn(P, V, generator=torch.Generator().manual_seed(fill))
+
+    head = Head()
+    batch = {"input_ids": ids, "segments": seg, "valid": valid}
+    val = evaluate(head, lambda b: (b, None, targets), [(batch, True)], 2, torch.arange(V), "cpu", reduce=False,
+                   loop_ngram=4)
+    want = {F: draft_overlap(head(None, None, None, F), targets) for F in (1, 2)}
+    assert val["val_sampling_temperature"] == 1.0
+    for F in (1, 2):
+        assert val["val_overlap_by_fill_sampled"][F] == pytest.approx(float(want[F].double().mean()), abs=1e-6)
+        assert val["val_overlap_by_fill_sampled_noloop"][F] == pytest.approx(
+            float(want[F][keep].double().mean()), abs=1e-6)
+    pred = predict_acceptance([val["val_overlap_by_fill_sampled"][F] for F in (1, 2)])
+    assert val["val_pred_acceptance_sampled"] == pytest.approx(pred.draft_acceptance_rate, abs=1e-12)
+    assert val["val_pred_accept_length_sampled"] == pytest.approx(pred.equivalent_accept_length, abs=1e-12)
+    assert 0 < val["val_pred_acceptance_sampled"] < 1
+    greedy = evaluate(head, lambda b: (b, None, targets), [(batch, True)], 2, torch.arange(V), "cpu", reduce=False,
+                      loop_ngram=4, temperature=None)
+    assert not any("sampled" in k for k in greedy)
+    assert greedy["val_pred_acceptance"] == val["val_pred_acceptance"]
+
+
 def test_best_head_is_picked_by_the_loop_free_prediction(tmp_path, monkeypatch):
     """A head better in loops but worse outside them is not the new best (it would be by the overall figure), except
     against a best restored from a checkpoint that predates the loop-free figures."""

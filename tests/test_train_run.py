@@ -58,7 +58,8 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in _records(run_dir)}
 
 
-VAL_KEYS = ("val_agreement_by_fill", "val_pred_acceptance", "val_pred_accept_length", "val_positions")
+VAL_KEYS = ("val_agreement_by_fill", "val_pred_acceptance", "val_pred_accept_length", "val_positions",
+            "val_overlap_by_fill_sampled", "val_pred_acceptance_sampled")
 
 
 def _validation(run_dir: Path) -> dict[int, tuple]:
@@ -122,6 +123,9 @@ def test_two_ranks_zero2_lower_the_loss_and_save_a_head(run_a, setup):
         alpha = a1 / (1 + a1 - a2)  # n = 2 closed form
         assert r["val_pred_acceptance"] == pytest.approx(alpha)
         assert r["val_pred_accept_length"] == pytest.approx(2 / (1 + (1 - alpha)))
+        o1, o2 = r["val_overlap_by_fill_sampled"]["1"], r["val_overlap_by_fill_sampled"]["2"]  # sampled drafts, T = 1
+        assert 0 < o1 < 1 and 0 < o2 < 1 and r["val_sampling_temperature"] == 1.0
+        assert r["val_pred_acceptance_sampled"] == pytest.approx(o1 / (1 + o1 - o2))
     best_step = max(sorted(val), key=lambda s: (val[s]["val_pred_accept_length"], -s))
     best = json.loads((run / "best_head" / "best.json").read_text())
     assert best["step"] == best_step == summary["best"]["step"]

@@ -5,14 +5,18 @@ The training validation's own path (teacher stages in fp32, :class:`~spd_ds.trai
 :func:`spd_ds.train.validate.evaluate`) over a random sample of the held-out split a training run used (the same
 ``data.train_files`` order, ``data.held_out_fraction`` and ``train.seed``), for heads trained after the run or for a
 fair comparison of several heads on the same positions. The teacher runs once; every head is scored on its output.
-All heads must share one partition (the first head's); one JSON line per head.
+All heads must share one partition (the first head's); one JSON line per head: the T = 0 figures, loop-free too, and
+those of drafts sampled at ``train.kd_temperature`` (``..._sampled``). A warm-started run's saved ``config.yaml``
+serves as ``--config`` (its ``head.checkpoint`` is ignored).
 
 Usage (repo root; the data as the training run saw it)::
 
     python scripts/diagnostics/validate_heads.py HEAD_DIR [HEAD_DIR ...] --data runs/sd runs/train_bench/bench1500.jsonl.gz \
         --records 30 --threads 2
 
-The table of docs/training.md ("Validation", loops): ``--records 30 --threads 2`` (19,472 positions).
+The table of docs/training.md ("Validation", loops): ``--records 30 --threads 2`` (19,472 positions); the sampled-draft
+table there: ``HEAD... --data runs/train_data/sharegpt.jsonl.gz --config docs/train_logs/x2l2/config.yaml --records 30
+--threads 2`` (36,838 positions, ~9 min on 2 cores).
 """
 from __future__ import annotations
 
@@ -53,7 +57,8 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, [f"partition.num_stages={len(part0['stage_layers'])}",
                                     f"partition.stage_layers={part0['stage_layers']}",
                                     f"partition.anchors={part0['anchors']}", "model.dtype=float32",
-                                    "model.device=cpu", *args.overrides])
+                                    "model.device=cpu", "head.checkpoint=null",  # the heads come from the arguments
+                                    *args.overrides])
     arch = build_arch(cfg)
     part = build_partition(cfg, arch)
     n, S = part.num_stages, cfg.data.max_seq_length

@@ -43,6 +43,12 @@ counts are ``E[K] = Σ_{i=1}^{D} p_i·c`` and ``E[accepted] = Σ_i p_i·a`` with
 the prediction is then ``α = E[accepted]/D`` and ``L' = n·N/E[K]`` (ratios of expectations, pooled over
 generations as :meth:`SPDMetrics.pooled` pools them).
 
+Sampled drafts (T > 0): speculative sampling accepts a draft ``x ~ q`` with probability ``min(1, p(x)/q(x))``, so a
+draft made at fill ``F`` is accepted with probability ``Σ_v min(p(v), q(v))`` given its context
+(:func:`spd_ds.train.loss.draft_overlap`); fed the mean of that by fill as ``a_F``, the same chain predicts the draft
+acceptance and ``L'`` of sampling at ``T`` (``val_pred_acceptance_sampled``), on the held-out text rather than on
+text sampled at ``T``.
+
 Where the prediction is exact and where not: on the target's own greedy continuation of a prompt, the training
 layout's agreement at (position, fill) *is* the decoder's acceptance of the draft made there
 (``tests/test_train_layout.py``), so :func:`replay_decoder` fed that table reproduces the decoder's counts; the

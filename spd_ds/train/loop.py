@@ -467,8 +467,10 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                         tb.add_scalar(f"train/{k}", rec[k], step)
                     for f, a in rec["agreement_by_fill"].items():
                         tb.add_scalar(f"train/agreement_fill{f}", a, step)
-                    for k in ("val_pred_acceptance", "val_pred_accept_length") if val else ():
-                        tb.add_scalar(f"val/{k[4:]}", rec[k], step)
+                    for k in ("val_pred_acceptance", "val_pred_accept_length", "val_pred_acceptance_noloop",
+                              "val_pred_acceptance_sampled") if val else ():
+                        if k in rec:
+                            tb.add_scalar(f"val/{k[4:]}", rec[k], step)
             meter = Meter.zeros(n, device)
             t_log = now
         if step % tc.save_every == 0 or step == total_steps or stop:

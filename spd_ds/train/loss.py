@@ -196,6 +196,41 @@ def kd_loss_chunked(student_logits: torch.Tensor, teacher: TeacherTargets, weigh
 
 
 @torch.no_grad()
+def draft_overlap(student_logits: torch.Tensor, teacher: TeacherTargets, temperature: float = 1.0,
+                  chunk: int = 4096) -> torch.Tensor:
+    """Acceptance probability of a sampled draft: ``Σ_{v∈D} min(p_T(v), q_T(v))`` per position.
+
+    Speculative sampling (``spd_ds.decoding.verify.verify_sampling``; Leviathan et al. 2023, Chen et al. 2023; the
+    SPD paper's lossless verification at T > 0) accepts a draft ``x ~ q_T`` with probability ``min(1, p_T(x)/q_T(x))``,
+    so its acceptance probability is ``Σ_v q_T(v)·min(1, p_T(v)/q_T(v)) = Σ_v min(p_T(v), q_T(v))``. Here ``p_T`` is
+    the teacher's **full-vocabulary** distribution at temperature ``T`` (``exp(z/T − lse_full)`` at the draft ids,
+    not renormalised: the mass outside ``D`` can never be drafted) and ``q_T = softmax(s/T)`` the head's over ``D``;
+    plain temperature sampling (no top-k / top-p). At ``T → 0`` it tends to :func:`top1_agreement`.
+
+    Args:
+        student_logits: ``[N, V_d]`` head logits (any float dtype; computed in fp32).
+        teacher: :class:`TeacherTargets` at the same ``N`` positions; its ``lse_full`` must be at ``temperature``
+            (the teacher computes it at ``train.kd_temperature``).
+        temperature: ``T > 0``.
+        chunk: rows per chunk (bounds the fp32 ``[chunk, V_d]`` temporaries).
+    Returns:
+        ``[N]`` fp32 in ``[0, 1]``.
+    Raises:
+        ValueError: ``T <= 0`` or a shape mismatch.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if student_logits.shape != teacher.logits_draft.shape:
+        raise ValueError(f"head logits {tuple(student_logits.shape)} != teacher {tuple(teacher.logits_draft.shape)}")
+    out = []
+    for c in range(0, student_logits.shape[0], chunk):
+        log_p = teacher.logits_draft[c:c + chunk].float() / temperature - teacher.lse_full[c:c + chunk, None].float()
+        log_q = F.log_softmax(student_logits[c:c + chunk].float() / temperature, dim=-1)
+        out.append(torch.minimum(log_p, log_q.to(log_p.device)).exp().sum(-1).clamp(max=1.0))
+    return torch.cat(out) if out else torch.zeros(0, device=student_logits.device)
+
+
+@torch.no_grad()
 def top1_agreement(student_logits: torch.Tensor, teacher: TeacherTargets, draft_ids: torch.Tensor) -> torch.Tensor:
     """``[N]`` bool: the head's greedy draft (a target id) equals the teacher's full-vocabulary argmax."""
     drafted = draft_ids.to(student_logits.device)[student_logits.argmax(-1)]

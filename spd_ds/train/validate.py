@@ -8,7 +8,9 @@ agreement by fill ``a_F`` (:func:`spd_ds.train.loss.top1_agreement`: what T = 0 
 ``F`` measures) becomes the predicted T = 0 draft acceptance ``α`` and equivalent accept length
 ``L' = n/(1+(n-1)(1-α))`` of the reference decoder (:mod:`spd_ds.train.acceptance`). The figures go to
 ``train_log.jsonl`` (``val_agreement_by_fill``, ``val_pred_acceptance``, ``val_pred_accept_length``,
-``val_positions``, ``val_s``, and the same figures outside loops: ``val_loop_share``, ``..._noloop``) and the
+``val_positions``, ``val_s``, and the same figures outside loops: ``val_loop_share``, ``..._noloop``; and for
+drafts sampled at ``train.kd_temperature``: the mean acceptance probability by fill ``Σ min(p_T, q_T)``
+(``val_overlap_by_fill``) and the predicted figures from it, ``..._sampled`` and ``..._sampled_noloop``) and the
 progress bar; the head with the best loop-free predicted ``L'`` so far is written to
 ``<output_dir>/best_head/`` (:meth:`SpeculationHead.save` + ``best.json``: the step, its figures and ``init_steps``,
 the steps of the head the run started from).
@@ -33,7 +35,7 @@ from spd_ds.eval.report import REPEAT_NGRAM
 from spd_ds.train.acceptance import agreement_from_counts, predict_acceptance
 from spd_ds.train.chat import EmptyMaskError
 from spd_ds.train.data import loop_positions
-from spd_ds.train.loss import TeacherTargets, top1_agreement
+from spd_ds.train.loss import TeacherTargets, draft_overlap, top1_agreement
 from spd_ds.train.teacher import with_loss_index
 
 BEST_DIR = "best_head"
@@ -74,10 +76,10 @@ def held_out_batches(lengths: Sequence[int], seq_len: int, rows_per_batch: int, 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def agreement_table(student: torch.nn.Module, feats: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor,
-                    targets: TeacherTargets, draft_ids: torch.Tensor, num_stages: int,
-                    autocast=None) -> torch.Tensor:
-    """Top-1 agreement of the head with the teacher at every fill.
+def fill_tables(student: torch.nn.Module, feats: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor,
+                targets: TeacherTargets, draft_ids: torch.Tensor, num_stages: int, temperature: float | None = None,
+                autocast=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's T = 0 agreement and, with ``temperature``, its sampled-draft acceptance probability at every fill.
 
     Args:
         student: the head in its training layout (:class:`~spd_ds.train.student.HeadTrainModule`).
@@ -86,24 +88,43 @@ def agreement_table(student: torch.nn.Module, feats: torch.Tensor, segments: tor
         targets: the teacher's targets at the ``P`` loss positions.
         draft_ids: ``[V_d]`` int64 target ids of the draft vocabulary.
         num_stages: ``n``.
+        temperature: the sampling temperature of the second table (the teacher's ``lse_full`` must be at it);
+            ``None``: no second table.
         autocast: context manager for the head's compute (``None`` = none).
     Returns:
-        ``[n, P]`` bool: row ``F-1`` = the head's greedy draft at fill ``F`` equals the teacher's argmax.
+        ``(agree, overlap)``: ``agree`` ``[n, P]`` bool, row ``F-1`` = the head's greedy draft at fill ``F`` equals
+        the teacher's argmax (:func:`~spd_ds.train.loss.top1_agreement`); ``overlap`` ``[n, P]`` fp32 in [0, 1],
+        the probability that speculative sampling at ``temperature`` accepts the head's sampled draft
+        (:func:`~spd_ds.train.loss.draft_overlap`), or ``None``.
     """
-    rows = []
+    agree, overlap = [], []
     for F in range(1, num_stages + 1):
         with autocast if autocast is not None else contextlib.nullcontext():
             logits = student(feats, segments, valid, F)
-        rows.append(top1_agreement(logits.float(), targets, draft_ids))
-    return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.bool)
+        agree.append(top1_agreement(logits.float(), targets, draft_ids))
+        if temperature is not None:
+            overlap.append(draft_overlap(logits, targets, temperature))
+    if not agree:
+        return torch.zeros(0, 0, dtype=torch.bool), None
+    return torch.stack(agree), (torch.stack(overlap) if overlap else None)
+
+
+def agreement_table(student: torch.nn.Module, feats: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor,
+                    targets: TeacherTargets, draft_ids: torch.Tensor, num_stages: int,
+                    autocast=None) -> torch.Tensor:
+    """Top-1 agreement of the head with the teacher at every fill: ``[n, P]`` bool (:func:`fill_tables`' first
+    table)."""
+    return fill_tables(student, feats, segments, valid, targets, draft_ids, num_stages, None, autocast)[0]
 
 
 @torch.no_grad()
 def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tuple[dict, bool]], num_stages: int,
              draft_ids: torch.Tensor, device, autocast=None, reduce: bool = True,
-             loop_ngram: int | None = REPEAT_NGRAM, loop_cache: dict | None = None) -> dict:
+             loop_ngram: int | None = REPEAT_NGRAM, loop_cache: dict | None = None,
+             temperature: float | None = 1.0) -> dict:
     """Agreement by fill on held-out micro-batches and the predicted acceptance (see module doc), over every loss
-    position and over the positions outside loops (:func:`loop_positions`).
+    position and over the positions outside loops (:func:`loop_positions`); with ``temperature``, the same for
+    sampled drafts.
 
     Args:
         student: :class:`~spd_ds.train.student.HeadTrainModule` (its weights on this rank are complete: ZeRO-2
@@ -122,6 +143,8 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
             positions of micro-batch ``i`` outside loops), ``n_keep`` its count (int); filled on the first call and
             kept by the caller across calls over the same ``batches`` in the same order (the loop test runs on the
             host, once per micro-batch, not once per call); ``None``: no cache.
+        temperature: the sampling temperature of the ``_sampled`` figures: the teacher's (``lse_full`` is at
+            ``train.kd_temperature``); ``None``: none.
     Returns:
         ``{"val_agreement_by_fill": {F: a_F}, "val_pred_acceptance": α, "val_pred_accept_length": L',
         "val_positions": positions counted per fill, "val_s": seconds}``; α, a_F in [0, 1], L' in tokens. With
@@ -129,7 +152,11 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
         positions outside loops, suffixed ``_noloop`` (an answer's first ``loop_ngram - 1`` tokens are never in a
         loop, so there are always some). Greedy answers of a small target loop (74 % of the tokens of SmolLM2-135M's
         self-distilled greedy answers of up to 768 tokens) and a head drafts loops almost perfectly, so the overall
-        figures overstate acceptance on answers that loop less (``docs/training.md``).
+        figures overstate acceptance on answers that loop less (``docs/training.md``). With ``temperature``, also
+        ``val_sampling_temperature`` and the figures of sampled drafts: ``val_overlap_by_fill`` (the mean acceptance
+        probability of a draft sampled at fill ``F``, ``Σ min(p_T, q_T)``: :func:`~spd_ds.train.loss.draft_overlap`),
+        ``val_pred_acceptance_sampled`` and ``val_pred_accept_length_sampled`` (the same Markov chain fed those
+        probabilities; ``_noloop`` too). They are on the held-out text, not on text sampled at ``T``.
     Raises:
         EmptyMaskError: no held-out position was counted (on every rank at once when ``reduce``).
     """
@@ -137,16 +164,20 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
     n = num_stages
     was_training = student.training
     student.eval()
-    counts = torch.zeros(4 * n + 1, dtype=torch.float64)  # agree, positions; loop-free agree, positions; loops
-    agree = None  # [2n] float64 on the head's device: agreements overall, then outside loops (read back once)
+    # host counts: agree, positions; loop-free agree, positions; positions in loops; overlap; loop-free overlap
+    counts = torch.zeros(6 * n + 1, dtype=torch.float64)
+    sums = None  # [4n] float64 on the head's device: agree, loop-free agree, overlap, loop-free overlap (read once)
     try:
         for i, (batch, counted) in enumerate(batches):
             mine, feats, targets = teacher(batch)
-            table = agreement_table(student, feats, mine["segments"], mine["valid"], targets, draft_ids, n, autocast)
+            table, overlap = fill_tables(student, feats, mine["segments"], mine["valid"], targets, draft_ids, n,
+                                         temperature, autocast)
             if counted:
-                if agree is None:
-                    agree = torch.zeros(2 * n, dtype=torch.float64, device=table.device)
-                agree[:n] += table.sum(1)
+                if sums is None:
+                    sums = torch.zeros(4 * n, dtype=torch.float64, device=table.device)
+                sums[:n] += table.sum(1)
+                if overlap is not None:
+                    sums[2 * n:3 * n] += overlap.sum(1)
                 counts[n:2 * n] += table.shape[1]
                 if loop_ngram is not None:
                     cached = loop_cache.get(i) if loop_cache is not None else None
@@ -156,15 +187,18 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
                         if loop_cache is not None:
                             loop_cache[i] = cached
                     keep, nkeep = cached
-                    agree[n:] += (table & keep).sum(1)  # a mask product, not indexing: no host sync
+                    sums[n:2 * n] += (table & keep).sum(1)  # a mask product, not indexing: no host sync
+                    if overlap is not None:
+                        sums[3 * n:] += (overlap * keep).sum(1)
                     counts[3 * n:4 * n] += nkeep
                     counts[4 * n] += keep.shape[0] - nkeep
     finally:
         student.train(was_training)
-    if agree is not None:
-        a = agree.cpu()
-        counts[:n] += a[:n]
-        counts[2 * n:3 * n] += a[n:]
+    if sums is not None:
+        h = sums.cpu()
+        counts[:n] += h[:n]
+        counts[2 * n:3 * n] += h[n:2 * n]
+        counts[4 * n + 1:] += h[2 * n:]
     if reduce:
         import deepspeed.comm as dist
 
@@ -176,10 +210,10 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
         raise EmptyMaskError("the held-out micro-batches have no loss position: raise data.held_out_fraction or "
                              "train.eval_batches")
 
-    def figures(agree: list[float], count: list[float], suffix: str) -> dict:
-        a = agreement_from_counts([0.0] + agree, [0.0] + count, n)
+    def figures(hits: list[float], count: list[float], suffix: str, name: str = "agreement") -> dict:
+        a = agreement_from_counts([0.0] + hits, [0.0] + count, n)
         pred = predict_acceptance(a)
-        return {f"val_agreement_by_fill{suffix}": {F: a[F - 1] for F in range(1, n + 1)},
+        return {f"val_{name}_by_fill{suffix}": {F: a[F - 1] for F in range(1, n + 1)},
                 f"val_pred_acceptance{suffix}": pred.draft_acceptance_rate,
                 f"val_pred_accept_length{suffix}": pred.equivalent_accept_length}
 
@@ -188,6 +222,11 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
     if loop_ngram is not None:
         out["val_loop_share"] = c[4 * n] / c[n]
         out.update(figures(c[2 * n:3 * n], c[3 * n:4 * n], "_noloop"))
+    if temperature is not None:
+        out["val_sampling_temperature"] = float(temperature)
+        out.update(figures(c[4 * n + 1:5 * n + 1], c[n:2 * n], "_sampled", "overlap"))
+        if loop_ngram is not None:
+            out.update(figures(c[5 * n + 1:], c[3 * n:4 * n], "_sampled_noloop", "overlap"))
     out["val_s"] = time.perf_counter() - t0
     return out
 
@@ -206,11 +245,15 @@ class Validator:
         out_dir: the run directory (``best_head/`` goes there, written by the logging rank).
         is_logger: this rank writes the best head.
         save_dtype: dtype of the saved best head (``train.save_dtype``).
+        temperature: the sampling temperature of the ``_sampled`` figures (``train.kd_temperature``: the teacher's
+            ``lse_full`` is at it).
     """
 
     def __init__(self, planner, batches: list[tuple[list[list[int]], bool]], num_stages: int, eval_every: int,
-                 out_dir: Path, is_logger: bool, save_dtype: torch.dtype = torch.float32) -> None:
+                 out_dir: Path, is_logger: bool, save_dtype: torch.dtype = torch.float32,
+                 temperature: float = 1.0) -> None:
         self.planner, self.batches, self.n, self.eval_every = planner, batches, num_stages, int(eval_every)
+        self.temperature = float(temperature)
         self.best_dir = Path(out_dir) / BEST_DIR
         self.is_logger, self.save_dtype = is_logger, save_dtype
         self.best: dict | None = None
@@ -240,7 +283,8 @@ class Validator:
         planner = BatchPlanner(data, dc.max_seq_length, dc.micro_batch_size, 0, 1, tc.seed, dc.pack)
         batches = held_out_batches(planner.lengths, dc.max_seq_length, dc.micro_batch_size, dc.pack, dp_rank,
                                    dp_world, tc.eval_batches)
-        return cls(planner, batches, num_stages, tc.eval_every, out_dir, is_logger, resolve_dtype(tc.save_dtype))
+        return cls(planner, batches, num_stages, tc.eval_every, out_dir, is_logger, resolve_dtype(tc.save_dtype),
+                   tc.kd_temperature)
 
     def describe(self) -> str:
         """One line for the run's log."""
@@ -266,7 +310,7 @@ class Validator:
                 batch = with_loss_index(self.planner.collate(rows))
                 self._collated.append(({k: v.pin_memory() if pin else v for k, v in batch.items()}, counted))
         val = evaluate(student, teacher, self._collated, self.n, head.draft_ids, device, autocast,
-                       loop_cache=self._loops)
+                       loop_cache=self._loops, temperature=self.temperature)
         key = BEST_KEY if BEST_KEY in val and self.best is not None and BEST_KEY in self.best else \
             "val_pred_accept_length"  # a best from a checkpoint written before the loop-free figures: overall L'
         val["val_best"] = self.best is None or val[key] > self.best[key]
@@ -293,6 +337,8 @@ class Validator:
                   "val_L": f"{self.last['val_pred_accept_length']:.3f}"}
         if self.last.get("val_pred_acceptance_noloop") is not None:
             fields["val_acc_noloop"] = f"{self.last['val_pred_acceptance_noloop']:.3f}"
+        if self.last.get("val_pred_acceptance_sampled") is not None:
+            fields["val_acc_sampled"] = f"{self.last['val_pred_acceptance_sampled']:.3f}"
         return fields
 
     def state(self) -> dict:
@@ -310,4 +356,5 @@ class Validator:
         return {"best": best, "last_validation": self.last}
 
 
-__all__ = ["BEST_DIR", "BEST_FILE", "BEST_KEY", "held_out_batches", "agreement_table", "evaluate", "Validator"]
+__all__ = ["BEST_DIR", "BEST_FILE", "BEST_KEY", "held_out_batches", "fill_tables", "agreement_table", "evaluate",
+           "Validator"]
