@@ -197,7 +197,7 @@ def kd_loss_chunked(student_logits: torch.Tensor, teacher: TeacherTargets, weigh
 
 @torch.no_grad()
 def draft_overlap(student_logits: torch.Tensor, teacher: TeacherTargets, temperature: float = 1.0,
-                  chunk: int = 4096) -> torch.Tensor:
+                  chunk: int = 1024) -> torch.Tensor:
     """Acceptance probability of a sampled draft: ``Σ_{v∈D} min(p_T(v), q_T(v))`` per position.
 
     Speculative sampling (``spd_ds.decoding.verify.verify_sampling``; Leviathan et al. 2023, Chen et al. 2023; the
