@@ -25,7 +25,8 @@ states after ``l`` tokens. A forward at length ``l`` reads slot ``l % R`` and wr
 
 The layers are transformers' own; this object implements the cache methods their forward calls (both spellings:
 transformers 5.5-5.17 ``has_previous_state`` + ``layers[i].conv_states`` / ``recurrent_states`` / ``record_past``,
-5.2x ``get_conv_state`` / ``get_recurrent_state`` / ``is_recording_past``; and ``update_conv_state`` /
+5.2x ``get_conv_state`` / ``get_recurrent_state`` / ``is_recording_past`` (5.25 also ``get_recurrent_states_to_keep``,
+``increase_count``); and ``update_conv_state`` /
 ``update_recurrent_state`` in both). :data:`CACHE_CONTRACT` lists every name; ``tests/test_qwen3_5.py`` runs the
 installed transformers' layers on a proxy that refuses any other name and compares with transformers' own cache, so a
 change of that contract fails a test instead of silently computing something else.
@@ -40,10 +41,11 @@ import torch
 
 from spd_ds.models.kv_cache import StageKVCache
 
-# Every attribute a transformers linear-attention layer may read from the cache object it is given (5.5 .. 5.24).
+# Every attribute a transformers linear-attention layer may read from the cache object it is given (5.5 .. 5.25).
 CACHE_CONTRACT = frozenset({
     "update",  # full-attention layers (StageKVCache)
     "get_conv_state", "get_recurrent_state", "is_recording_past",  # 5.2x
+    "get_recurrent_states_to_keep", "increase_count",  # 5.25
     "has_previous_state", "layers",  # 5.5 .. 5.17 (``layers[i].conv_states[0]`` etc.)
     "update_conv_state", "update_recurrent_state",  # both
 })
@@ -190,6 +192,16 @@ class HybridStageCache(StageKVCache):
     def is_recording_past(self, layer_idx: int) -> bool:
         """Never: rollback is the snapshot ring's job (5.2x API)."""
         return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """No intermediate recurrent states: the ring keeps one state per length, committed by :meth:`advance`
+        (5.25 API: the layers then return only the final state)."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """No-op (5.25 API: the single-token conv update in place counts a token there); the cache's length moves
+        only with :meth:`advance`, and the in-place update writes into this forward's working window
+        (:meth:`get_conv_state`), which :meth:`update_recurrent_state` commits."""
 
     def _read_slot(self) -> int:
         slot = self.length % self.slots
