@@ -453,9 +453,10 @@ def test_draft_overlap_limits():
         draft_overlap(s, t, 0.0)
 
 
-def test_evaluate_sampled_figures_by_hand():
-    """evaluate's sampled figures are the mean draft_overlap by fill, overall and outside loops, fed to the same
-    prediction as the T = 0 agreement; temperature=None leaves them out."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_evaluate_sampled_figures_by_hand(temperature):
+    """evaluate's sampled figures are the mean draft_overlap by fill at the given temperature, overall and outside
+    loops, fed to the same prediction as the T = 0 agreement; temperature=None leaves them out."""
     from spd_ds.train.loss import draft_overlap
 
     answer = [5, 6, 7, 8] * 3 + [9, 10, 11, 12, 13, 14, 15, 16]
@@ -467,7 +468,7 @@ def test_evaluate_sampled_figures_by_hand():
     P, V = int(valid.sum()), 32
     g = torch.Generator().manual_seed(7)
     z = torch.randn(P, V, generator=g) * 2
-    targets = _teacher_targets(z, torch.arange(V), 1.0)
+    targets = _teacher_targets(z, torch.arange(V), temperature)
 
     class Head(torch.nn.Module):  # another draft distribution at every fill
         def forward(self, feats, segments, valid, fill):
@@ -476,9 +477,10 @@ def test_evaluate_sampled_figures_by_hand():
     head = Head()
     batch = {"input_ids": ids, "segments": seg, "valid": valid}
     val = evaluate(head, lambda b: (b, None, targets), [(batch, True)], 2, torch.arange(V), "cpu", reduce=False,
-                   loop_ngram=4)
-    want = {F: draft_overlap(head(None, None, None, F), targets) for F in (1, 2)}
-    assert val["val_sampling_temperature"] == 1.0
+                   loop_ngram=4, temperature=temperature)
+    want = {F: draft_overlap(head(None, None, None, F), targets, temperature) for F in (1, 2)}
+    assert val["val_sampling_temperature"] == temperature
+    assert 0 < int(keep.sum()) < P
     for F in (1, 2):
         assert val["val_overlap_by_fill_sampled"][F] == pytest.approx(float(want[F].double().mean()), abs=1e-6)
         assert val["val_overlap_by_fill_sampled_noloop"][F] == pytest.approx(
@@ -488,7 +490,7 @@ def test_evaluate_sampled_figures_by_hand():
     assert val["val_pred_accept_length_sampled"] == pytest.approx(pred.equivalent_accept_length, abs=1e-12)
     assert 0 < val["val_pred_acceptance_sampled"] < 1
     greedy = evaluate(head, lambda b: (b, None, targets), [(batch, True)], 2, torch.arange(V), "cpu", reduce=False,
-                      loop_ngram=4, temperature=None)
+                      loop_ngram=4)  # the default: no sampled figures
     assert not any("sampled" in k for k in greedy)
     assert greedy["val_pred_acceptance"] == val["val_pred_acceptance"]
 
@@ -574,7 +576,8 @@ def test_validator_collates_and_finds_loops_once_with_the_same_figures(tmp_path,
     teacher = lambda b: (b, None, targets)  # noqa: E731
     runs = [v.run(h, teacher, "cpu", step=s) for s in (1, 2, 3)]
     assert calls == {"collate": 2, "loops": 2}  # two micro-batches, once each over three runs
-    plain = evaluate(h, teacher, [(batch, True), (batch, True)], 2, torch.arange(V), "cpu", reduce=False)
+    plain = evaluate(h, teacher, [(batch, True), (batch, True)], 2, torch.arange(V), "cpu", reduce=False,
+                     temperature=1.0)  # the Validator's: train.kd_temperature's default
     for r in runs:
         assert {k: x for k, x in r.items() if k not in ("val_s", "val_best")} == \
             {k: x for k, x in plain.items() if k != "val_s"}

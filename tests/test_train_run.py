@@ -125,6 +125,7 @@ def test_two_ranks_zero2_lower_the_loss_and_save_a_head(run_a, setup):
         assert r["val_pred_accept_length"] == pytest.approx(2 / (1 + (1 - alpha)))
         o1, o2 = r["val_overlap_by_fill_sampled"]["1"], r["val_overlap_by_fill_sampled"]["2"]  # sampled drafts, T = 1
         assert 0 < o1 < 1 and 0 < o2 < 1 and r["val_sampling_temperature"] == 1.0
+        assert (o1, o2) != (a1, a2)  # another table than the agreement
         assert r["val_pred_acceptance_sampled"] == pytest.approx(o1 / (1 + o1 - o2))
     best_step = max(sorted(val), key=lambda s: (val[s]["val_pred_accept_length"], -s))
     best = json.loads((run / "best_head" / "best.json").read_text())

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     for path, head in zip(args.heads, heads):  # before the minutes of teacher forwards
         if not torch.equal(head.draft_ids, heads[0].draft_ids):
             raise SystemExit(f"{path}: another draft vocabulary than {args.heads[0]}; score it in its own call")
-    stages = [TeacherStage(arch, part, s, torch.float32, heads[0].draft_ids.tolist()) for s in range(n)]
+    T = cfg.train.kd_temperature  # the teacher's lse_full and the sampled figures at the run's temperature
+    stages = [TeacherStage(arch, part, s, torch.float32, heads[0].draft_ids.tolist(), T) for s in range(n)]
     t0, cache = time.perf_counter(), []
     with torch.no_grad():
         for rows, _ in held_out_batches(planner.lengths, S, args.rows, True, 0, 1):
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     for path, head in zip(args.heads, heads):
         outputs = iter(cache)
         val = evaluate(HeadTrainModule(head), lambda _b: next(outputs), [(c[0], True) for c in cache], n,
-                       head.draft_ids, "cpu", reduce=False)
+                       head.draft_ids, "cpu", reduce=False, temperature=T)
         print(json.dumps({"head": path, **val}))
     return 0
 

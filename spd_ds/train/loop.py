@@ -468,7 +468,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                     for f, a in rec["agreement_by_fill"].items():
                         tb.add_scalar(f"train/agreement_fill{f}", a, step)
                     for k in ("val_pred_acceptance", "val_pred_accept_length", "val_pred_acceptance_noloop",
-                              "val_pred_acceptance_sampled") if val else ():
+                              "val_pred_accept_length_noloop", "val_pred_acceptance_sampled",
+                              "val_pred_accept_length_sampled") if val else ():
                         if k in rec:
                             tb.add_scalar(f"val/{k[4:]}", rec[k], step)
             meter = Meter.zeros(n, device)

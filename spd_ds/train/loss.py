@@ -214,7 +214,7 @@ def draft_overlap(student_logits: torch.Tensor, teacher: TeacherTargets, tempera
         temperature: ``T > 0``.
         chunk: rows per chunk (bounds the fp32 ``[chunk, V_d]`` temporaries).
     Returns:
-        ``[N]`` fp32 in ``[0, 1]``.
+        ``[N]`` fp32 in ``[0, 1]``, on the head logits' device.
     Raises:
         ValueError: ``T <= 0`` or a shape mismatch.
     """
@@ -224,9 +224,10 @@ def draft_overlap(student_logits: torch.Tensor, teacher: TeacherTargets, tempera
         raise ValueError(f"head logits {tuple(student_logits.shape)} != teacher {tuple(teacher.logits_draft.shape)}")
     out = []
     for c in range(0, student_logits.shape[0], chunk):
-        log_p = teacher.logits_draft[c:c + chunk].float() / temperature - teacher.lse_full[c:c + chunk, None].float()
         log_q = F.log_softmax(student_logits[c:c + chunk].float() / temperature, dim=-1)
-        out.append(torch.minimum(log_p, log_q.to(log_p.device)).exp().sum(-1).clamp(max=1.0))
+        log_p = (teacher.logits_draft[c:c + chunk].to(log_q.device).float() / temperature
+                 - teacher.lse_full[c:c + chunk, None].to(log_q.device).float())
+        out.append(torch.minimum(log_p, log_q).exp().sum(-1).clamp(max=1.0))
     return torch.cat(out) if out else torch.zeros(0, device=student_logits.device)
 
 

@@ -96,6 +96,8 @@ def fill_tables(student: torch.nn.Module, feats: torch.Tensor, segments: torch.T
         the teacher's argmax (:func:`~spd_ds.train.loss.top1_agreement`); ``overlap`` ``[n, P]`` fp32 in [0, 1],
         the probability that speculative sampling at ``temperature`` accepts the head's sampled draft
         (:func:`~spd_ds.train.loss.draft_overlap`), or ``None``.
+    Raises:
+        ValueError: ``temperature <= 0``.
     """
     agree, overlap = [], []
     for F in range(1, num_stages + 1):
@@ -121,7 +123,7 @@ def agreement_table(student: torch.nn.Module, feats: torch.Tensor, segments: tor
 def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tuple[dict, bool]], num_stages: int,
              draft_ids: torch.Tensor, device, autocast=None, reduce: bool = True,
              loop_ngram: int | None = REPEAT_NGRAM, loop_cache: dict | None = None,
-             temperature: float | None = 1.0) -> dict:
+             temperature: float | None = None) -> dict:
     """Agreement by fill on held-out micro-batches and the predicted acceptance (see module doc), over every loss
     position and over the positions outside loops (:func:`loop_positions`); with ``temperature``, the same for
     sampled drafts.
@@ -143,8 +145,8 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
             positions of micro-batch ``i`` outside loops), ``n_keep`` its count (int); filled on the first call and
             kept by the caller across calls over the same ``batches`` in the same order (the loop test runs on the
             host, once per micro-batch, not once per call); ``None``: no cache.
-        temperature: the sampling temperature of the ``_sampled`` figures: the teacher's (``lse_full`` is at
-            ``train.kd_temperature``); ``None``: none.
+        temperature: the sampling temperature of the ``_sampled`` figures; it must be the one the teacher's
+            ``lse_full`` is at (``train.kd_temperature``); ``None``: no sampled figures.
     Returns:
         ``{"val_agreement_by_fill": {F: a_F}, "val_pred_acceptance": α, "val_pred_accept_length": L',
         "val_positions": positions counted per fill, "val_s": seconds}``; α, a_F in [0, 1], L' in tokens. With
@@ -159,6 +161,7 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
         probabilities; ``_noloop`` too). They are on the held-out text, not on text sampled at ``T``.
     Raises:
         EmptyMaskError: no held-out position was counted (on every rank at once when ``reduce``).
+        ValueError: ``temperature <= 0``.
     """
     t0 = time.perf_counter()
     n = num_stages
