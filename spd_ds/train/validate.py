@@ -10,8 +10,8 @@ agreement by fill ``a_F`` (:func:`spd_ds.train.loss.top1_agreement`: what T = 0 
 ``train_log.jsonl`` (``val_agreement_by_fill``, ``val_pred_acceptance``, ``val_pred_accept_length``,
 ``val_positions``, ``val_s``, and the same figures outside loops: ``val_loop_share``, ``..._noloop``; and for
 drafts sampled at ``train.kd_temperature``: the mean acceptance probability by fill ``Σ min(p_T, q_T)``
-(``val_overlap_by_fill``) and the predicted figures from it, ``..._sampled`` and ``..._sampled_noloop``) and the
-progress bar; the head with the best loop-free predicted ``L'`` so far is written to
+(``val_overlap_by_fill_sampled``) and the predicted figures from it, ``..._sampled`` and ``..._sampled_noloop``) and
+the progress bar; the head with the best loop-free predicted ``L'`` so far is written to
 ``<output_dir>/best_head/`` (:meth:`SpeculationHead.save` + ``best.json``: the step, its figures and ``init_steps``,
 the steps of the head the run started from).
 
@@ -155,8 +155,9 @@ def evaluate(student: torch.nn.Module, teacher: Callable, batches: Iterable[tupl
         loop, so there are always some). Greedy answers of a small target loop (74 % of the tokens of SmolLM2-135M's
         self-distilled greedy answers of up to 768 tokens) and a head drafts loops almost perfectly, so the overall
         figures overstate acceptance on answers that loop less (``docs/training.md``). With ``temperature``, also
-        ``val_sampling_temperature`` and the figures of sampled drafts: ``val_overlap_by_fill`` (the mean acceptance
-        probability of a draft sampled at fill ``F``, ``Σ min(p_T, q_T)``: :func:`~spd_ds.train.loss.draft_overlap`),
+        ``val_sampling_temperature`` and the figures of sampled drafts: ``val_overlap_by_fill_sampled`` (the mean
+        acceptance probability of a draft sampled at fill ``F``, ``Σ min(p_T, q_T)``:
+        :func:`~spd_ds.train.loss.draft_overlap`),
         ``val_pred_acceptance_sampled`` and ``val_pred_accept_length_sampled`` (the same Markov chain fed those
         probabilities; ``_noloop`` too). They are on the held-out text, not on text sampled at ``T``.
     Raises:
