@@ -441,6 +441,7 @@ def test_draft_overlap_limits():
     t = _teacher_targets(z, sub, 1.0)
     mass = torch.softmax(z, -1)[:, sub].sum(-1)  # q = p renormalised on D: min(p, q) = p there
     assert torch.allclose(draft_overlap(z[:, sub], t), mass, atol=1e-6)
+
     def spaced():  # logits 0.5 apart: no near-ties at T = 0.01
         return torch.stack([torch.randperm(10, generator=g) for _ in range(64)]).float() * 0.5
 
