@@ -81,4 +81,24 @@ def test_a_continued_head_is_the_warm_start_of_a_third_run(tmp_path):
     copy = next(i for i, x in enumerate(lines) if f"cp -r {work}/heads/w3l2/best_head {work}/warm/w3l2" in x)
     wait = lines.index(f"for i in $(seq 360); do [ -f {work}/warm/w3l2/head.safetensors ] && break; sleep 5; done")
     assert lines.index(train[1]) < copy < wait < lines.index(train[2])
-    assert not any(f"heads/x3l2/best_head {work}/warm" in x for x in lines)  # nothing continues x3l2
+    # x3l2 is the fourth run's warm start: its best head is kept too
+    assert any(f"cp -r {work}/heads/x3l2/best_head {work}/warm/x3l2" in x for x in lines)
+
+
+def test_fourth_and_fifth_runs_continue_the_one_before_and_the_last_is_kept_nowhere(tmp_path):
+    r = _run(tmp_path, "start", CHAIN="y3l2 z3l2 y2l2", DRY="1")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    train = [x for x in lines if "gpu_train_session.sh" in x]
+    work = tmp_path / "work"
+    assert len(train) == 3
+    # y3l2 waits for a carried x3l2 (nothing in this chain trains it), z3l2 for y3l2 trained just before it
+    assert lines.index(f"for i in $(seq 360); do [ -f {work}/warm/x3l2/head.safetensors ] && break; sleep 5; done") \
+        < lines.index(train[0])
+    assert f"y3l2:partition.num_stages=3,head.checkpoint={work}/warm/x3l2,train.lr=5.0e-4" in train[0]
+    assert f"z3l2:partition.num_stages=3,head.checkpoint={work}/warm/y3l2,train.lr=5.0e-4" in train[1]
+    assert f"y2l2:partition.num_stages=2,head.checkpoint={work}/warm/x2l2,train.lr=5.0e-4" in train[2]
+    assert all("head.num_layers" not in x for x in train)  # the tower depth comes from the warm start's config
+    copy = next(i for i, x in enumerate(lines) if f"cp -r {work}/heads/y3l2/best_head {work}/warm/y3l2" in x)
+    assert lines.index(train[0]) < copy < lines.index(train[1])
+    assert not any(f"heads/z3l2/best_head {work}/warm" in x for x in lines)  # nothing continues z3l2
