@@ -14,6 +14,11 @@ Usage (repo root; the data as the training run saw it)::
     python scripts/diagnostics/validate_heads.py HEAD_DIR [HEAD_DIR ...] --data runs/sd runs/train_bench/bench1500.jsonl.gz \
         --records 30 --threads 2
 
+On the target's own answers of an eval run (every record; ``answers_to_records.py`` writes them)::
+
+    python scripts/diagnostics/validate_heads.py HEAD_DIR ... --data runs/answers/x3l2_T1.jsonl --all-records \
+        --records 0 --config docs/train_logs/x3l2/config.yaml --threads 2
+
 The table of docs/training.md ("Validation", loops): ``--records 30 --threads 2`` (19,472 positions); the sampled-draft
 table there: ``HEAD... --data runs/train_data/sharegpt.jsonl.gz --config docs/train_logs/x2l2/config.yaml --records 30
 --threads 2`` (36,838 positions, ~9 min on 2 cores).
@@ -35,6 +40,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data", nargs="+", required=True, help="the training run's data.train_files, in its order")
     ap.add_argument("--config", default="launch/configs/train_smollm2_n2.yaml", help="the run's training config")
     ap.add_argument("--records", type=int, default=30, help="held-out records sampled (0 = all; seed 0)")
+    ap.add_argument("--all-records", action="store_true",
+                    help="score every record of --data, no held-out split: text no run trained on, e.g. the "
+                         "target's own answers of an eval run (scripts/diagnostics/answers_to_records.py)")
     ap.add_argument("--rows", type=int, default=2, help="rows of data.max_seq_length tokens per micro-batch")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -64,7 +72,8 @@ def main(argv=None) -> int:
     n, S = part.num_stages, cfg.data.max_seq_length
     tokenizer = load_tokenizer(arch)
     set_chat_template(tokenizer, cfg.data.chat_template)
-    _, held = split_held_out(load_records(args.data, cfg.model.cache_dir), cfg.data.held_out_fraction, cfg.train.seed)
+    records = load_records(args.data, cfg.model.cache_dir)
+    held = records if args.all_records else split_held_out(records, cfg.data.held_out_fraction, cfg.train.seed)[1]
     if args.records and args.records < len(held):
         held = random.Random(0).sample(held, args.records)
     data = tokenize_records(held, tokenizer, S, cfg.data.min_seq_length, cfg.data.overflow, 0)
