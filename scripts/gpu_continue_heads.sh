@@ -15,7 +15,7 @@
 #   x2l2 x3l2, y2l2 y3l2, z2l2 z3l2 (a third, fourth and fifth 3,600 steps of the two-layer heads, each from the one
 #   before: x <- w, y <- x, z <- y);
 # default "w2 w3 wp3 w4". Head <name> starts from $WORK/warm/<src> (w2 <- s2, wp3 <- p3, w3l2 <- s3l2, x3l2 <- w3l2).
-# A continued head that is another's warm start (w2l2, w3l2) puts its best head into $WORK/warm too, so
+# A continued head that is another's warm start (w*l2, x*l2, y*l2) puts its best head into $WORK/warm too, so
 # CHAIN="s2l2 w2l2 x2l2" is the whole 10,800 steps on a machine that holds no warm start.
 # A warm start's own name in CHAIN (s2 s3 p3 s4 s6 p6 s2l2 s3l2) trains it first, fresh, with the equal-tokens recipe
 # (lr 1e-3, 3,600 steps: docs/training.md "SPD and PPSD at equal tokens"), and puts its best head into $WORK/warm:

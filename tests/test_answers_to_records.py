@@ -70,6 +70,11 @@ def test_a_prompt_the_config_does_not_encode_as_the_run_did_is_refused(eval_prom
     _per_prompt(f, {"7": [1]}, {"7": [28]})  # not in the set
     assert _script("answers_to_records").main(args) == 2
     assert "is not among the config's prompts" in capsys.readouterr().err
+    f.write_text(json.dumps({"method": "spd", "question_id": "0"}) + "\n")  # not a per-prompt record
+    assert _script("answers_to_records").main(args) == 2
+    assert "no prompt_set, tokens, prompt_tokens" in capsys.readouterr().err
+    assert _script("answers_to_records").main([str(tmp_path / "none.jsonl"), "--out", str(out)]) == 2
+    assert "no such file" in capsys.readouterr().err
 
 
 def test_validate_heads_scores_every_record_with_all_records(eval_prompts, tmp_path, capsys):
@@ -80,7 +85,7 @@ def test_validate_heads_scores_every_record_with_all_records(eval_prompts, tmp_p
     assert _script("answers_to_records").main([str(f), "--out", str(recs)] +
                                               [x for s in sets for x in ("--set", s)]) == 0
     head = str(ROOT / "spd_ds" / "assets" / "heads" / "smollm2-135m-instruct-n2")
-    base = [head, "--data", str(recs), "--records", "0", "--config", "launch/configs/train_smollm2_n2.yaml",
+    base = [head, "--data", str(recs), "--config", str(ROOT / "launch" / "configs" / "train_smollm2_n2.yaml"),
             "--set", "data.max_seq_length=256"]
     assert _script("validate_heads").main(base + ["--all-records"]) == 0
     val = json.loads(capsys.readouterr().out.splitlines()[-1])

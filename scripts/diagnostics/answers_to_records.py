@@ -16,8 +16,9 @@ Usage (repo root; the overrides as the eval run had them)::
         --out runs/answers/x3l2_T1.jsonl --set data.eval_dir=runs/eval_sets --set data.num_prompts=10 \\
         --set "eval.prompt_sets=[mt_bench,humaneval,gsm8k]"
 
-Raises (exit status 2, one line): a per-prompt record whose prompt is not among the re-encoded prompts, or whose
-re-encoded prompt length differs from the run's ``prompt_tokens`` (another chat template or prompt set than the run's).
+Raises (exit status 2, one line): a missing file; a line that is not a per-prompt record; a record whose prompt is
+not among the re-encoded prompts, or whose re-encoded prompt length differs from the run's ``prompt_tokens`` (another
+chat template or prompt set than the run's).
 """
 from __future__ import annotations
 
@@ -45,12 +46,22 @@ def main(argv=None) -> int:
     arch = build_arch(cfg)
     prompts = {(p.prompt_set, p.question_id): p.ids for p in load_eval_prompts(cfg, load_tokenizer(arch),
                                                                                arch.vocab_size)}
+    for path in args.per_prompt:  # before anything is written
+        if not Path(path).is_file():
+            print(f"error: {path}: no such file; give the per_prompt.jsonl of an eval run (<out>/c<n>/)", file=sys.stderr)
+            return 2
     out, n = Path(args.out), 0
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
         for i, path in enumerate(args.per_prompt):
-            for line in open(path):
+            for k, line in enumerate(open(path), 1):
                 r = json.loads(line)
+                missing = [key for key in ("method", "prompt_set", "question_id", "tokens", "prompt_tokens")
+                           if key not in r]
+                if missing:
+                    print(f"error: {path}:{k}: no {', '.join(missing)}: not a per-prompt record of launch/eval.py or "
+                          "launch/benchmark.py", file=sys.stderr)
+                    return 2
                 if r["method"] != args.method:
                     continue
                 key = (r["prompt_set"], str(r["question_id"]))

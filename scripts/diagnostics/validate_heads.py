@@ -17,7 +17,7 @@ Usage (repo root; the data as the training run saw it)::
 On the target's own answers of an eval run (every record; ``answers_to_records.py`` writes them)::
 
     python scripts/diagnostics/validate_heads.py HEAD_DIR ... --data runs/answers/x3l2_T1.jsonl --all-records \
-        --records 0 --config docs/train_logs/x3l2/config.yaml --threads 2
+        --config docs/train_logs/x3l2/config.yaml --threads 2
 
 The table of docs/training.md ("Validation", loops): ``--records 30 --threads 2`` (19,472 positions); the sampled-draft
 table there: ``HEAD... --data runs/train_data/sharegpt.jsonl.gz --config docs/train_logs/x2l2/config.yaml --records 30
@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("heads", nargs="+", help="head checkpoint directories (one partition)")
     ap.add_argument("--data", nargs="+", required=True, help="the training run's data.train_files, in its order")
     ap.add_argument("--config", default="launch/configs/train_smollm2_n2.yaml", help="the run's training config")
-    ap.add_argument("--records", type=int, default=30, help="held-out records sampled (0 = all; seed 0)")
+    ap.add_argument("--records", type=int, default=None,
+                    help="records sampled (0 = all; seed 0); default 30 held-out records, all with --all-records")
     ap.add_argument("--all-records", action="store_true",
                     help="score every record of --data, no held-out split: text no run trained on, e.g. the "
                          "target's own answers of an eval run (scripts/diagnostics/answers_to_records.py)")
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override of the run (repeatable)")
     args = ap.parse_args(argv)
+    if args.records is None:
+        args.records = 0 if args.all_records else 30
 
     from spd_ds.builder import build_arch, build_partition, load_tokenizer
     from spd_ds.config import load_config
