@@ -8,6 +8,7 @@ predicted acceptance against training tokens with decoder-measured points (suite
         --measured n2:3400:runs/ev_n2/benchmark.json --measured n3:3400:runs/ev_n3/benchmark.json
     python scripts/train_report.py runs/heads/s3 runs/heads/p3 --png docs/img/n3.png \
         --measured s3:3600:runs/ev_n3/benchmark.json --measured p3:3200:ppsd:runs/ev_n3/benchmark.json
+    python scripts/train_report.py docs/train_logs/{s3l2,w3l2,x3l2} --convergence   # one head's runs, in order
 """
 
 from __future__ import annotations
@@ -77,6 +78,60 @@ def validation_curve(run: Path, key: str = "val_pred_acceptance") -> list[tuple[
     return [((base + r["step"]) * per, r[key]) for r in recs if r.get(key) is not None]
 
 
+def _at(curve: list[tuple[int, float]], step: float) -> float:
+    """``curve`` (ascending steps) linearly interpolated at ``step`` (clamped to its ends)."""
+    if step <= curve[0][0]:
+        return curve[0][1]
+    for (s0, v0), (s1, v1) in zip(curve, curve[1:]):
+        if s0 <= step <= s1:
+            return v0 + (v1 - v0) * (step - s0) / (s1 - s0) if s1 > s0 else v1
+    return curve[-1][1]
+
+
+def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_acceptance") -> dict:
+    """The convergence test of docs/training.md for one head trained over ``runs`` (in order, each warm-started from
+    a head of the one before: ``init_steps``): how much the predicted draft acceptance rose over the last
+    ``fraction`` of all steps, and over the last ``fraction`` of the last run alone.
+
+    The rise is the last run's best head (``train_summary.json``'s ``best[key]``, the head the run kept) against the
+    validation curve linearly interpolated where that span begins: ``best / value - 1``. Steps count the whole
+    history (a run's step ``s`` is ``init_steps + s``); where runs overlap (a run warm-started from an earlier best
+    step) the later run's validations are used.
+
+    Returns:
+        ``{"total_steps", "start_step", "value_at_start", "best", "best_step", "rise", "last_run_start_step",
+        "last_run_value_at_start", "rise_last_run"}``; rises as fractions (0.01 = 1 %).
+    Raises:
+        ValueError: no run, a run without validations of ``key`` or without a best head, or ``fraction`` outside
+            (0, 1).
+    """
+    if not runs or not 0.0 < fraction < 1.0:
+        raise ValueError(f"convergence needs at least one run and 0 < fraction < 1 (got {len(runs)} runs, {fraction})")
+    points: list[tuple[int, float]] = []
+    for run in runs:
+        base = init_steps(run)
+        recs = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+        pts = [(base + r["step"], r[key]) for r in recs if r.get(key) is not None]
+        if not pts:
+            raise ValueError(f"{run}: no validation logged {key}; train with train.eval_every > 0")
+        points = [p for p in points if p[0] < pts[0][0]] + pts  # a later run replaces the steps it covers
+    last = runs[-1]
+    summ = json.loads((last / "train_summary.json").read_text())
+    best = summ.get("best") or {}
+    if best.get(key) is None:
+        raise ValueError(f"{last}: train_summary.json has no best head with {key}")
+    base, steps = init_steps(last), int(summ["steps"])
+    total = base + steps
+    start = total * (1.0 - fraction)
+    local = [(s - base, v) for s, v in points if s >= base]
+    last_start = steps * (1.0 - fraction)
+    v_all, v_last = _at(points, start), _at(local, last_start)
+    return {"total_steps": total, "start_step": start, "value_at_start": v_all, "best": best[key],
+            "best_step": base + int(best["step"]), "rise": best[key] / v_all - 1.0,
+            "last_run_start_step": base + last_start, "last_run_value_at_start": v_last,
+            "rise_last_run": best[key] / v_last - 1.0}
+
+
 METHODS = ("spd", "ppsd")  # the head rows of a suite (c) benchmark.json
 
 
@@ -114,7 +169,25 @@ def main(argv=None) -> int:
                          "(c) benchmark.json that measured it; 'ppsd:' before the file reads the PPSD head's row "
                          "(default: SPD's) (repeatable)")
     ap.add_argument("--caption", default="", help="line under the plot")
+    ap.add_argument("--convergence", action="store_true",
+                    help="treat the runs as one head's history, in order, and print how much its predicted acceptance "
+                         "rose over the last 20 %% of all steps and of the last run (target: < 1 %%)")
     args = ap.parse_args(argv)
+    if args.convergence:
+        try:
+            c = convergence(args.runs)
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--convergence: {e}")
+        if args.json:
+            print(json.dumps(c))
+        else:
+            print(f"{args.name or args.runs[-1].name}: best predicted acceptance {c['best']:.4f} (step "
+                  f"{c['best_step']:,} of {c['total_steps']:,}); rise over the last 20 % of all steps "
+                  f"{100 * c['rise']:.1f} % (from {c['value_at_start']:.4f} at step {c['start_step']:,.0f}), over "
+                  f"the last 20 % of the last run {100 * c['rise_last_run']:.1f} % (from "
+                  f"{c['last_run_value_at_start']:.4f} at step {c['last_run_start_step']:,.0f}); "
+                  f"{'converged' if c['rise'] < 0.01 else 'not converged'} by the < 1 % criterion")
+        return 0
     if args.measured and not args.png:
         ap.error("--measured needs --png")
     if args.png:

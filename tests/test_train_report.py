@@ -178,3 +178,43 @@ def test_value_labels_of_close_points_do_not_overlap():
     assert all(b - a >= 0.02 - 1e-12 for a, b in zip(col, col[1:]))
     assert label_heights([(1.0, 0.3), (5.0, 0.31)], near=1.0, gap=0.05) == [0.3, 0.31]  # far apart: unchanged
     assert label_heights([], near=1.0, gap=0.05) == []
+
+
+def _chain_run(tmp_path: Path, name: str, init: int, vals: dict, best_step: int) -> Path:
+    run = tmp_path / name
+    run.mkdir()
+    (run / "train_summary.json").write_text(json.dumps({"steps": max(vals), "init_steps": init,
+                                                        "best": {"step": best_step,
+                                                                 "val_pred_acceptance": vals[best_step]}}))
+    (run / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" +
+                                                 json.dumps({"step": s, "val_pred_acceptance": v}) + "\n"
+                                                 for s, v in sorted(vals.items())))
+    return run
+
+
+def test_convergence_over_a_chain_of_warm_started_runs(tmp_path, capsys):
+    tr = _load()
+    a = _chain_run(tmp_path, "a", 0, {100: 0.30, 200: 0.40, 300: 0.45, 400: 0.50}, 400)
+    # warm-started from a's best (step 400): a dip at its first validation, then a climb; its best is not the last
+    b = _chain_run(tmp_path, "b", 400, {100: 0.48, 200: 0.50, 300: 0.52, 400: 0.55, 500: 0.54}, 400)
+    c = tr.convergence([a, b])
+    assert c["total_steps"] == 900 and c["start_step"] == pytest.approx(720) and c["best_step"] == 800
+    # step 720 lies between b's steps 300 (0.52) and 400 (0.55): 0.52 + 0.03 * 20 / 100
+    assert c["value_at_start"] == pytest.approx(0.526)
+    assert c["rise"] == pytest.approx(0.55 / 0.526 - 1)
+    # within b alone the span starts at its step 400 (0.55): no rise
+    assert c["last_run_start_step"] == pytest.approx(800) and c["rise_last_run"] == pytest.approx(0.0)
+    # one run: both spans are the same; the start is interpolated in a's curve (step 320: 0.45 + 0.05 * 0.2)
+    one = tr.convergence([a])
+    assert one["value_at_start"] == pytest.approx(0.46) and one["rise"] == one["rise_last_run"]
+    # a run warm-started from an earlier best step replaces the steps it covers: at step 400 (the last 20 % of 500)
+    # the curve is b2's first validation (0.40), not a's step 400 (0.50)
+    b2 = _chain_run(tmp_path, "b2", 300, {100: 0.40, 200: 0.60}, 200)
+    assert tr.convergence([a, b2])["value_at_start"] == pytest.approx(0.40)
+    assert tr.main([str(a), str(b), "--convergence"]) == 0
+    assert "rise over the last 20 % of all steps 4.6 %" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="fraction"):
+        tr.convergence([a], fraction=1.0)
+    (b / "train_log.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    with pytest.raises(ValueError, match="no validation logged"):
+        tr.convergence([a, b])
