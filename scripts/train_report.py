@@ -93,33 +93,42 @@ def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_ac
     a head of the one before: ``init_steps``): how much the predicted draft acceptance rose over the last
     ``fraction`` of all steps, and over the last ``fraction`` of the last run alone.
 
-    The rise is the last run's best head (``train_summary.json``'s ``best[key]``, the head the run kept) against the
-    validation curve linearly interpolated where that span begins: ``best / value - 1``. Steps count the whole
-    history (a run's step ``s`` is ``init_steps + s``); where runs overlap (a run warm-started from an earlier best
-    step) the later run's validations are used.
+    The rise is the last run's best head (``train_summary.json``'s ``best[key]``, the head the run kept, whichever
+    figure picked it) against the validation curve linearly interpolated where that span begins: ``best / value - 1``.
+    Steps count the whole history (a run's step ``s`` is ``init_steps + s``); a run warm-started from an earlier step
+    of the run before (its best head) drops that run's validations after the step it started from.
 
     Returns:
         ``{"total_steps", "start_step", "value_at_start", "best", "best_step", "rise", "last_run_start_step",
         "last_run_value_at_start", "rise_last_run"}``; rises as fractions (0.01 = 1 %).
     Raises:
-        ValueError: no run, a run without validations of ``key`` or without a best head, or ``fraction`` outside
-            (0, 1).
+        ValueError: no run; ``fraction`` outside (0, 1); a run without validations of ``key`` or whose logged steps
+            do not ascend (a resumed log: pass the run directory's final log); a later run whose ``init_steps`` is not
+            within the run before (0 < init_steps <= the steps before it: runs out of order, or a fresh run); no best
+            head in the last run's summary.
     """
     if not runs or not 0.0 < fraction < 1.0:
         raise ValueError(f"convergence needs at least one run and 0 < fraction < 1 (got {len(runs)} runs, {fraction})")
     points: list[tuple[int, float]] = []
-    for run in runs:
+    end = 0  # steps of the history so far
+    for i, run in enumerate(runs):
         base = init_steps(run)
+        if i and not 0 < base <= end:
+            raise ValueError(f"{run}: init_steps {base} is not within the {end} steps of the runs before it; give "
+                             "one head's runs in training order, each warm-started from the one before")
         recs = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
         pts = [(base + r["step"], r[key]) for r in recs if r.get(key) is not None]
         if not pts:
             raise ValueError(f"{run}: no validation logged {key}; train with train.eval_every > 0")
-        points = [p for p in points if p[0] < pts[0][0]] + pts  # a later run replaces the steps it covers
+        if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
+            raise ValueError(f"{run}: the validation steps of train_log.jsonl do not ascend")
+        points = [p for p in points if p[0] <= base] + pts  # the head it started from saw nothing later
+        end = base + int(json.loads((run / "train_summary.json").read_text())["steps"])
     last = runs[-1]
     summ = json.loads((last / "train_summary.json").read_text())
     best = summ.get("best") or {}
-    if best.get(key) is None:
-        raise ValueError(f"{last}: train_summary.json has no best head with {key}")
+    if best.get(key) is None or best.get("step") is None:
+        raise ValueError(f"{last}: train_summary.json has no best head with {key} and its step")
     base, steps = init_steps(last), int(summ["steps"])
     total = base + steps
     start = total * (1.0 - fraction)

@@ -180,12 +180,13 @@ def test_value_labels_of_close_points_do_not_overlap():
     assert label_heights([], near=1.0, gap=0.05) == []
 
 
-def _chain_run(tmp_path: Path, name: str, init: int, vals: dict, best_step: int) -> Path:
+def _chain_run(tmp_path: Path, name: str, init: int, vals: dict, best_step: int, steps: int | None = None,
+               best: float | None = None) -> Path:
     run = tmp_path / name
     run.mkdir()
-    (run / "train_summary.json").write_text(json.dumps({"steps": max(vals), "init_steps": init,
-                                                        "best": {"step": best_step,
-                                                                 "val_pred_acceptance": vals[best_step]}}))
+    kept = vals[best_step] if best is None else best  # the head kept (picked by another figure, e.g. loop-free L')
+    (run / "train_summary.json").write_text(json.dumps({"steps": steps or max(vals), "init_steps": init,
+                                                        "best": {"step": best_step, "val_pred_acceptance": kept}}))
     (run / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" +
                                                  json.dumps({"step": s, "val_pred_acceptance": v}) + "\n"
                                                  for s, v in sorted(vals.items())))
@@ -195,26 +196,49 @@ def _chain_run(tmp_path: Path, name: str, init: int, vals: dict, best_step: int)
 def test_convergence_over_a_chain_of_warm_started_runs(tmp_path, capsys):
     tr = _load()
     a = _chain_run(tmp_path, "a", 0, {100: 0.30, 200: 0.40, 300: 0.45, 400: 0.50}, 400)
-    # warm-started from a's best (step 400): a dip at its first validation, then a climb; its best is not the last
-    b = _chain_run(tmp_path, "b", 400, {100: 0.48, 200: 0.50, 300: 0.52, 400: 0.55, 500: 0.54}, 400)
+    # warm-started from a's best (step 400): a dip at its first validation, then a climb; the head it keeps (0.54,
+    # picked by another figure) is not its highest predicted acceptance (0.55)
+    b = _chain_run(tmp_path, "b", 400, {100: 0.48, 200: 0.50, 300: 0.52, 400: 0.55, 500: 0.53}, 500, best=0.54)
     c = tr.convergence([a, b])
-    assert c["total_steps"] == 900 and c["start_step"] == pytest.approx(720) and c["best_step"] == 800
+    assert c["total_steps"] == 900 and c["start_step"] == pytest.approx(720) and c["best_step"] == 900
     # step 720 lies between b's steps 300 (0.52) and 400 (0.55): 0.52 + 0.03 * 20 / 100
-    assert c["value_at_start"] == pytest.approx(0.526)
-    assert c["rise"] == pytest.approx(0.55 / 0.526 - 1)
-    # within b alone the span starts at its step 400 (0.55): no rise
-    assert c["last_run_start_step"] == pytest.approx(800) and c["rise_last_run"] == pytest.approx(0.0)
+    assert c["best"] == 0.54 and c["value_at_start"] == pytest.approx(0.526)
+    assert c["rise"] == pytest.approx(0.54 / 0.526 - 1)
+    # within b alone the span starts at its step 400 (0.55)
+    assert c["last_run_start_step"] == pytest.approx(800) and c["rise_last_run"] == pytest.approx(0.54 / 0.55 - 1)
+    assert tr.main([str(a), str(b), "--convergence"]) == 0
+    assert "rise over the last 20 % of all steps 2.7 %" in capsys.readouterr().out
     # one run: both spans are the same; the start is interpolated in a's curve (step 320: 0.45 + 0.05 * 0.2)
     one = tr.convergence([a])
     assert one["value_at_start"] == pytest.approx(0.46) and one["rise"] == one["rise_last_run"]
-    # a run warm-started from an earlier best step replaces the steps it covers: at step 400 (the last 20 % of 500)
-    # the curve is b2's first validation (0.40), not a's step 400 (0.50)
-    b2 = _chain_run(tmp_path, "b2", 300, {100: 0.40, 200: 0.60}, 200)
-    assert tr.convergence([a, b2])["value_at_start"] == pytest.approx(0.40)
-    assert tr.main([str(a), str(b), "--convergence"]) == 0
-    assert "rise over the last 20 % of all steps 4.6 %" in capsys.readouterr().out
+    # a short last run: its span starts before its first validation, between the warm start's value (a's step 400,
+    # 0.50) and that validation (0.40 at its step 100): 0.50 - 0.10 * 96 / 100
+    short = _chain_run(tmp_path, "short", 400, {100: 0.40, 120: 0.42}, 120)
+    assert tr.convergence([a, short])["rise_last_run"] == pytest.approx(0.42 / 0.404 - 1)
+    # warm-started from a's step 300 (its best then): a's step-400 validation is dropped; the start (step 400 of
+    # 500) lies between a's step 300 (0.45) and the new run's first validation (step 450: 0.60)
+    b2 = _chain_run(tmp_path, "b2", 300, {150: 0.60, 200: 0.62}, 200)
+    assert tr.convergence([a, b2])["value_at_start"] == pytest.approx(0.45 + 0.15 * 100 / 150)
+
+
+def test_convergence_refuses_what_it_cannot_order(tmp_path):
+    tr = _load()
+    a = _chain_run(tmp_path, "a", 0, {100: 0.30, 200: 0.40}, 200)
+    b = _chain_run(tmp_path, "b", 200, {100: 0.45, 200: 0.50}, 200)
+    with pytest.raises(ValueError, match="init_steps 0 is not within the 400 steps"):
+        tr.convergence([b, a])  # out of order: a is a fresh run
     with pytest.raises(ValueError, match="fraction"):
         tr.convergence([a], fraction=1.0)
+    (b / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "val_pred_acceptance": 0.4}) + "\n"
+                                               for s in (100, 200, 100)))  # a resumed log, appended
+    with pytest.raises(ValueError, match="do not ascend"):
+        tr.convergence([a, b])
     (b / "train_log.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match="no validation logged"):
         tr.convergence([a, b])
+    (a / "train_summary.json").write_text(json.dumps({"steps": 200, "init_steps": 0}))
+    with pytest.raises(ValueError, match="no best head"):
+        tr.convergence([a])
+    with pytest.raises(SystemExit) as e:  # the command line: one line (argparse), exit status 2
+        tr.main([str(a), "--convergence"])
+    assert e.value.code == 2

@@ -46,6 +46,10 @@ def main(argv=None) -> int:
                          "target's own answers of an eval run (scripts/diagnostics/answers_to_records.py)")
     ap.add_argument("--rows", type=int, default=2, help="rows of data.max_seq_length tokens per micro-batch")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-vocab", default=None, metavar="FILE",
+                    help="score every head over this draft vocabulary (a draft_vocab/*.json; heads whose LM head is "
+                         "the target's own: SpeculationHead.set_draft_vocab), e.g. a whole-vocabulary head over the "
+                         "16k one another head trained with")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override of the run (repeatable)")
     args = ap.parse_args(argv)
@@ -82,6 +86,15 @@ def main(argv=None) -> int:
     data = tokenize_records(held, tokenizer, S, cfg.data.min_seq_length, cfg.data.overflow, 0)
     planner = BatchPlanner(data, S, args.rows, 0, 1, cfg.train.seed, True)
     heads = [SpeculationHead.load(h, arch, part).float() for h in args.heads]
+    if args.draft_vocab:
+        from spd_ds.head import load_draft_vocab
+
+        ids = load_draft_vocab(args.draft_vocab)
+        for path, head in zip(args.heads, heads):
+            try:
+                head.set_draft_vocab(ids)
+            except ValueError as e:
+                raise SystemExit(f"{path}: {e}") from None
     for path, head in zip(args.heads, heads):  # before the minutes of teacher forwards
         if not torch.equal(head.draft_ids, heads[0].draft_ids):
             raise SystemExit(f"{path}: another draft vocabulary than {args.heads[0]}; score it in its own call")
