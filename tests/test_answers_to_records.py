@@ -95,3 +95,8 @@ def test_validate_heads_scores_every_record_with_all_records(eval_prompts, tmp_p
     # without it only the held-out split is scored: of two records, one (at least one is always held out)
     assert _script("validate_heads").main(base) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["val_positions"] in (30, 40)
+    # the whole-vocabulary head over a smaller draft vocabulary: the same positions, other figures
+    vocab = str(ROOT / "draft_vocab" / "smollm2-135m-instruct_sharegpt_16k.json")
+    assert _script("validate_heads").main(base + ["--all-records", "--draft-vocab", vocab]) == 0
+    narrow = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert narrow["val_positions"] == 70 and narrow["val_overlap_by_fill_sampled"] != val["val_overlap_by_fill_sampled"]
