@@ -12,28 +12,39 @@ def _run(tmp_path, *args, **env):
                           env=dict(os.environ, WORK=str(tmp_path / "work"), REPO=str(tmp_path / "repo"), **env))
 
 
-def test_dry_chain_trains_each_head_from_its_warm_start_in_order(tmp_path):
-    r = _run(tmp_path, "start", CHAIN="wp3 w3l2", DRY="1", STEPS="100")
+def _dry_chain(tmp_path, chain, **env):
+    """The script a dry ``start`` of ``chain`` prints: its lines, the training lines among them, and WORK."""
+    r = _run(tmp_path, "start", CHAIN=chain, DRY="1", **env)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    train = [x for x in lines if "gpu_train_session.sh" in x]
+    return lines, [x for x in lines if "gpu_train_session.sh" in x], tmp_path / "work"
+
+
+def _wait(work, name):
+    """The chain's line that waits for warm start ``name``."""
+    return f"for i in $(seq 360); do [ -f {work}/warm/{name}/head.safetensors ] && break; sleep 5; done"
+
+
+def _copy(lines, work, name):
+    """Index of the chain's line that keeps ``name``'s best head as a warm start."""
+    return next(i for i, x in enumerate(lines) if f"cp -r {work}/heads/{name}/best_head {work}/warm/{name}" in x)
+
+
+def test_dry_chain_trains_each_head_from_its_warm_start_in_order(tmp_path):
+    lines, train, work = _dry_chain(tmp_path, "wp3 w3l2", STEPS="100")
     assert len(train) == 2
-    work = tmp_path / "work"
     assert (f'VARIANTS="wp3:partition.num_stages=3,partition.anchors=[0,10],head.checkpoint={work}/warm/p3,'
             'train.lr=5.0e-4,train.max_steps=100"') in train[0]
     assert f"head.checkpoint={work}/warm/s3l2," in train[1] and "SEQUENTIAL=1" in train[1]
     assert all("head.lm_head_from_target=true head.tower_init_layer=-1" in x for x in train)
     # each head waits for its warm start before training, and the chain says when it is done
-    assert lines.index(f"for i in $(seq 360); do [ -f {work}/warm/p3/head.safetensors ] && break; sleep 5; done") \
-        < lines.index(train[0])
+    assert lines.index(_wait(work, "p3")) < lines.index(train[0])
     assert "CHAIN DONE" in lines[-1]
     assert not (tmp_path / "repo").exists()  # a dry run starts nothing
 
 
 def test_joined_heads_train_at_once_in_one_session(tmp_path):
-    r = _run(tmp_path, "start", CHAIN="w2+w3 w4", DRY="1")
-    assert r.returncode == 0, r.stderr
-    train = [x for x in r.stdout.splitlines() if "gpu_train_session.sh" in x]
+    _, train, _ = _dry_chain(tmp_path, "w2+w3 w4")
     assert len(train) == 2 and "SEQUENTIAL" not in train[0] and "SEQUENTIAL=1" in train[1]
     assert "w2:partition.num_stages=2," in train[0] and " w3:partition.num_stages=3," in train[0]
     assert f"OUT={tmp_path / 'work'}/out_w2_w3 " in train[0]
@@ -47,18 +58,14 @@ def test_unknown_head_and_usage_are_errors(tmp_path):
 
 
 def test_a_fresh_head_in_the_chain_becomes_the_next_heads_warm_start(tmp_path):
-    r = _run(tmp_path, "start", CHAIN="s2l2 w2l2", DRY="1")
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    train = [x for x in lines if "gpu_train_session.sh" in x]
-    work = tmp_path / "work"
+    lines, train, work = _dry_chain(tmp_path, "s2l2 w2l2")
     # the fresh head: the equal-tokens recipe (default lr, 3,600 steps, its tower depth), no checkpoint
     assert 'VARIANTS="s2l2:partition.num_stages=2,head.num_layers=2,train.max_steps=3600"' in train[0]
     assert "head.checkpoint" not in train[0] and "train.lr=" not in train[0]
     # its best head is copied to the warm starts only if the run produced one, before the continuation waits for it
-    copy = next(i for i, x in enumerate(lines) if f"cp -r {work}/heads/s2l2/best_head {work}/warm/s2l2" in x)
+    copy = _copy(lines, work, "s2l2")
     assert lines[copy].startswith(f"[ -f {work}/heads/s2l2/best_head/head.safetensors ] &&")
-    wait = lines.index(f"for i in $(seq 360); do [ -f {work}/warm/s2l2/head.safetensors ] && break; sleep 5; done")
+    wait = lines.index(_wait(work, "s2l2"))
     assert lines.index(train[0]) < copy < wait < lines.index(train[1])
     assert f"head.checkpoint={work}/warm/s2l2,train.lr=5.0e-4" in train[1]
 
@@ -69,36 +76,26 @@ def test_a_group_cannot_hold_a_head_and_its_own_warm_start(tmp_path):
 
 
 def test_a_continued_head_is_the_warm_start_of_a_third_run(tmp_path):
-    r = _run(tmp_path, "start", CHAIN="s3l2 w3l2 x3l2", DRY="1")
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    train = [x for x in lines if "gpu_train_session.sh" in x]
-    work = tmp_path / "work"
+    lines, train, work = _dry_chain(tmp_path, "s3l2 w3l2 x3l2")
     assert len(train) == 3 and "head.num_layers=2,train.max_steps=3600" in train[0]
     # w3l2 continues s3l2 (not trained fresh), and its best head becomes x3l2's warm start
     assert f"w3l2:partition.num_stages=3,head.checkpoint={work}/warm/s3l2,train.lr=5.0e-4" in train[1]
     assert f"x3l2:partition.num_stages=3,head.checkpoint={work}/warm/w3l2,train.lr=5.0e-4" in train[2]
-    copy = next(i for i, x in enumerate(lines) if f"cp -r {work}/heads/w3l2/best_head {work}/warm/w3l2" in x)
-    wait = lines.index(f"for i in $(seq 360); do [ -f {work}/warm/w3l2/head.safetensors ] && break; sleep 5; done")
+    copy = _copy(lines, work, "w3l2")
+    wait = lines.index(_wait(work, "w3l2"))
     assert lines.index(train[1]) < copy < wait < lines.index(train[2])
     # x3l2 is the fourth run's warm start: its best head is kept too
-    assert any(f"cp -r {work}/heads/x3l2/best_head {work}/warm/x3l2" in x for x in lines)
+    assert _copy(lines, work, "x3l2") > lines.index(train[2])
 
 
 def test_fourth_and_fifth_runs_continue_the_one_before_and_the_last_is_kept_nowhere(tmp_path):
-    r = _run(tmp_path, "start", CHAIN="y3l2 z3l2 y2l2", DRY="1")
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    train = [x for x in lines if "gpu_train_session.sh" in x]
-    work = tmp_path / "work"
+    lines, train, work = _dry_chain(tmp_path, "y3l2 z3l2 y2l2")
     assert len(train) == 3
     # y3l2 waits for a carried x3l2 (nothing in this chain trains it), z3l2 for y3l2 trained just before it
-    assert lines.index(f"for i in $(seq 360); do [ -f {work}/warm/x3l2/head.safetensors ] && break; sleep 5; done") \
-        < lines.index(train[0])
+    assert lines.index(_wait(work, "x3l2")) < lines.index(train[0])
     assert f"y3l2:partition.num_stages=3,head.checkpoint={work}/warm/x3l2,train.lr=5.0e-4" in train[0]
     assert f"z3l2:partition.num_stages=3,head.checkpoint={work}/warm/y3l2,train.lr=5.0e-4" in train[1]
     assert f"y2l2:partition.num_stages=2,head.checkpoint={work}/warm/x2l2,train.lr=5.0e-4" in train[2]
     assert all("head.num_layers" not in x for x in train)  # the tower depth comes from the warm start's config
-    copy = next(i for i, x in enumerate(lines) if f"cp -r {work}/heads/y3l2/best_head {work}/warm/y3l2" in x)
-    assert lines.index(train[0]) < copy < lines.index(train[1])
+    assert lines.index(train[0]) < _copy(lines, work, "y3l2") < lines.index(train[1])
     assert not any(f"heads/z3l2/best_head {work}/warm" in x for x in lines)  # nothing continues z3l2

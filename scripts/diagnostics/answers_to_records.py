@@ -29,6 +29,8 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
+    """Write the records (see the module doc) and return 0; 2 with a one-line error on stderr for a missing file, a
+    line that is not a per-prompt record, or a prompt the config does not encode as the run did."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("per_prompt", nargs="+", help="per_prompt.jsonl files of eval runs")
     ap.add_argument("--out", required=True, help="jsonl file to write")

@@ -35,6 +35,9 @@ import torch
 
 
 def main(argv=None) -> int:
+    """Print one JSON line per head (the figures of :func:`spd_ds.train.validate.evaluate`, with ``"head"``) and
+    return 0. Raises ``SystemExit`` with a one-line message for heads of another draft vocabulary than the first, or
+    a ``--draft-vocab`` a head cannot take (it stores its own LM head)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("heads", nargs="+", help="head checkpoint directories (one partition)")
     ap.add_argument("--data", nargs="+", required=True, help="the training run's data.train_files, in its order")
