@@ -26,10 +26,10 @@ states after ``l`` tokens. A forward at length ``l`` reads slot ``l % R`` and wr
 The layers are transformers' own; this object implements the cache methods their forward calls (both spellings:
 transformers 5.5-5.17 ``has_previous_state`` + ``layers[i].conv_states`` / ``recurrent_states`` / ``record_past``,
 5.2x ``get_conv_state`` / ``get_recurrent_state`` / ``is_recording_past`` (5.25 also ``get_recurrent_states_to_keep``,
-``increase_count``); and ``update_conv_state`` /
-``update_recurrent_state`` in both). :data:`CACHE_CONTRACT` lists every name; ``tests/test_qwen3_5.py`` runs the
-installed transformers' layers on a proxy that refuses any other name and compares with transformers' own cache, so a
-change of that contract fails a test instead of silently computing something else.
+``increase_count``); and ``update_conv_state`` / ``update_recurrent_state`` in both). :data:`CACHE_CONTRACT` lists
+every name; ``tests/test_linear_cache.py::test_cache_contract_with_the_installed_transformers`` runs the installed
+transformers' layers on a proxy that refuses any other name and compares with transformers' own cache, so a change of
+that contract fails a test instead of silently computing something else.
 """
 
 from __future__ import annotations
