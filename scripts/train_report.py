@@ -98,9 +98,14 @@ def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_ac
     Steps count the whole history (a run's step ``s`` is ``init_steps + s``); a run warm-started from an earlier step
     of the run before (its best head) drops that run's validations after the step it started from.
 
+    The rise depends on where the span begins against a warm restart's dip (the first validations after a warm start
+    fall below the head it started from): ``low_in_span`` is the lowest value of the curve over the span (its
+    interpolated start included) and ``rise_from_low`` the rise counted from it, an upper bound that does not move with
+    that alignment.
+
     Returns:
-        ``{"total_steps", "start_step", "value_at_start", "best", "best_step", "rise", "last_run_start_step",
-        "last_run_value_at_start", "rise_last_run"}``; rises as fractions (0.01 = 1 %).
+        ``{"total_steps", "start_step", "value_at_start", "best", "best_step", "rise", "low_in_span", "rise_from_low",
+        "last_run_start_step", "last_run_value_at_start", "rise_last_run"}``; rises as fractions (0.01 = 1 %).
     Raises:
         ValueError: no run; ``fraction`` outside (0, 1); a run without validations of ``key`` or whose logged steps
             do not ascend (a resumed log: pass the run directory's final log); a later run whose ``init_steps`` is not
@@ -135,8 +140,10 @@ def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_ac
     local = [(s - base, v) for s, v in points if s >= base]
     last_start = steps * (1.0 - fraction)
     v_all, v_last = _at(points, start), _at(local, last_start)
+    low = min([v_all] + [v for s, v in points if s > start])
     return {"total_steps": total, "start_step": start, "value_at_start": v_all, "best": best[key],
             "best_step": base + int(best["step"]), "rise": best[key] / v_all - 1.0,
+            "low_in_span": low, "rise_from_low": best[key] / low - 1.0,
             "last_run_start_step": base + last_start, "last_run_value_at_start": v_last,
             "rise_last_run": best[key] / v_last - 1.0}
 
@@ -192,8 +199,9 @@ def main(argv=None) -> int:
         else:
             print(f"{args.name or args.runs[-1].name}: best predicted acceptance {c['best']:.4f} (step "
                   f"{c['best_step']:,} of {c['total_steps']:,}); rise over the last 20 % of all steps "
-                  f"{100 * c['rise']:.1f} % (from {c['value_at_start']:.4f} at step {c['start_step']:,.0f}), over "
-                  f"the last 20 % of the last run {100 * c['rise_last_run']:.1f} % (from "
+                  f"{100 * c['rise']:.2f} % (from {c['value_at_start']:.4f} at step {c['start_step']:,.0f}; "
+                  f"{100 * c['rise_from_low']:.2f} % from the span's low {c['low_in_span']:.4f}), over "
+                  f"the last 20 % of the last run {100 * c['rise_last_run']:.2f} % (from "
                   f"{c['last_run_value_at_start']:.4f} at step {c['last_run_start_step']:,.0f}); "
                   f"{'converged' if c['rise'] < 0.01 else 'not converged'} by the < 1 % criterion")
         return 0

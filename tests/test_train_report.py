@@ -207,14 +207,22 @@ def test_convergence_over_a_chain_of_warm_started_runs(tmp_path, capsys):
     # within b alone the span starts at its step 400 (0.55)
     assert c["last_run_start_step"] == pytest.approx(800) and c["rise_last_run"] == pytest.approx(0.54 / 0.55 - 1)
     assert tr.main([str(a), str(b), "--convergence"]) == 0
-    assert "rise over the last 20 % of all steps 2.7 %" in capsys.readouterr().out
+    # the span's low is its start (b's later validations, 0.55 and 0.53, lie above it)
+    assert c["low_in_span"] == pytest.approx(0.526) and c["rise_from_low"] == pytest.approx(c["rise"])
+    assert "rise over the last 20 % of all steps 2.66 % (from 0.5260 at step 720; 2.66 % from the span's low" \
+        in capsys.readouterr().out
     # one run: both spans are the same; the start is interpolated in a's curve (step 320: 0.45 + 0.05 * 0.2)
     one = tr.convergence([a])
     assert one["value_at_start"] == pytest.approx(0.46) and one["rise"] == one["rise_last_run"]
     # a short last run: its span starts before its first validation, between the warm start's value (a's step 400,
     # 0.50) and that validation (0.40 at its step 100): 0.50 - 0.10 * 96 / 100
     short = _chain_run(tmp_path, "short", 400, {100: 0.40, 120: 0.42}, 120)
-    assert tr.convergence([a, short])["rise_last_run"] == pytest.approx(0.42 / 0.404 - 1)
+    cs = tr.convergence([a, short])
+    assert cs["rise_last_run"] == pytest.approx(0.42 / 0.404 - 1)
+    # the whole span (from step 416 of 520: 0.50 - 0.10 * 16 / 100) takes in the restart's dip (0.40 at step 500):
+    # counted from its start the rise is negative, from the dip it is the climb out of it
+    assert cs["value_at_start"] == pytest.approx(0.484) and cs["rise"] == pytest.approx(0.42 / 0.484 - 1)
+    assert cs["low_in_span"] == pytest.approx(0.40) and cs["rise_from_low"] == pytest.approx(0.42 / 0.40 - 1)
     # warm-started from a's step 300 (its best then): a's step-400 validation is dropped; the start (step 400 of
     # 500) lies between a's step 300 (0.45) and the new run's first validation (step 450: 0.60)
     b2 = _chain_run(tmp_path, "b2", 300, {150: 0.60, 200: 0.62}, 200)
