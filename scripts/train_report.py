@@ -100,8 +100,8 @@ def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_ac
 
     The rise depends on where the span begins against a warm restart's dip (the first validations after a warm start
     fall below the head it started from): ``low_in_span`` is the lowest value of the curve over the span (its
-    interpolated start included) and ``rise_from_low`` the rise counted from it, an upper bound that does not move with
-    that alignment.
+    interpolated start included) and ``rise_from_low`` the rise counted from it (never below ``rise``): when a dip lies
+    inside the span, the climb out of it.
 
     Returns:
         ``{"total_steps", "start_step", "value_at_start", "best", "best_step", "rise", "low_in_span", "rise_from_low",
