@@ -79,13 +79,10 @@ def validation_curve(run: Path, key: str = "val_pred_acceptance") -> list[tuple[
 
 
 def _at(curve: list[tuple[int, float]], step: float) -> float:
-    """``curve`` (ascending steps) linearly interpolated at ``step`` (clamped to its ends)."""
-    if step <= curve[0][0]:
-        return curve[0][1]
-    for (s0, v0), (s1, v1) in zip(curve, curve[1:]):
-        if s0 <= step <= s1:
-            return v0 + (v1 - v0) * (step - s0) / (s1 - s0) if s1 > s0 else v1
-    return curve[-1][1]
+    """``curve`` (ascending steps) linearly interpolated at ``step`` (clamped to its ends: ``numpy.interp``)."""
+    import numpy as np
+
+    return float(np.interp(step, [s for s, _ in curve], [v for _, v in curve]))
 
 
 def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_acceptance") -> dict:

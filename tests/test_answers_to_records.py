@@ -73,6 +73,9 @@ def test_a_prompt_the_config_does_not_encode_as_the_run_did_is_refused(eval_prom
     f.write_text(json.dumps({"method": "spd", "question_id": "0"}) + "\n")  # not a per-prompt record
     assert _script("answers_to_records").main(args) == 2
     assert "no prompt_set, tokens, prompt_tokens" in capsys.readouterr().err
+    f.write_text("Traceback (most recent call last):\n")  # not JSON: one line, no traceback
+    assert _script("answers_to_records").main(args) == 2
+    assert ":1: not a JSON object" in capsys.readouterr().err
     assert _script("answers_to_records").main([str(tmp_path / "none.jsonl"), "--out", str(out)]) == 2
     assert "no such file" in capsys.readouterr().err
 

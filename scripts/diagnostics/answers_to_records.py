@@ -56,8 +56,16 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
         for i, path in enumerate(args.per_prompt):
-            for k, line in enumerate(open(path), 1):
-                r = json.loads(line)
+            lines = Path(path).read_text().splitlines()
+            for k, line in enumerate(lines, 1):
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    r = None
+                if not isinstance(r, dict):
+                    print(f"error: {path}:{k}: not a JSON object: not a per-prompt record of launch/eval.py or "
+                          "launch/benchmark.py", file=sys.stderr)
+                    return 2
                 missing = [key for key in ("method", "prompt_set", "question_id", "tokens", "prompt_tokens")
                            if key not in r]
                 if missing:
