@@ -88,14 +88,26 @@ def test_a_continued_head_is_the_warm_start_of_a_third_run(tmp_path):
     assert _copy(lines, work, "x3l2") > lines.index(train[2])
 
 
-def test_fourth_and_fifth_runs_continue_the_one_before_and_the_last_is_kept_nowhere(tmp_path):
-    lines, train, work = _dry_chain(tmp_path, "y3l2 z3l2 y2l2")
-    assert len(train) == 3
+def test_fourth_to_sixth_runs_continue_the_one_before_and_the_last_is_kept_nowhere(tmp_path):
+    lines, train, work = _dry_chain(tmp_path, "y3l2 z3l2 a3l2 y2l2")
+    assert len(train) == 4
     # y3l2 waits for a carried x3l2 (nothing in this chain trains it), z3l2 for y3l2 trained just before it
     assert lines.index(_wait(work, "x3l2")) < lines.index(train[0])
     assert f"y3l2:partition.num_stages=3,head.checkpoint={work}/warm/x3l2,train.lr=5.0e-4" in train[0]
     assert f"z3l2:partition.num_stages=3,head.checkpoint={work}/warm/y3l2,train.lr=5.0e-4" in train[1]
-    assert f"y2l2:partition.num_stages=2,head.checkpoint={work}/warm/x2l2,train.lr=5.0e-4" in train[2]
+    assert f"a3l2:partition.num_stages=3,head.checkpoint={work}/warm/z3l2,train.lr=5.0e-4" in train[2]
+    assert f"y2l2:partition.num_stages=2,head.checkpoint={work}/warm/x2l2,train.lr=5.0e-4" in train[3]
     assert all("head.num_layers" not in x for x in train)  # the tower depth comes from the warm start's config
     assert lines.index(train[0]) < _copy(lines, work, "y3l2") < lines.index(train[1])
-    assert not any(f"heads/z3l2/best_head {work}/warm" in x for x in lines)  # nothing continues z3l2
+    assert lines.index(train[1]) < _copy(lines, work, "z3l2") < lines.index(train[2])
+    assert not any(f"heads/a3l2/best_head {work}/warm" in x for x in lines)  # nothing continues a3l2
+
+
+def test_sixth_run_waits_for_a_carried_fifth(tmp_path):
+    lines, train, work = _dry_chain(tmp_path, "a3l2 z2l2 a2l2")
+    assert len(train) == 3
+    assert lines.index(_wait(work, "z3l2")) < lines.index(train[0])  # carried: nothing in this chain trains it
+    assert f"a3l2:partition.num_stages=3,head.checkpoint={work}/warm/z3l2,train.lr=5.0e-4" in train[0]
+    assert f"z2l2:partition.num_stages=2,head.checkpoint={work}/warm/y2l2,train.lr=5.0e-4" in train[1]
+    assert lines.index(train[1]) < _copy(lines, work, "z2l2") < lines.index(_wait(work, "z2l2")) < lines.index(train[2])
+    assert f"a2l2:partition.num_stages=2,head.checkpoint={work}/warm/z2l2,train.lr=5.0e-4" in train[2]
