@@ -134,8 +134,22 @@ FULL_VOCAB = "full"  # head.draft_vocab value: draft over the target's whole voc
 
 def draft_vocab_ids(draft_vocab: str) -> list[int] | None:
     """The ids of ``head.draft_vocab``: a draft-vocabulary JSON (:func:`~spd_ds.head.load_draft_vocab`), or ``None``
-    for ``full`` (the whole vocabulary). Raises: as ``load_draft_vocab`` (FileNotFoundError, ValueError)."""
-    return None if draft_vocab == FULL_VOCAB else load_draft_vocab(draft_vocab)
+    for ``full`` (the whole vocabulary).
+
+    Raises:
+        ConfigError: the file is missing or unreadable, is not JSON with ``token_ids``, or its ids are not sorted and
+            unique (the message names ``head.draft_vocab``).
+    """
+    if draft_vocab == FULL_VOCAB:
+        return None
+    try:
+        return load_draft_vocab(draft_vocab)
+    except OSError as e:
+        raise ConfigError(f"head.draft_vocab={draft_vocab}: cannot read it ({e.strerror or e}); give a "
+                          f"draft-vocabulary JSON (e.g. draft_vocab/) or {FULL_VOCAB}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"head.draft_vocab={draft_vocab} is not a draft-vocabulary JSON ({e}); it needs sorted, "
+                          "unique token_ids (docs/training.md, section Draft vocabulary)") from None
 
 
 def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartition) -> SpeculationHead:
@@ -187,8 +201,16 @@ def sampling_params(cfg: ExperimentConfig, seed: int | None = None, request: int
 
 
 def eos_token_ids(cfg: ExperimentConfig, arch: TargetArch, tokenizer=None) -> list[int]:
-    """EOS ids: ``decoding.eos_token_ids`` or the union of the model's generation config, config and tokenizer EOS."""
+    """EOS ids: ``decoding.eos_token_ids`` or the union of the model's generation config, config and tokenizer EOS.
+
+    Raises:
+        ConfigError: a ``decoding.eos_token_ids`` id outside the target's vocabulary.
+    """
     if cfg.decoding.eos_token_ids is not None:
+        bad = [i for i in cfg.decoding.eos_token_ids if not 0 <= i < arch.vocab_size]
+        if bad:
+            raise ConfigError(f"decoding.eos_token_ids {bad} are outside the target's vocabulary of {arch.vocab_size} "
+                              "ids; give ids from its tokenizer, or null for the model's own")
         return list(cfg.decoding.eos_token_ids)
     ids: set[int] = set()
     gen = arch.model_dir / "generation_config.json"

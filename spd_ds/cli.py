@@ -10,6 +10,7 @@ that line. ``SPD_DEBUG=1`` prints every traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -114,12 +115,43 @@ def configure_cpu_threads(environ=None, cores: int | None = None) -> int | None:
 
 def settle_accelerator() -> None:
     """Let DeepSpeed pick its accelerator now, so that its one-time notice ("Setting accelerator to CPU ...") is
-    printed before any progress bar instead of inside one (transformers and spd-ds import DeepSpeed lazily)."""
+    printed before any progress bar instead of inside one (transformers and spd-ds import DeepSpeed lazily); DeepSpeed's
+    log lines go to stderr, as the programs' own do, so that stdout holds the answers and tables alone."""
     try:
-        from deepspeed.accelerator import get_accelerator
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed makes its logger's handler on import, on the stdout
+            from deepspeed.accelerator import get_accelerator  # of that moment, and logs the notice then
+
+            get_accelerator()
+        from deepspeed.utils import logger as ds_logger
     except ImportError:
         return
-    get_accelerator()
+    for h in ds_logger.handlers:  # DeepSpeed imported before (by another module): move its handler too
+        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
+            h.setStream(sys.stderr)
+
+
+def ensure_output_dir(path: str | os.PathLike, what: str) -> str:
+    """Create output folder ``path`` (and its parents) at the start of a run, so that a path that cannot hold the
+    results fails in one line before any model is loaded, not after the run.
+
+    Args:
+        what: how the user named it (``--out``, ``eval.output_dir``), for the message.
+    Returns:
+        ``path`` as a string.
+    Raises:
+        ConfigError: a file stands at ``path`` or above it, or the folder cannot be created or written.
+    """
+    from spd_ds.config import ConfigError
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        why = "a file stands at it or above it" if isinstance(e, (FileExistsError, NotADirectoryError)) else \
+            (e.strerror or str(e))
+        raise ConfigError(f"{what} {path} cannot be created as a folder ({why}); give another path") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {path} is not writable; give another path")
+    return str(path)
 
 
 def setup_process() -> None:

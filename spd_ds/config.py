@@ -20,6 +20,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # model.sdpa_backends (torch.backends.cuda.enable_*_sdp)
+# model.attn_implementation: transformers attention backends for the target's layers (or a hub kernel "org/repo")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3",
+                        "flash_attention_4")
 # model.sdpa_backends=None: the memory-efficient kernel for every decoding attention call on CUDA, torch's choice on CPU
 DEFAULT_SDPA_BACKENDS = {"cuda": ("efficient", "math"), "cpu": ("flash", "efficient", "math")}
 
@@ -45,7 +48,7 @@ class ModelConfig:
 
     name: str = "smollm2-135m-instruct"
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "sdpa"  # one of ATTN_IMPLEMENTATIONS, or a hub kernel "org/repo"
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: Optional[str] = None
     sdpa_backends: Optional[list[Any]] = None
@@ -306,9 +309,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
                 current = OmegaConf.select(base, key, throw_on_missing=False)
             except OmegaConfBaseException:
                 current = None
-            takes_list = ConfigError(f"override {o!r}: {key} takes a list; write it as a YAML list in quotes, e.g. "
-                                     f"{key}='[\"{value}\"]'")
             new = OmegaConf.select(parsed, key)
+            number = isinstance(new, (int, float)) and not isinstance(new, bool)
+            example = value if number else f'"{value}"'  # a number stays a number: '[2]'
+            takes_list = ConfigError(f"override {o!r}: {key} takes a list; write it as a YAML list in quotes, e.g. "
+                                     f"{key}='[{example}]'")
             if isinstance(current, ListConfig) and not isinstance(new, ListConfig):
                 raise takes_list
             if current is None and new is not None and not isinstance(new, ListConfig) and _list_field(key.split(".")):
@@ -354,6 +359,20 @@ def validate(cfg: ExperimentConfig) -> None:
         resolve_dtype(cfg.model.dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.head.dtype is not None:
+        try:
+            resolve_dtype(cfg.head.dtype)
+        except ValueError:
+            raise ConfigError(f"head.dtype={cfg.head.dtype!r} is not one of float32, bfloat16, float16 (or null for "
+                              "model.dtype)") from None
+    attn = str(cfg.model.attn_implementation)
+    if attn not in ATTN_IMPLEMENTATIONS and "/" not in attn:  # "org/repo": a kernel from the hub
+        raise ConfigError(f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)} (or a hub "
+                          f"kernel 'org/repo'), got {attn!r}")
+    if cfg.head.num_layers < 1:
+        raise ConfigError(f"head.num_layers (the tower's decoder layers, L_s) must be >= 1, got {cfg.head.num_layers}")
+    if cfg.decoding.max_length < 2:
+        raise ConfigError(f"decoding.max_length (KV positions per request) must be >= 2, got {cfg.decoding.max_length}")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.model.device)):
         raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {cfg.model.device!r}")
     backends = cfg.model.sdpa_backends

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -203,3 +204,20 @@ def test_closed_stdout_ends_quietly():
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_output_folder_is_made_or_refused_in_one_line_before_the_run(tmp_path):
+    """``ensure_output_dir``: a bad output path fails at the start (ConfigError naming the option), not after the run;
+    the DeepSpeed logger writes to stderr, so stdout keeps the answers and tables alone."""
+    assert cli.ensure_output_dir(tmp_path / "a" / "b", "--out") == str(tmp_path / "a" / "b")
+    assert (tmp_path / "a" / "b").is_dir()
+    (tmp_path / "file").write_text("")
+    for bad in (tmp_path / "file", tmp_path / "file" / "below"):
+        with pytest.raises(ConfigError, match=r"^--out .* cannot be created as a folder \(a file stands at it"):
+            cli.ensure_output_dir(bad, "--out")
+    code = ("from spd_ds.cli import settle_accelerator; settle_accelerator(); "
+            "from deepspeed.utils import logger; logger.warning('a-later-deepspeed-warning')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout == "" and "a-later-deepspeed-warning" in p.stderr

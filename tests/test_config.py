@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,21 @@ def test_bad_values():
     with pytest.raises(ConfigError, match="model.device must be auto, cpu, cuda or cuda:N, got 'gpu'"):
         load_config(None, ["model.device=gpu"])
     assert load_config(None, ["model.device=cuda:1"]).model.device == "cuda:1"  # checked against torch when used
+    with pytest.raises(ConfigError, match="head.dtype='fp8' is not one of float32, bfloat16, float16"):
+        load_config(None, ["head.dtype=fp8"])
+    assert load_config(None, ["head.dtype=bfloat16"]).head.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="head.num_layers .* must be >= 1, got 0"):
+        load_config(None, ["head.num_layers=0"])
+    with pytest.raises(ConfigError, match="model.attn_implementation must be one of sdpa, eager"):
+        load_config(None, ["model.attn_implementation=flashx"])
+    assert load_config(None, ["model.attn_implementation=eager"]).model.attn_implementation == "eager"
+    with pytest.raises(ConfigError, match="decoding.max_length .* must be >= 2, got 0"):
+        load_config(None, ["decoding.max_length=0"])
+    # a list override given a scalar: the example keeps a number a number, a string a string
+    with pytest.raises(ConfigError, match=re.escape("e.g. decoding.eos_token_ids='[2]'")):
+        load_config(None, ["decoding.eos_token_ids=2"])
+    with pytest.raises(ConfigError, match=re.escape("""e.g. decoding.stop='["User:"]'""")):
+        load_config(None, ["decoding.stop=User:"])
 
 
 def test_bad_config_files_are_one_line_errors(tmp_path):

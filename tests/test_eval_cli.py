@@ -206,3 +206,38 @@ def test_heads_sweep_script_eval_phase_on_cpu(tmp_path, smollm2_dir):
     assert rows[0]["equivalent_accept_length"] >= 1.0 and set(rows[0]["eq_accept_len_by_set"]) == {"mt_bench",
                                                                                                  "humaneval"}
     assert "| 2 | SPD |" in (tmp_path / "out" / "suite_c.md").read_text()
+
+
+def test_benchmark_head_patterns_are_checked_before_any_suite(tmp_path):
+    """A head pattern with another placeholder than {n}, or one that names no checkpoint for any n the run asks it for,
+    is refused (a typo would benchmark untrained heads); one that names some n is fine."""
+    from spd_ds.config import ConfigError
+    from spd_ds.eval.benchmark import check_head_pattern
+
+    (tmp_path / "n3").mkdir()
+    (tmp_path / "n3" / "head_config.json").write_text("{}")
+    check_head_pattern(str(tmp_path / "n{n}"), "--spd-head", [2, 3])  # n = 3 exists: the others warn later
+    check_head_pattern(None, "--spd-head", [2])
+    with pytest.raises(ConfigError, match=r"--spd-head .* names no head checkpoint at n = 2, 5 \(no head_config.json"):
+        check_head_pattern(str(tmp_path / "n{n}"), "--spd-head", [2, 5])
+    with pytest.raises(ConfigError, match=r"--ppsd-head .* may hold only the placeholder \{n\}"):
+        check_head_pattern(str(tmp_path / "n{N}"), "--ppsd-head", [3])
+
+
+def test_benchmark_refuses_before_the_first_suite(tmp_path):
+    """Suite b's 4B default shape on CPU, and an n of suite c the model cannot split, are one-line errors before any
+    suite runs (nothing is written under --out but the folder)."""
+    shape = make_random_shape(tmp_path)
+    p = run(["launch/benchmark.py", "--suite", "b", "--out", str(tmp_path / "b")], timeout=300)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "needs a GPU; on CPU add --model-b random:smollm2-135m" in last, p.stderr[-2000:]
+    p = run(["launch/benchmark.py", "--suite", "c", "--stages", "2", "40", "--out", str(tmp_path / "c"),
+             f"model.name={shape}", "eval.prompt_sets=[random]", "eval.progress=false"], timeout=300)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "partition.num_stages=40 exceeds" in last, p.stderr[-2000:]
+    assert list((tmp_path / "c").iterdir()) == []  # n = 2 did not run first
+    (tmp_path / "afile").write_text("")  # eval: an output folder below a file fails before the model (none here)
+    p = run(["launch/eval.py", *tiny(tmp_path / "no_model_here", tmp_path / "afile" / "out")], timeout=300)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and last.startswith("error: eval.output_dir ") and "a file stands at it" in last, \
+        p.stderr[-2000:]

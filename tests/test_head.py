@@ -126,7 +126,9 @@ def test_head_draft_vocab_config_for_a_loaded_head(arch, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert load("own", "head.draft_vocab=full").draft_ids.tolist() == ids
     assert "stores its own LM head" in caplog.text
-    # the engine's every-rank check before any collective: the same vocabulary errors, `full` passes
+    # the engine's every-rank check before any collective: the same vocabulary errors (naming head.draft_vocab),
+    # `full` passes
+    from spd_ds.config import ConfigError
     from spd_ds.pipe.runner import _precheck_head
 
     bad = tmp_path / "bad.json"
@@ -138,9 +140,9 @@ def test_head_draft_vocab_config_for_a_loaded_head(arch, tmp_path, caplog):
 
     precheck("full")
     precheck(vocab)
-    with pytest.raises(ValueError, match="sorted"):
+    with pytest.raises(ConfigError, match=r"head.draft_vocab=.*bad.json is not a draft-vocabulary JSON .*sorted"):
         precheck(bad)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError, match=r"head.draft_vocab=.*none.json: cannot read it \(No such file"):
         precheck(tmp_path / "none.json")
 
 

@@ -230,3 +230,34 @@ def test_progress_line_names_the_pass_and_counts_prompts(capsys):
     bar.close()
     assert "12 tokens" in capsys.readouterr().err
     assert not _Progress(num_prompts=0, passes=2, enabled=True).enabled
+
+
+def test_output_path_under_a_file_is_an_error_before_the_model(tmp_path):
+    """``--output`` that cannot be written: one line, exit 2, before any model is resolved (none exists here)."""
+    (tmp_path / "afile").write_text("")
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi",
+             "--output", str(tmp_path / "afile" / "out.jsonl"), f"model.name={tmp_path / 'no_model_here'}"],
+            timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --output's folder ") and "a file stands at it" in last
+    assert "no_model_here" not in r.stderr
+
+
+@pytest.mark.slow
+def test_bad_inputs_known_before_decoding_are_one_line_errors(smollm2_dir, tmp_path):
+    """A prompt too long for the KV capacity fails before the target's weights load; a missing draft vocabulary and
+    an EOS id outside the vocabulary name their keys."""
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi " * 40,
+             "decoding.max_length=64"], timeout=300)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("error: [prompt0] prompt of ") and "exceeds the context of 64" in last
+    assert "layers in" not in r.stderr  # the target was never built (its log line names its stages)
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi",
+             f"head.draft_vocab={tmp_path / 'nope.json'}"], timeout=300)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and f"head.draft_vocab={tmp_path / 'nope.json'}: cannot read it" in last, r.stderr[-2000:]
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi",
+             "decoding.eos_token_ids=[2,999999]"], timeout=300)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "decoding.eos_token_ids [999999] are outside the target's vocabulary of 49152" in last

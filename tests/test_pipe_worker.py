@@ -151,7 +151,9 @@ def run_job(job, tiny_root: Path) -> dict | None:
     if "eos_at" in job:  # an EOS that is accepted while later drafts are still in flight: the first token at or
         ar = single_process_ar(cfg, prompts[0], max_new)  # after eos_at that did not occur before
         eos_index = next(i for i in range(job["eos_at"], len(ar)) if ar[i] not in ar[:i])
-        cfg.decoding.eos_token_ids = [ar[eos_index], 10 ** 6]
+        vocab = json.loads((Path(cfg.model.name) / "config.json").read_text())["vocab_size"]
+        unused = next(t for t in range(vocab - 1, -1, -1) if t not in ar)  # a second EOS id that never comes
+        cfg.decoding.eos_token_ids = [ar[eos_index], unused]
     if job.get("fault") and job["fault"]["rank"] == rank:
         install_fault(job["fault"])
     static = job.get("head_drafter") == "static"

@@ -300,7 +300,7 @@ def test_prediction_matches_the_decoder_smollm2_shipped_head(smollm2_dir, smollm
     """The shipped SmolLM2 n = 2 head (loaded through spd_ds.builder), five demo prompts, 64 new tokens, fp32 CPU.
 
     About 30 s of CPU time on one thread (the reference decoder's ~450 cycles), more wall time on a busy machine:
-    hence the slow tier. Recorded for the two-layer head shipped 2026-12-02 (19,060 steps, drafting over the whole
+    hence the slow tier. Recorded for the two-layer head shipped 2026-12-02 (18,957 steps, drafting over the whole
     vocabulary): a = (0.548, 0.514), measured α 0.537 / L' 1.382 over 259 drafts, predicted 0.530 / 1.377 (finite
     horizon), stationary 0.530 / 1.360
     (no loops in these 64-token answers: the loop-free figures are the same).

@@ -45,13 +45,14 @@ import time
 from pathlib import Path
 
 
-from spd_ds.cli import chosen_engine, experiment_parser, run_cli, setup_process
+from spd_ds.cli import chosen_engine, ensure_output_dir, experiment_parser, run_cli, setup_process
 from spd_ds.pipe.topology import detect_world_size
 
 
 log = logging.getLogger("spd_ds.benchmark")
 
 
+DEFAULT_MODEL_B = "random:qwen3-4b"  # suite b's target shape (4B parameters: a GPU's)
 OVERRIDE_WORD = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_][\w.]*=")  # section.key=value (no path has this start)
 
 
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "'spd_ds/assets/heads/smollm2-135m-instruct-n{n}' (default: suite a uses that shipped n=2 head, "
                     "suite c untrained heads, or none where --ppsd-head names one)")
     ap.add_argument("--ppsd-head", help="PPSD head checkpoint path pattern with {n} (suite c; default: no PPSD row)")
-    ap.add_argument("--model-b", default="random:qwen3-4b",
+    ap.add_argument("--model-b", default=DEFAULT_MODEL_B,
                     help="random-weight shape of suite b (default: %(default)s; random:smollm2-135m fits a CPU)")
     ap.add_argument("--alphas", nargs="+", type=float, default=[1.0, 0.8, 0.6],
                     help="oracle alphas of suite b (default: %(default)s)")
@@ -127,15 +128,21 @@ def _main(argv=None) -> int:
     setup_process()
     import torch
 
+    from spd_ds import builder
+    from spd_ds.config import ConfigError
     from spd_ds.eval import benchmark as bm
+    from spd_ds.eval.inputs import resolve_model_name
     from spd_ds.eval.report import summarize, write_reports
     from spd_ds.eval.runner import run_baselines, run_eval
 
     world = detect_world_size()
     engine = chosen_engine(args.engine)
-    out = Path(args.out)
+    out = Path(ensure_output_dir(args.out, "--out"))
     cuda = bm.is_cuda_run()
     suites = args.suite or bm.default_suites(cuda)
+    if "b" in suites and not cuda and args.model_b == DEFAULT_MODEL_B:
+        raise ConfigError(f"suite b's default model {DEFAULT_MODEL_B} (4B parameters, ~16 GB in fp32) needs a GPU; on "
+                          "CPU add --model-b random:smollm2-135m")
     if args.suite is None and not cuda:
         log.info("no GPU: suites a and c; suite b needs a GPU (its default model is 4B parameters; on CPU run it small "
                  "with --suite b --model-b random:smollm2-135m)")
@@ -155,6 +162,8 @@ def _main(argv=None) -> int:
                 log.warning("suite %s (%s): no tp_ar baseline: %s", sr.suite, sr.label, tp_why)
     t0 = time.time()
     cfgs = [bm.config_of(sr, args.config) for sr in runs]
+    for cfg in cfgs:  # every suite's partition and head against its model, before the first suite runs
+        builder.build_partition(cfg, builder.build_arch(resolve_model_name(cfg)))
     piped = [k for k, sr in enumerate(runs) if engine == "deepspeed" and sr.suite in ("a", "b")]
     head = int(os.environ.get("RANK", "0")) == 0
     if not piped and not head:  # e.g. suite c under the launcher: the head rank alone runs it

@@ -27,8 +27,9 @@ from pathlib import Path
 
 
 from spd_ds import builder
-from spd_ds.cli import chosen_engine, experiment_parser, run_cli, setup_process
+from spd_ds.cli import chosen_engine, ensure_output_dir, experiment_parser, run_cli, setup_process
 from spd_ds.config import ConfigError, load_config, validate
+from spd_ds.decoding.cycle import PromptError, check_prompt
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_accept_length, pooled_decode_tok_s
 from spd_ds.pipe.topology import detect_world_size
 
@@ -214,6 +215,18 @@ class _Streamer:
             self.open = False
 
 
+def check_output_file(path: str) -> None:
+    """Create ``--output``'s folder now and refuse a folder at ``path`` itself, so that a bad path fails in one line
+    before the model loads rather than after every answer has been generated.
+
+    Raises:
+        ConfigError: ``path`` is a folder, or its folder cannot be created or written (:func:`ensure_output_dir`).
+    """
+    if os.path.isdir(path):
+        raise ConfigError(f"--output {path} is a folder; give a file path for the JSONL answers, e.g. {path}/out.jsonl")
+    ensure_output_dir(os.path.dirname(path) or ".", "--output's folder")
+
+
 def _main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -223,12 +236,21 @@ def _main(argv=None) -> int:
         cfg.decoding.stop = [*cfg.decoding.stop, *args.stop]
         validate(cfg)
     prompts = load_prompt_texts(cfg, args)  # before any model is fetched or loaded: an empty set fails here
+    if args.output:
+        check_output_file(args.output)
     world = detect_world_size()
     engine = chosen_engine(args.engine)
 
     arch = builder.build_arch(cfg)
     tok = builder.load_tokenizer(arch)
     ids = [builder.encode_prompt(tok, text, cfg.decoding.chat_template) for _, text in prompts]
+    p = cfg.partition
+    n = len(p.stage_layers) if p.stage_layers else p.num_stages
+    for (qid, _), prompt in zip(prompts, ids):  # before the weights load: the decoders check again, with the same rule
+        try:
+            check_prompt(prompt, cfg.decoding.max_new_tokens, min(cfg.decoding.max_length, arch.max_positions), n)
+        except PromptError as e:
+            raise PromptError(f"[{qid}] {e}") from None
     head_rank = int(os.environ.get("RANK", "0")) == 0
     bar = _Progress(len(ids), 2 if args.compare_ar else 1, args.progress and head_rank and not args.stream)
     streamer = _Streamer(tok, prompts, builder.stop_strings(cfg, tok)) if args.stream and head_rank else None

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from spd_ds.config import DEFAULT_PROMPT_SETS, ExperimentConfig, load_config
+from spd_ds.config import DEFAULT_PROMPT_SETS, ConfigError, ExperimentConfig, load_config
 from spd_ds.eval.regression import DEFAULT_HEAD_DIR
 from spd_ds.eval.report import REPEAT_NGRAM
 
@@ -60,6 +60,27 @@ def _head_for(pattern: str | None, n: int, missing: str = "") -> str | None:
     return None
 
 
+def check_head_pattern(pattern: str | None, flag: str, stages: Sequence[int]) -> None:
+    """Refuse a head path pattern (``--spd-head``, ``--ppsd-head``) that is malformed or names no head checkpoint for
+    any of the ``stages`` the run asks it for (a typo would otherwise benchmark untrained heads); one that names some
+    of them is fine (the others warn in :func:`_head_for`).
+
+    Raises:
+        ConfigError: a placeholder other than ``{n}``, an unbalanced brace, or no ``head_config.json`` at any n.
+    """
+    if not pattern or not stages:
+        return
+    try:
+        dirs = [Path(pattern.format(n=n)) for n in stages]
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"{flag} {pattern!r}: a head pattern may hold only the placeholder {{n}}, the stage count "
+                          f"(e.g. 'runs/heads/n{{n}}'), not {e}") from None
+    if not any((d / "head_config.json").is_file() for d in dirs):
+        where = ", ".join(dict.fromkeys(str(d) for d in dirs))
+        raise ConfigError(f"{flag} {pattern!r} names no head checkpoint at n = {', '.join(map(str, stages))} (no "
+                          f"head_config.json in {where}); check the path, or leave {flag} out")
+
+
 def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None, ppsd_head: str | None = None,
                model_b: str = "random:qwen3-4b", alphas: Sequence[float] = (1.0, 0.8, 0.6),
                stages_c: Sequence[int] = (2, 3, 5, 6), num_prompts: int = 4, max_new_tokens: int = 128,
@@ -75,7 +96,13 @@ def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None
         model_b: the random-weight shape of suite b (``random:smollm2-135m`` makes it CPU-sized).
         num_prompts: per prompt set; ``baseline_prompts``: per set for the baselines (``None`` = all).
         prompt_sets: the prompt sets of suites a and c (suite b uses random token prompts).
+
+    Raises:
+        ConfigError: a head pattern that is malformed or names no checkpoint (:func:`check_head_pattern`).
     """
+    spd_stages = ([2] if "a" in suites else []) + (list(stages_c) if "c" in suites else [])
+    check_head_pattern(spd_head, "--spd-head", spd_stages)
+    check_head_pattern(ppsd_head, "--ppsd-head", list(stages_c) if "c" in suites else [])
     sets = "[" + ",".join(prompt_sets) + "]"
     dtype = "bfloat16" if cuda else "float32"
     common = [f"decoding.max_new_tokens={max_new_tokens}", "decoding.temperature=0", f"data.num_prompts={num_prompts}",

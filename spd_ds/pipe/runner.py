@@ -102,7 +102,8 @@ def _precheck_head(cfg: ExperimentConfig, arch) -> None:
     (only the head rank builds the head, after the process group exists).
 
     Raises:
-        FileNotFoundError / HeadMismatchError / ValueError: as ``builder.build_head`` would on the head rank.
+        FileNotFoundError / HeadMismatchError / ValueError / ConfigError: as ``builder.build_head`` would on the head
+            rank.
     """
     from spd_ds.builder import draft_vocab_ids
     from spd_ds.head import SpeculationHead
