@@ -106,7 +106,8 @@ def build_arch(cfg: ExperimentConfig, *, decoding: bool = True) -> TargetArch:
 
 
 def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
-    """The run's partition. With a head checkpoint and no explicit partition, the checkpoint's partition is used.
+    """The run's partition (``partition.num_stages`` or ``stage_layers``, and ``anchors``); with a head checkpoint it
+    must be the one the head was trained for.
 
     Raises:
         ConfigError: invalid partition, or one that disagrees with the head checkpoint.
@@ -147,9 +148,14 @@ def draft_vocab_ids(draft_vocab: str) -> list[int] | None:
     except OSError as e:
         raise ConfigError(f"head.draft_vocab={draft_vocab}: cannot read it ({e.strerror or e}); give a "
                           f"draft-vocabulary JSON (e.g. draft_vocab/) or {FULL_VOCAB}") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"head.draft_vocab={draft_vocab} is not a draft-vocabulary JSON ({e}); it needs sorted, "
-                          "unique token_ids (docs/training.md, section Draft vocabulary)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"head.draft_vocab={draft_vocab} is not JSON ({e}); give a draft-vocabulary JSON "
+                          "(docs/training.md, section Draft vocabulary)") from None
+    except KeyError as e:
+        raise ConfigError(f"head.draft_vocab={draft_vocab} has no {e} list; a draft-vocabulary JSON holds token_ids "
+                          "(docs/training.md, section Draft vocabulary)") from None
+    except (ValueError, TypeError) as e:  # load_draft_vocab's messages name the file and what is wrong
+        raise ConfigError(f"head.draft_vocab: {e}") from None
 
 
 def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartition) -> SpeculationHead:
@@ -159,7 +165,7 @@ def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartitio
     (:meth:`~spd_ds.head.SpeculationHead.set_draft_vocab`; ``full`` = every id), another head ignores it (warning).
 
     Raises:
-        ValueError: a bad draft vocabulary. ConfigError: a bad ``head.tower_init_layer`` (see
+        ConfigError: a bad ``head.draft_vocab`` (:func:`draft_vocab_ids`) or ``head.tower_init_layer`` (see
             :meth:`~spd_ds.head.SpeculationHead.init_tower_from_layer`). The checkpoint loader's errors.
     """
     cfg.head.checkpoint = resolve_path(cfg.head.checkpoint)

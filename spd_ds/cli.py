@@ -135,6 +135,7 @@ def ensure_output_dir(path: str | os.PathLike, what: str) -> str:
     results fails in one line before any model is loaded, not after the run.
 
     Args:
+        path: the folder (relative to the working directory or absolute).
         what: how the user named it (``--out``, ``eval.output_dir``), for the message.
     Returns:
         ``path`` as a string.

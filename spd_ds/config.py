@@ -20,7 +20,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # model.sdpa_backends (torch.backends.cuda.enable_*_sdp)
-# model.attn_implementation: transformers attention backends for the target's layers (or a hub kernel "org/repo")
+# model.attn_implementation: transformers attention backends for the target's layers (also accepted: a hub kernel
+# "org/repo" and any name transformers has registered, ``paged|`` variants included)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3",
                         "flash_attention_4")
 # model.sdpa_backends=None: the memory-efficient kernel for every decoding attention call on CUDA, torch's choice on CPU
@@ -351,6 +352,14 @@ def _load_yaml(p: Path):
     return loaded
 
 
+def _registered_attention(name: str) -> bool:
+    """Whether transformers knows attention backend ``name`` (its built-in ones, ``paged|...`` variants and any
+    registered with ``AttentionInterface.register``); imported only for names outside :data:`ATTN_IMPLEMENTATIONS`."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return name.removeprefix("paged|") in {*ALL_ATTENTION_FUNCTIONS.valid_keys(), "eager"}
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Cheap checks that need no model (more happen when the model is known). Raises ConfigError."""
     from spd_ds.models.adapter import resolve_dtype
@@ -366,9 +375,10 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"head.dtype={cfg.head.dtype!r} is not one of float32, bfloat16, float16 (or null for "
                               "model.dtype)") from None
     attn = str(cfg.model.attn_implementation)
-    if attn not in ATTN_IMPLEMENTATIONS and "/" not in attn:  # "org/repo": a kernel from the hub
+    if attn not in ATTN_IMPLEMENTATIONS and "/" not in attn and not _registered_attention(attn):
         raise ConfigError(f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)} (or a hub "
-                          f"kernel 'org/repo'), got {attn!r}")
+                          f"kernel 'org/repo', or a name registered with transformers' AttentionInterface), got "
+                          f"{attn!r}")
     if cfg.head.num_layers < 1:
         raise ConfigError(f"head.num_layers (the tower's decoder layers, L_s) must be >= 1, got {cfg.head.num_layers}")
     if cfg.decoding.max_length < 2:

@@ -221,3 +221,7 @@ def test_output_folder_is_made_or_refused_in_one_line_before_the_run(tmp_path):
                        env={k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout == "" and "a-later-deepspeed-warning" in p.stderr
+    # DeepSpeed imported before (its notice went to stdout then): the handler is moved, later lines go to stderr
+    p = subprocess.run([sys.executable, "-c", "import deepspeed; " + code], capture_output=True, text=True,
+                       timeout=120, env={k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"})
+    assert p.returncode == 0 and "a-later-deepspeed-warning" in p.stderr and "a-later" not in p.stdout, p.stderr[-2000:]

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 THREE_KV = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}  # SmolLM2's 3 KV heads: 2 + 1
 
 
-def run(args, timeout=600, launcher=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+def run(args, timeout=600, launcher=None, **env_over):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env_over)
     cmd = (launcher or [sys.executable]) + args
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -228,7 +228,8 @@ def test_benchmark_refuses_before_the_first_suite(tmp_path):
     """Suite b's 4B default shape on CPU, and an n of suite c the model cannot split, are one-line errors before any
     suite runs (nothing is written under --out but the folder)."""
     shape = make_random_shape(tmp_path)
-    p = run(["launch/benchmark.py", "--suite", "b", "--out", str(tmp_path / "b")], timeout=300)
+    p = run(["launch/benchmark.py", "--suite", "b", "--out", str(tmp_path / "b")], timeout=300,
+            CUDA_VISIBLE_DEVICES="")  # a CPU run on any host
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and "needs a GPU; on CPU add --model-b random:smollm2-135m" in last, p.stderr[-2000:]
     p = run(["launch/benchmark.py", "--suite", "c", "--stages", "2", "40", "--out", str(tmp_path / "c"),
@@ -236,6 +237,9 @@ def test_benchmark_refuses_before_the_first_suite(tmp_path):
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and "partition.num_stages=40 exceeds" in last, p.stderr[-2000:]
     assert list((tmp_path / "c").iterdir()) == []  # n = 2 did not run first
+    p = run(["launch/eval.py", *tiny(shape, tmp_path / "eos", "decoding.eos_token_ids=[999999]")], timeout=300)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "decoding.eos_token_ids [999999] are outside the target's vocabulary" in last
     (tmp_path / "afile").write_text("")  # eval: an output folder below a file fails before the model (none here)
     p = run(["launch/eval.py", *tiny(tmp_path / "no_model_here", tmp_path / "afile" / "out")], timeout=300)
     last = p.stderr.strip().splitlines()[-1]

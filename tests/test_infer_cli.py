@@ -242,14 +242,18 @@ def test_output_path_under_a_file_is_an_error_before_the_model(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --output's folder ") and "a file stands at it" in last
     assert "no_model_here" not in r.stderr
+    # an existing writable file is fine (/dev/null here): the run goes on to the model, which does not exist
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi", "--output", os.devnull,
+             f"model.name={tmp_path / 'no_model_here'}"], timeout=300)
+    assert r.returncode == 2 and "no_model_here" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_bad_inputs_known_before_decoding_are_one_line_errors(smollm2_dir, tmp_path):
     """A prompt too long for the KV capacity fails before the target's weights load; a missing draft vocabulary and
     an EOS id outside the vocabulary name their keys."""
-    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi " * 40,
-             "decoding.max_length=64"], timeout=300)
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi " * 60,
+             "decoding.max_length=64", "decoding.max_new_tokens=8"], timeout=300)  # 8 + 2 fit: the prompt does not
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith("error: [prompt0] prompt of ") and "exceeds the context of 64" in last
     assert "layers in" not in r.stderr  # the target was never built (its log line names its stages)

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 
-from spd_ds.cli import chosen_engine, ensure_output_dir, experiment_parser, run_cli, setup_process
+from spd_ds.cli import chosen_engine, ensure_output_dir, experiment_parser, rank_and_world, run_cli, setup_process
 from spd_ds.pipe.topology import detect_world_size
 
 
@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "'spd_ds/assets/heads/smollm2-135m-instruct-n{n}' (default: suite a uses that shipped n=2 head, "
                     "suite c untrained heads, or none where --ppsd-head names one)")
     ap.add_argument("--ppsd-head", help="PPSD head checkpoint path pattern with {n} (suite c; default: no PPSD row)")
-    ap.add_argument("--model-b", default=DEFAULT_MODEL_B,
-                    help="random-weight shape of suite b (default: %(default)s; random:smollm2-135m fits a CPU)")
+    ap.add_argument("--model-b", default=None,
+                    help=f"random-weight shape of suite b (default: {DEFAULT_MODEL_B}, which needs a GPU: without one "
+                         "suite b stops unless --model-b is given; random:smollm2-135m fits a CPU)")
     ap.add_argument("--alphas", nargs="+", type=float, default=[1.0, 0.8, 0.6],
                     help="oracle alphas of suite b (default: %(default)s)")
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 5, 6], help="n values of suite c (default: "
@@ -137,17 +138,20 @@ def _main(argv=None) -> int:
 
     world = detect_world_size()
     engine = chosen_engine(args.engine)
-    out = Path(ensure_output_dir(args.out, "--out"))
+    out = Path(args.out)
+    if rank_and_world()[0] == 0:  # the rank that writes the tables: before any suite runs, not after them
+        ensure_output_dir(out, "--out")
     cuda = bm.is_cuda_run()
     suites = args.suite or bm.default_suites(cuda)
-    if "b" in suites and not cuda and args.model_b == DEFAULT_MODEL_B:
+    if "b" in suites and not cuda and args.model_b is None:
         raise ConfigError(f"suite b's default model {DEFAULT_MODEL_B} (4B parameters, ~16 GB in fp32) needs a GPU; on "
-                          "CPU add --model-b random:smollm2-135m")
+                          "CPU add --model-b random:smollm2-135m (or --model-b random:qwen3-4b to run it anyway)")
+    model_b = args.model_b or DEFAULT_MODEL_B
     if args.suite is None and not cuda:
         log.info("no GPU: suites a and c; suite b needs a GPU (its default model is 4B parameters; on CPU run it small "
                  "with --suite b --model-b random:smollm2-135m)")
     runs = bm.suite_runs(suites, cuda=cuda, spd_head=args.spd_head, ppsd_head=args.ppsd_head,
-                         model_b=args.model_b, alphas=args.alphas, stages_c=args.stages, num_prompts=args.num_prompts,
+                         model_b=model_b, alphas=args.alphas, stages_c=args.stages, num_prompts=args.num_prompts,
                          max_new_tokens=args.max_new_tokens, baseline_prompts=args.baseline_prompts or None,
                          prompt_sets=args.prompt_sets, extra=args.overrides)
     for sr in runs:
@@ -162,7 +166,7 @@ def _main(argv=None) -> int:
                 log.warning("suite %s (%s): no tp_ar baseline: %s", sr.suite, sr.label, tp_why)
     t0 = time.time()
     cfgs = [bm.config_of(sr, args.config) for sr in runs]
-    for cfg in cfgs:  # every suite's partition and head against its model, before the first suite runs
+    for cfg in cfgs:  # every suite's partition (and its head's) against its model, before the first suite runs
         builder.build_partition(cfg, builder.build_arch(resolve_model_name(cfg)))
     piped = [k for k, sr in enumerate(runs) if engine == "deepspeed" and sr.suite in ("a", "b")]
     head = int(os.environ.get("RANK", "0")) == 0

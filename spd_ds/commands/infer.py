@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 from spd_ds import builder
-from spd_ds.cli import chosen_engine, ensure_output_dir, experiment_parser, run_cli, setup_process
+from spd_ds.cli import chosen_engine, ensure_output_dir, experiment_parser, rank_and_world, run_cli, setup_process
 from spd_ds.config import ConfigError, load_config, validate
 from spd_ds.decoding.cycle import PromptError, check_prompt
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_accept_length, pooled_decode_tok_s
@@ -216,14 +216,22 @@ class _Streamer:
 
 
 def check_output_file(path: str) -> None:
-    """Create ``--output``'s folder now and refuse a folder at ``path`` itself, so that a bad path fails in one line
-    before the model loads rather than after every answer has been generated.
+    """Check ``--output`` now, so that a bad path fails in one line before the model loads rather than after every
+    answer has been generated: an existing file must be writable (``/dev/stdout`` is fine), a new one's folder is
+    created (:func:`~spd_ds.cli.ensure_output_dir`); a folder at ``path`` itself is refused. Call it on the rank
+    that writes the answers (rank 0) alone: on several nodes the other ranks' file systems are not the one it
+    writes to.
 
     Raises:
-        ConfigError: ``path`` is a folder, or its folder cannot be created or written (:func:`ensure_output_dir`).
+        ConfigError: ``path`` is a folder or a file that cannot be written, or its folder cannot be created or
+            written.
     """
     if os.path.isdir(path):
         raise ConfigError(f"--output {path} is a folder; give a file path for the JSONL answers, e.g. {path}/out.jsonl")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"--output {path} exists and is not writable; give another path")
+        return
     ensure_output_dir(os.path.dirname(path) or ".", "--output's folder")
 
 
@@ -236,7 +244,7 @@ def _main(argv=None) -> int:
         cfg.decoding.stop = [*cfg.decoding.stop, *args.stop]
         validate(cfg)
     prompts = load_prompt_texts(cfg, args)  # before any model is fetched or loaded: an empty set fails here
-    if args.output:
+    if args.output and rank_and_world()[0] == 0:  # the rank that writes it
         check_output_file(args.output)
     world = detect_world_size()
     engine = chosen_engine(args.engine)
@@ -246,9 +254,13 @@ def _main(argv=None) -> int:
     ids = [builder.encode_prompt(tok, text, cfg.decoding.chat_template) for _, text in prompts]
     p = cfg.partition
     n = len(p.stage_layers) if p.stage_layers else p.num_stages
-    for (qid, _), prompt in zip(prompts, ids):  # before the weights load: the decoders check again, with the same rule
+    max_len = min(cfg.decoding.max_length, arch.max_positions)
+    oracle_ar = cfg.decoding.drafter == "oracle" and engine == "reference"  # AR makes max_new + n reference tokens
+    for (qid, _), prompt in zip(prompts, ids):  # before the weights load, by the decoders' own rule (check_prompt)
         try:
-            check_prompt(prompt, cfg.decoding.max_new_tokens, min(cfg.decoding.max_length, arch.max_positions), n)
+            check_prompt(prompt, cfg.decoding.max_new_tokens, max_len, n)
+            if oracle_ar:
+                check_prompt(prompt, cfg.decoding.max_new_tokens + n, max_len, 1)
         except PromptError as e:
             raise PromptError(f"[{qid}] {e}") from None
     head_rank = int(os.environ.get("RANK", "0")) == 0

@@ -231,6 +231,8 @@ def prepare(cfg: ExperimentConfig):
     tok = None if getattr(arch, "random_weights", False) else builder.load_tokenizer(arch)
     if cfg.decoding.eos_token_ids is None:
         cfg.decoding.eos_token_ids = [] if tok is None else builder.eos_token_ids(cfg, arch, tok)
+    else:
+        builder.eos_token_ids(cfg, arch)  # refuses ids outside the vocabulary
     if tok is None and any(recs is not None for _, recs in sets):
         load_eval_records(cfg, tokenizer_free=True)  # raises the one-line error for the first named set
     prompts = encode_eval_prompts(cfg, sets, tok, arch.vocab_size)
