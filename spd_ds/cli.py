@@ -130,6 +130,15 @@ def settle_accelerator() -> None:
             h.setStream(sys.stderr)
 
 
+def checks_outputs(environ=None) -> bool:
+    """Whether this rank checks the run's output paths at its start (:func:`ensure_output_dir`): every rank of a
+    one-node run (they share its file system, so a bad path stops them all, one line each, before any collective),
+    and across nodes rank 0 alone, the rank that writes the results (another node's file system may differ; the
+    launcher ends the ranks of rank 0's node, and the other nodes' ranks stop at the rendezvous timeout)."""
+    rank, world = rank_and_world(environ)
+    return rank == 0 or local_world_size(environ) >= world
+
+
 def ensure_output_dir(path: str | os.PathLike, what: str) -> str:
     """Create output folder ``path`` (and its parents) at the start of a run, so that a path that cannot hold the
     results fails in one line before any model is loaded, not after the run.

@@ -225,3 +225,10 @@ def test_output_folder_is_made_or_refused_in_one_line_before_the_run(tmp_path):
     p = subprocess.run([sys.executable, "-c", "import deepspeed; " + code], capture_output=True, text=True,
                        timeout=120, env={k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"})
     assert p.returncode == 0 and "a-later-deepspeed-warning" in p.stderr and "a-later" not in p.stdout, p.stderr[-2000:]
+
+
+def test_output_paths_are_checked_by_every_rank_of_one_node_and_by_rank_0_across_nodes():
+    one_node = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "2"}
+    assert cli.checks_outputs({}) and cli.checks_outputs(one_node)
+    assert cli.checks_outputs({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_SIZE": "2"})
+    assert not cli.checks_outputs({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_SIZE": "2"})

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 
-from spd_ds.cli import chosen_engine, ensure_output_dir, experiment_parser, rank_and_world, run_cli, setup_process
+from spd_ds.cli import checks_outputs, chosen_engine, ensure_output_dir, experiment_parser, run_cli, setup_process
 from spd_ds.pipe.topology import detect_world_size
 
 
@@ -139,7 +139,7 @@ def _main(argv=None) -> int:
     world = detect_world_size()
     engine = chosen_engine(args.engine)
     out = Path(args.out)
-    if rank_and_world()[0] == 0:  # the rank that writes the tables: before any suite runs, not after them
+    if checks_outputs():  # before any suite runs, not after them (spd_ds.cli.checks_outputs: which ranks)
         ensure_output_dir(out, "--out")
     cuda = bm.is_cuda_run()
     suites = args.suite or bm.default_suites(cuda)

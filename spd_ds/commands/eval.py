@@ -28,7 +28,7 @@ import os
 import sys
 
 
-from spd_ds.cli import ensure_output_dir, experiment_parser, rank_and_world, run_cli, setup_process
+from spd_ds.cli import checks_outputs, ensure_output_dir, experiment_parser, run_cli, setup_process
 from spd_ds.config import load_config
 
 log = logging.getLogger("spd_ds.eval")
@@ -57,7 +57,7 @@ def _main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     setup_process()
     cfg = load_config(args.config, args.overrides)
-    if rank_and_world()[0] == 0:  # the rank that writes the reports: before the model loads, not after the run
+    if checks_outputs():  # before the model loads, not after the run (spd_ds.cli.checks_outputs: which ranks)
         ensure_output_dir(cfg.eval.output_dir, "eval.output_dir")
     from spd_ds.eval.report import bandwidth_line, exactness_lines, summary_table, write_reports
     from spd_ds.eval.runner import run_eval

@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 from spd_ds import builder
-from spd_ds.cli import chosen_engine, ensure_output_dir, experiment_parser, rank_and_world, run_cli, setup_process
+from spd_ds.cli import checks_outputs, chosen_engine, ensure_output_dir, experiment_parser, run_cli, setup_process
 from spd_ds.config import ConfigError, load_config, validate
 from spd_ds.decoding.cycle import PromptError, check_prompt
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_accept_length, pooled_decode_tok_s
@@ -218,9 +218,8 @@ class _Streamer:
 def check_output_file(path: str) -> None:
     """Check ``--output`` now, so that a bad path fails in one line before the model loads rather than after every
     answer has been generated: an existing file must be writable (``/dev/stdout`` is fine), a new one's folder is
-    created (:func:`~spd_ds.cli.ensure_output_dir`); a folder at ``path`` itself is refused. Call it on the rank
-    that writes the answers (rank 0) alone: on several nodes the other ranks' file systems are not the one it
-    writes to.
+    created (:func:`~spd_ds.cli.ensure_output_dir`); a folder at ``path`` itself is refused. Called on the ranks
+    :func:`~spd_ds.cli.checks_outputs` names (across nodes, rank 0 alone: it writes the answers).
 
     Raises:
         ConfigError: ``path`` is a folder or a file that cannot be written, or its folder cannot be created or
@@ -244,7 +243,7 @@ def _main(argv=None) -> int:
         cfg.decoding.stop = [*cfg.decoding.stop, *args.stop]
         validate(cfg)
     prompts = load_prompt_texts(cfg, args)  # before any model is fetched or loaded: an empty set fails here
-    if args.output and rank_and_world()[0] == 0:  # the rank that writes it
+    if args.output and checks_outputs():  # which ranks: spd_ds.cli.checks_outputs
         check_output_file(args.output)
     world = detect_world_size()
     engine = chosen_engine(args.engine)
