@@ -66,12 +66,14 @@ def test_speculative_sampling_rule_is_exact():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter_kind,vary", [("head", "seed"), ("oracle_mix", "seed"), ("head", "request"),
-                                               ("widened_head", "seed")])
-def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind, vary):
+@pytest.mark.parametrize("drafter_kind,vary,warp", [("head", "seed", "T0.9-top5"), ("oracle_mix", "seed", "T0.9-top5"),
+                                                    ("head", "request", "T0.9-top5"),
+                                                    ("widened_head", "seed", "T0.9-top5"), ("head", "seed", "T1")])
+def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind, vary, warp):
     """Chi-square: joint distribution of the 2nd and 3rd new tokens under SPD (n=3) vs the target's exact one, over
     seeds, or over the requests of one run (one seed: the prompts of a run). ``widened_head``: a target-tied head
-    made for 3 ids and widened to every id by ``set_draft_vocab``, as the shipped heads are."""
+    made for 3 ids and widened to every id by ``set_draft_vocab``, as the shipped heads are. ``warp``: T = 0.9 with
+    top-k 5 (the warpers on), or plain T = 1 (the benchmarks' sampled setting)."""
     V = 6
     arch = TargetArch(make_tiny_model(tiny_root, "llama", 3, seed=2, vocab_size=V))
     part = StagePartition.build(3, 3)
@@ -84,7 +86,7 @@ def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind, vary):
         assert head.draft_vocab_size == V
     with torch.no_grad():  # make the untrained head's q sharper, so acceptances and rejections both happen
         head.lm_head.weight.mul_(3.0)
-    params = dict(temperature=0.9, top_k=5)
+    params = dict(temperature=0.9, top_k=5) if warp == "T0.9-top5" else dict(temperature=1.0)
     prompt = [1, 2]
 
     # exact joint law of (x1, x2, x3) by enumeration with the target itself
