@@ -49,7 +49,7 @@ class ModelConfig:
 
     name: str = "smollm2-135m-instruct"
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    attn_implementation: str = "sdpa"  # one of ATTN_IMPLEMENTATIONS, or a hub kernel "org/repo"
+    attn_implementation: str = "sdpa"  # ATTN_IMPLEMENTATIONS, a hub kernel "org/repo" or a registered name
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: Optional[str] = None
     sdpa_backends: Optional[list[Any]] = None
