@@ -100,9 +100,15 @@ def build_arch(cfg: ExperimentConfig, *, decoding: bool = True) -> TargetArch:
         dev = str(cfg.model.device)
         cuda = dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available())
         set_sdpa_backends(cfg.model.sdpa_backends, "cuda" if cuda else "cpu")
+    n = configured_num_stages(cfg)
+    return TargetArch(model_dir(cfg), cfg.model.attn_implementation, max_rollback=max(n - 1, 0))
+
+
+def configured_num_stages(cfg: ExperimentConfig) -> int:
+    """Pipeline stages the config asks for, before the model is known: ``len(partition.stage_layers)`` when given,
+    else ``partition.num_stages`` (1 when null). :func:`build_partition` checks it against the model."""
     p = cfg.partition
-    n = len(p.stage_layers) if p.stage_layers else (p.num_stages or 1)
-    return TargetArch(model_dir(cfg), cfg.model.attn_implementation, max_rollback=max(int(n) - 1, 0))
+    return len(p.stage_layers) if p.stage_layers else int(p.num_stages or 1)
 
 
 def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:

@@ -251,8 +251,7 @@ def _main(argv=None) -> int:
     arch = builder.build_arch(cfg)
     tok = builder.load_tokenizer(arch)
     ids = [builder.encode_prompt(tok, text, cfg.decoding.chat_template) for _, text in prompts]
-    p = cfg.partition
-    n = len(p.stage_layers) if p.stage_layers else (p.num_stages or 1)  # as builder.build_arch counts them
+    n = builder.configured_num_stages(cfg)
     max_len = min(cfg.decoding.max_length, arch.max_positions)
     oracle_ar = cfg.decoding.drafter == "oracle" and engine == "reference"  # AR makes max_new + n reference tokens
     for (qid, _), prompt in zip(prompts, ids):  # before the weights load, by the decoders' own rule (check_prompt)

@@ -229,10 +229,10 @@ def prepare(cfg: ExperimentConfig):
     arch = builder.build_arch(cfg)
     part = builder.build_partition(cfg, arch)
     tok = None if getattr(arch, "random_weights", False) else builder.load_tokenizer(arch)
-    if cfg.decoding.eos_token_ids is None:
-        cfg.decoding.eos_token_ids = [] if tok is None else builder.eos_token_ids(cfg, arch, tok)
+    if cfg.decoding.eos_token_ids is not None or tok is not None:  # given ids are checked against the vocabulary
+        cfg.decoding.eos_token_ids = builder.eos_token_ids(cfg, arch, tok)
     else:
-        builder.eos_token_ids(cfg, arch)  # refuses ids outside the vocabulary
+        cfg.decoding.eos_token_ids = []  # a random-weight shape without a tokenizer: no EOS
     if tok is None and any(recs is not None for _, recs in sets):
         load_eval_records(cfg, tokenizer_free=True)  # raises the one-line error for the first named set
     prompts = encode_eval_prompts(cfg, sets, tok, arch.vocab_size)
