@@ -160,8 +160,8 @@ class TrainConfig:
     is held out then)."""
 
     output_dir: str = "runs/head"
-    epochs: int = 1
-    max_steps: Optional[int] = None
+    epochs: int = 1  # passes over the training data (0 = no limit: train.max_steps alone ends the run)
+    max_steps: Optional[int] = None  # at most this many optimizer steps (None = epochs alone)
     lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 100
@@ -440,6 +440,41 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"train.eval_every must be >= 0 (0 = no validation), got {cfg.train.eval_every}")
     if cfg.train.eval_batches is not None and cfg.train.eval_batches < 1:
         raise ConfigError(f"train.eval_batches must be >= 1 (or null for all), got {cfg.train.eval_batches}")
+    try:
+        resolve_dtype(cfg.train.save_dtype)
+    except ValueError:
+        raise ConfigError(f"train.save_dtype={cfg.train.save_dtype!r} is not one of float32, bfloat16, float16 (the "
+                          "final head's weights)") from None
+    if cfg.data.overflow not in ("truncate", "drop"):
+        raise ConfigError(f"data.overflow must be truncate or drop, got {cfg.data.overflow!r}")
+    for key, low, strict, nullable in _BOUNDS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is None and nullable:
+            continue
+        if value is None or (value <= low if strict else value < low):
+            bound = f"> {low:g}" if strict else f">= {low:g}"
+            raise ConfigError(f"{key} must be {bound}{' (or null)' if nullable else ''}, got {value}")
+    if cfg.train.epochs == 0 and cfg.train.max_steps is None:
+        raise ConfigError("train.epochs=0 (no epoch limit) needs train.max_steps; set either")
+    if not 0.0 <= cfg.train.full_pipeline_prob <= 1.0:
+        raise ConfigError(f"train.full_pipeline_prob (the probability of a full pipeline fill) must be in [0, 1], got "
+                          f"{cfg.train.full_pipeline_prob}")
+
+
+# Numeric settings with a lower bound: (key, bound, strict (> rather than >=), null allowed). What the loops divide
+# by or count with; the other ranges (probabilities, fractions) are checked in validate() itself.
+_BOUNDS = (
+    ("train.lr", 0, True, False), ("train.weight_decay", 0, False, False), ("train.warmup_steps", 0, False, False),
+    ("train.kd_temperature", 0, True, False), ("train.epochs", 0, False, False), ("train.max_steps", 1, False, True),
+    ("train.save_every", 1, False, False), ("train.log_every", 1, False, False),
+    ("train.keep_checkpoints", 0, False, False), ("train.max_time_s", 0, True, True),
+    ("train.session_time_s", 0, False, True), ("train.loss_chunk", 1, False, False), ("train.prefetch", 0, False, False),
+    ("train.profile_steps", 1, False, True),
+    ("data.micro_batch_size", 1, False, False), ("data.max_conversations", 1, False, True),
+    ("data.num_workers", 0, False, False), ("data.min_seq_length", 1, False, False),
+    ("eval.baseline_num_prompts", 1, False, True), ("eval.warmup_prompts", 0, False, False),
+)
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:

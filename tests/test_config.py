@@ -79,6 +79,32 @@ def test_bad_values():
         load_config(None, ["decoding.stop=User:"])
 
 
+@pytest.mark.parametrize("override,message", [
+    ("train.lr=-1", "train.lr must be > 0, got -1.0"), ("train.save_every=0", "train.save_every must be >= 1"),
+    ("train.log_every=0", "train.log_every must be >= 1"), ("train.kd_temperature=0", "train.kd_temperature must be > 0"),
+    ("train.loss_chunk=0", "train.loss_chunk must be >= 1"), ("train.warmup_steps=-5", "train.warmup_steps must be >= 0"),
+    ("train.max_steps=0", "train.max_steps must be >= 1 (or null)"), ("train.epochs=-1", "train.epochs must be >= 0"),
+    ("train.max_time_s=-1", "train.max_time_s must be > 0 (or null)"),
+    ("train.full_pipeline_prob=2", "must be in [0, 1], got 2.0"),
+    ("train.save_dtype=bogus", "train.save_dtype='bogus' is not one of"),
+    ("data.micro_batch_size=0", "data.micro_batch_size must be >= 1"),
+    ("data.max_conversations=0", "data.max_conversations must be >= 1 (or null)"),
+    ("data.overflow=bogus", "data.overflow must be truncate or drop"),
+    ("eval.baseline_num_prompts=0", "eval.baseline_num_prompts must be >= 1 (or null)"),
+])
+def test_out_of_range_settings_are_one_line_errors(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_epochs_zero_means_no_epoch_limit_and_needs_max_steps():
+    with pytest.raises(ConfigError, match="train.epochs=0 .* needs train.max_steps"):
+        load_config(None, ["train.epochs=0"])
+    assert load_config(None, ["train.epochs=0", "train.max_steps=5"]).train.max_steps == 5
+    assert load_config(None, ["train.max_time_s=null", "train.session_time_s=0"]).train.session_time_s == 0
+
+
 def test_bad_config_files_are_one_line_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  name: x\n   dtype: float32\n")  # over-indented

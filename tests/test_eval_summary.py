@@ -106,6 +106,16 @@ def test_suite_c_runs_a_ppsd_head_alone_where_no_spd_head_is_given(tmp_path):
     assert has[2][0] >= {"head.checkpoint", "eval.ppsd_checkpoint"} and not has[2][1]  # both heads
     assert "head.checkpoint" not in has[3][0] and "eval.ppsd_checkpoint" in has[3][0] and has[3][1]  # PPSD alone
     assert not has[5][0] & {"head.checkpoint", "eval.ppsd_checkpoint"} and not has[5][1]  # untrained SPD head
+    assert [r.label for r in runs] == ["smollm2 fp32 cpu n=2", "smollm2 fp32 cpu n=3", "smollm2 fp32 cpu n=5"]
+
+
+def test_suite_labels_name_the_model_an_override_chose(tmp_path):
+    from spd_ds.eval.benchmark import suite_runs
+
+    runs = suite_runs(["a", "b", "c"], cuda=False, stages_c=(2,), model_b="random:smollm2-135m",
+                      extra=[f"model.name={tmp_path / 'tiny-llama'}"])
+    assert [r.label for r in runs] == ["tiny-llama float32 n=2", "tiny-llama float32 n=2", "tiny-llama fp32 cpu n=2"]
+    assert suite_runs(["b"], cuda=True, model_b="random:qwen3-4b")[0].label == "qwen3-4b bfloat16 n=2"
 
 
 def test_oracle_sweep_in_one_run(heads, tmp_path):

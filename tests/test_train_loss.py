@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -75,6 +76,54 @@ def test_lr_schedule_and_ds_config(tmp_path):
         load_ds_config({"fp16": {"enabled": True}}, 1)
     with pytest.raises(ConfigError, match="not found"):
         load_ds_config(str(tmp_path / "none.json"), 1)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 2},}')
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        load_ds_config(str(bad), 1)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must be a JSON object, got list"):
+        load_ds_config(str(bad), 1)
+    for gas in (0, -1, 1.5, "2"):
+        with pytest.raises(ConfigError, match="gradient_accumulation_steps .* must be an integer >= 1"):
+            load_ds_config({"gradient_accumulation_steps": gas}, 1)
+    assert load_ds_config({"gradient_accumulation_steps": 3}, 1)["gradient_accumulation_steps"] == 3
+
+
+def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
+    from types import SimpleNamespace
+
+    from spd_ds.train.loop import RUN_FILE, check_resume, check_resumed_schedule, truncate_log
+
+    ck = tmp_path / "run" / "checkpoints"
+    (ck / "step6").mkdir(parents=True)
+    (ck / "latest").write_text("step6")
+    check_resume(ck, {"world size": 2})  # a checkpoint without the file (written before it existed): not checked
+    saved = {"world size": 2, "partition": {"stage_layers": [2, 2]}, "head.num_layers": 1}
+    (ck / "step6" / RUN_FILE).write_text(json.dumps(saved))
+    check_resume(ck, dict(saved))
+    with pytest.raises(ConfigError) as e:
+        check_resume(ck, {**saved, "world size": 1, "head.num_layers": 2})
+    msg = str(e.value)
+    assert "world size 2 (now 1)" in msg and "head.num_layers 1 (now 2)" in msg and "partition" not in msg
+    assert "\n" not in msg and "head.checkpoint=" in msg
+
+    said = []
+    tc = SimpleNamespace(lr=1e-3, warmup_steps=2, lr_stable_fraction=0.0, weight_decay=0.0)
+    check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, tc, 12, said.append)
+    assert said == []  # the same settings: nothing to say
+    check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, SimpleNamespace(**{**vars(tc), "lr": 0.5, "warmup_steps": 10}),
+                           8, said.append)
+    assert len(said) == 2 and "train.lr=0.5 (the run keeps 0.001); train.warmup_steps=10 (the run keeps 2)" in said[0]
+    assert "ends at step 8, before its schedule's end at step 12" in said[1]
+    with pytest.raises(ConfigError, match="schedule ends at step 12 .* now ask for 30 steps"):
+        check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, tc, 30, said.append)
+
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4, 3, 4)))
+    truncate_log(log, 2)  # a resume at step 2 drops what a crash logged after it
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
+    truncate_log(log, 0)  # a fresh run
+    assert not log.exists()
 
 
 @pytest.mark.parametrize("temperature,chunk,backend", [(1.0, 7, None), (2.0, 64, None), (0.7, 1, None),

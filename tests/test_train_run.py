@@ -143,15 +143,20 @@ def test_resume_continues_exactly(run_a, setup):
     cfg, ck = _stopped_at_step6(run_a_dir, tmp / "b", model, data)
     fresh = _launch(cfg)  # a fresh start must not overwrite a run
     assert fresh.returncode == 2 and "--resume" in fresh.stderr
-    # a schedule setting changed on resume is refused with a warning: the run keeps its checkpoint's (exactness below)
-    proc = _launch(cfg, "--resume", "train.lr_stable_fraction=0.5")
+    # as after a crash at step 9: the log holds steps the checkpoint does not (they are logged again, once)
+    lines = (run_a_dir / "train_log.jsonl").read_text().splitlines()
+    (tmp / "b" / "run" / "train_log.jsonl").write_text("\n".join(lines[:9]) + "\n")
+    # schedule settings changed on resume are ignored with a warning: the run keeps its checkpoint's (exactness below)
+    proc = _launch(cfg, "--resume", "train.lr_stable_fraction=0.5", "train.lr=0.5", "train.warmup_steps=4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "train.lr_stable_fraction=0.5 ignored on resume" in proc.stdout + proc.stderr
+    said = proc.stdout + proc.stderr
+    assert "ignored on resume" in said and "train.lr=0.5 (the run keeps 0.003)" in said
+    assert "train.warmup_steps=4 (the run keeps 2)" in said and "train.lr_stable_fraction=0.5 (the run keeps 0)" in said
     a, b = _losses(run_a_dir), _losses(tmp / "b" / "run")
-    assert sorted(b) == list(range(7, 13))
-    assert [b[s] for s in range(7, 13)] == [a[s] for s in range(7, 13)]
+    assert [r["step"] for r in _records(tmp / "b" / "run")] == list(range(1, 13))  # each step once
+    assert [b[s] for s in range(1, 13)] == [a[s] for s in range(1, 13)]
     va, vb = _validation(run_a_dir), _validation(tmp / "b" / "run")
-    assert sorted(vb) == [8, 12] and all(vb[s] == va[s] for s in vb)  # validation figures too
+    assert sorted(vb) == [4, 8, 12] and all(vb[s] == va[s] for s in vb)  # validation figures too
     best_a = json.loads((run_a_dir / "train_summary.json").read_text())["best"]
     best_b = json.loads((tmp / "b" / "run" / "train_summary.json").read_text())["best"]
     assert {k: v for k, v in best_b.items() if k not in ("dir", "val_s")} == \
@@ -174,6 +179,25 @@ def test_resume_on_other_data_is_refused(run_a, setup):
     proc = _launch(cfg, "--resume", "data.max_conversations=120")
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "was trained on other data" in proc.stderr and "data.train_files" in proc.stderr
+
+
+@pytest.mark.slow
+def test_resume_with_other_settings_is_refused(run_a, setup, tmp_path):
+    """A checkpoint records the run's model, partition, head shape, world size and batch layout (run.json) and its
+    schedule: a resume that changes them stops in one line (exit 2) before DeepSpeed loads anything, and so does an
+    output folder that cannot be made."""
+    tmp, model, data = setup
+    cfg, _ = _stopped_at_step6(run_a[0], tmp / "e", model, data)
+    proc = _launch(cfg, "--resume", "head.num_layers=2", "partition.stage_layers=[1,3]")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "was trained with other settings" in proc.stderr and "head.num_layers 1 (now 2)" in proc.stderr
+    assert "partition" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _launch(cfg, "--resume", "train.max_steps=30")  # past the schedule's end: it would train at lr 0
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "schedule ends at step 12" in proc.stderr and "now ask for 30 steps" in proc.stderr
+    (tmp_path / "afile").write_text("x")
+    proc = _launch(cfg, f"train.output_dir={tmp_path / 'afile'}")
+    assert proc.returncode == 2 and "train.output_dir" in proc.stderr and "cannot be created as a folder" in proc.stderr
 
 
 @pytest.mark.slow

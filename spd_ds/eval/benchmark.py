@@ -115,13 +115,13 @@ def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None
         ov = ["model.name=smollm2-135m-instruct", f"model.dtype={dtype}", "partition.num_stages=2",
               f"eval.prompt_sets={sets}", "decoding.drafter=head", "eval.baselines=[ar_graph,hf_generate,ar]"]
         ov += [f"head.checkpoint={head}"] if head else []
-        out.append(SuiteRun("a", f"smollm2 {dtype} n=2", ov + common + list(extra),
+        out.append(SuiteRun("a", f"{_model_label(ov + list(extra))} {dtype} n=2", ov + common + list(extra),
                             head_note=head or "untrained head (no head checkpoint for n=2)"))
     if "b" in suites:
         ov = [f"model.name={model_b}", f"model.dtype={dtype}", "partition.num_stages=2", "eval.prompt_sets=[random]",
               "decoding.drafter=oracle", f"eval.oracle_alphas=[{','.join(f'{a:g}' for a in alphas)}]",
               "eval.baselines=[ar_graph,hf_generate,ar]"]
-        out.append(SuiteRun("b", f"{model_b.split(':')[-1]} {dtype} n=2", ov + common + list(extra),
+        out.append(SuiteRun("b", f"{_model_label(ov + list(extra))} {dtype} n=2", ov + common + list(extra),
                             head_note="oracle drafts"))
     if "c" in suites:
         for n in stages_c:
@@ -134,8 +134,16 @@ def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None
             ov += [f"eval.ppsd_checkpoint={ppsd}"] if ppsd else []
             ov += ["eval.spd=false"] if ppsd and not head else []  # a PPSD head alone: no untrained SPD row
             note = f"spd: {head or ('none' if ppsd else 'untrained')}; ppsd: {ppsd or 'none'}"
-            out.append(SuiteRun("c", f"smollm2 fp32 cpu n={n}", ov + common + list(extra), head_note=note))
+            out.append(SuiteRun("c", f"{_model_label(ov + list(extra))} fp32 cpu n={n}", ov + common + list(extra),
+                                head_note=note))
     return out
+
+
+def _model_label(overrides: Sequence[str]) -> str:
+    """The model a suite run evaluates, as its label says it: the last ``model.name=`` override wins (``extra``
+    goes last); the default SmolLM2 is ``smollm2``, a path its folder's name, ``random:<shape>`` the shape."""
+    name = [o.split("=", 1)[1] for o in overrides if o.startswith("model.name=")][-1]
+    return "smollm2" if name == "smollm2-135m-instruct" else Path(name.split(":")[-1].rstrip("/")).name or name
 
 
 def config_of(sr: SuiteRun, base_config: str | None = None) -> ExperimentConfig:

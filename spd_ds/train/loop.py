@@ -45,6 +45,7 @@ from spd_ds.train.validate import Validator
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "train_log.jsonl"
+RUN_FILE = "run.json"  # in every checkpoint folder: what a resume must share with it (run_identity)
 
 
 # ---------------------------------------------------------------------------------------------------- setup pieces
@@ -52,7 +53,8 @@ def load_ds_config(path_or_dict, micro_batch_rows: int) -> dict:
     """The head engine's DeepSpeed config, with ``train_micro_batch_size_per_gpu`` set to our rows per micro-batch.
 
     Raises:
-        ConfigError: missing file, an ``optimizer``/``scheduler`` section (spd-ds passes its own), or fp16.
+        ConfigError: a missing file or one that is not a JSON object, an ``optimizer``/``scheduler`` section
+            (spd-ds passes its own), fp16, ``gradient_accumulation_steps`` below 1.
     """
     if isinstance(path_or_dict, dict):
         cfg = dict(path_or_dict)
@@ -60,7 +62,13 @@ def load_ds_config(path_or_dict, micro_batch_rows: int) -> dict:
         p = Path(path_or_dict or "ds_configs/zero2.json")
         if not p.exists():
             raise ConfigError(f"DeepSpeed config {p} not found; pass --deepspeed_config ds_configs/zero2.json")
-        cfg = json.loads(p.read_text())
+        try:
+            cfg = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"DeepSpeed config {p} is not valid JSON ({e}); fix the file or pass another "
+                              "--deepspeed_config") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"DeepSpeed config {p} must be a JSON object, got {type(cfg).__name__}")
     for key in ("optimizer", "scheduler"):
         if key in cfg:
             raise ConfigError(f"remove the '{key}' section from the DeepSpeed config: spd-ds passes a torch AdamW "
@@ -69,9 +77,92 @@ def load_ds_config(path_or_dict, micro_batch_rows: int) -> dict:
         raise ConfigError("fp16 is not supported for head training; use bf16 (or train.autocast=bf16)")
     cfg.pop("train_batch_size", None)
     cfg["train_micro_batch_size_per_gpu"] = int(micro_batch_rows)
-    cfg.setdefault("gradient_accumulation_steps", 1)
+    gas = cfg.setdefault("gradient_accumulation_steps", 1)
+    if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
+        raise ConfigError(f"gradient_accumulation_steps in the DeepSpeed config must be an integer >= 1, got {gas!r}")
     cfg.setdefault("steps_per_print", 1 << 30)
     return cfg
+
+
+def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: int, gas: int) -> dict:
+    """What a resumed run must share with its checkpoint, as JSON values keyed by the settings that decide them.
+
+    The target's weights (:meth:`~spd_ds.models.adapter.TargetArch.fingerprint`), the stage partition, the head's
+    shape, the world size (ZeRO-2 partitions the optimizer state by it, and the data plan shards by it) and what
+    shapes the data plan (rows, row length, packing, gradient accumulation, teacher pipe degree): resuming with
+    another value would load state that means something else, or fail inside DeepSpeed. Written beside every
+    checkpoint (:data:`RUN_FILE`) and compared by :func:`check_resume`.
+    """
+    dc = cfg.data
+    identity = {
+        "model.name (weights)": arch.fingerprint(), "partition": part.to_dict(),
+        "head.num_layers": head.num_layers, "head (draft vocabulary size)": head.draft_vocab_size,
+        "world size": world, "train.teacher_pipe_degree": degree,
+        "data.micro_batch_size": dc.micro_batch_size, "data.max_seq_length": dc.max_seq_length,
+        "data.pack": dc.pack, "data.skip_loops": dc.skip_loops, "gradient_accumulation_steps": gas,
+    }
+    return json.loads(json.dumps(identity))  # as it reads back from the file (tuples become lists)
+
+
+def check_resume(ckpt_dir: Path, identity: dict) -> None:
+    """Refuse to resume the newest checkpoint under ``ckpt_dir`` with settings other than its run's.
+
+    Args:
+        ckpt_dir: the run's ``checkpoints`` folder (its ``latest`` names the newest).
+        identity: this invocation's :func:`run_identity`.
+    Raises:
+        ConfigError: one line naming every setting that differs, with the run's value and the new one. Checkpoints
+            written before :data:`RUN_FILE` existed are not checked.
+    """
+    path = ckpt_dir / (ckpt_dir / "latest").read_text().strip() / RUN_FILE
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text())
+    diffs = [f"{key} {saved[key]} (now {identity.get(key)})" for key in saved if identity.get(key) != saved[key]]
+    if diffs:
+        raise ConfigError(f"{ckpt_dir.parent} was trained with other settings: {'; '.join(diffs)}. Resume with the "
+                          "run's own settings, or start a new train.output_dir (head.checkpoint=<its head or "
+                          "best_head> warm-starts from it)")
+
+
+def check_resumed_schedule(schedule: "WarmupLinear", base_lr: float, weight_decay: float, tc, total_steps: int,
+                           say) -> None:
+    """After a checkpoint is loaded: the run keeps the learning-rate schedule and optimizer settings it was saved
+    with. Changed settings are ignored with one warning (through ``say``), except a longer run.
+
+    Args:
+        schedule: the restored :class:`WarmupLinear` (warm-up, steps, stable fraction of the run).
+        base_lr, weight_decay: the restored optimizer's.
+        tc: this invocation's ``TrainConfig``; total_steps: the steps it would take.
+    Raises:
+        ConfigError: ``total_steps`` above the schedule's: the learning rate reaches 0 at the schedule's end, so the
+            extra steps would not train (warm-start a new run from the head instead).
+    """
+    if total_steps > schedule.total:
+        raise ConfigError(f"the run's learning-rate schedule ends at step {schedule.total} (decayed to 0); "
+                          f"train.max_steps / train.epochs now ask for {total_steps} steps, which would not train. "
+                          "Resume with the run's own settings, or start a new train.output_dir with "
+                          "head.checkpoint=<its head or best_head>")
+    ignored = [f"{key}={new:g} (the run keeps {old:g})" for key, new, old in (
+        ("train.lr", tc.lr, base_lr), ("train.warmup_steps", tc.warmup_steps, schedule.warmup),
+        ("train.lr_stable_fraction", tc.lr_stable_fraction, schedule.stable),
+        ("train.weight_decay", tc.weight_decay, weight_decay)) if new != old]
+    if ignored:
+        say(f"warning: ignored on resume, from its checkpoint the run keeps its schedule: {'; '.join(ignored)}")
+    if total_steps < schedule.total:
+        say(f"warning: the run now ends at step {total_steps}, before its schedule's end at step {schedule.total} "
+            "(the learning rate will not have decayed to 0)")
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Start ``train_log.jsonl`` for a run at optimizer step ``step``: a fresh run (``step = 0``) removes it, a
+    resumed one keeps the records up to its checkpoint's step, so that the steps a crash had logged after it are
+    not logged twice."""
+    if step == 0 or not path.exists():
+        path.unlink(missing_ok=True)
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
 
 
 class WarmupLinear:
@@ -229,6 +320,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     from deepspeed.accelerator import get_accelerator
 
     from spd_ds.builder import build_arch, build_head, build_partition, eos_token_ids, load_tokenizer
+    from spd_ds.cli import checks_outputs, ensure_output_dir
     from spd_ds.compile_cache import load_compile_cache, save_compile_cache
     from spd_ds.models.adapter import resolve_dtype
     from spd_ds.dist import init_process_group, init_timeout_s
@@ -242,7 +334,11 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
     out_dir = Path(tc.output_dir)
     ckpt_dir = out_dir / CHECKPOINTS
-    if not resume and (ckpt_dir / "latest").exists():  # checked on every rank before any collective
+    # checked on every rank before any collective
+    if checks_outputs():
+        ensure_output_dir(out_dir, "train.output_dir")
+    ds_base = load_ds_config(ds_config, dc.micro_batch_size)  # the file's errors now, not after the model loads
+    if not resume and (ckpt_dir / "latest").exists():
         raise ConfigError(f"{ckpt_dir} already holds a run; continue it with --resume (train.resume=true) or set "
                           "another train.output_dir")
 
@@ -282,6 +378,10 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if dc.micro_batch_size % degree:
         raise ConfigError(f"data.micro_batch_size={dc.micro_batch_size} must be a multiple of "
                           f"train.teacher_pipe_degree={degree} (each pipeline rank trains the head on its share)")
+    gas = int(ds_base["gradient_accumulation_steps"])
+    identity = run_identity(cfg, arch, part, head, world, degree, gas)
+    if resume and (ckpt_dir / "latest").exists():  # every rank reads the same file: all raise together
+        check_resume(ckpt_dir, identity)
     tdtype = resolve_dtype(cfg.model.dtype)
     _say(f"target {arch.model_dir} (L={arch.num_layers}), partition {part}, f(d)={part.depth_to_type}, "
          f"draft vocab {head.draft_vocab_size}, world {world}, teacher pipe degree {degree}, device {device}", rank)
@@ -319,8 +419,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         _say(validator.describe(), rank)
 
     # 5. the student: ZeRO-2 engine over all ranks, torch AdamW (DeepSpeed's own Adam JIT-builds for minutes on CPU)
-    ds_cfg = load_ds_config(ds_config, dc.micro_batch_size // degree)
-    gas = int(ds_cfg["gradient_accumulation_steps"])
+    ds_cfg = load_ds_config(ds_base, dc.micro_batch_size // degree)
     steps_per_epoch = len(planner.plan(0)) // gas
     total_steps = tc.epochs * steps_per_epoch
     if tc.max_steps is not None:
@@ -356,9 +455,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
             if cs.get("data") not in (None, data_id):  # same on every rank: all raise together
                 raise ConfigError(f"{ckpt_dir} was trained on other data ({cs['data']}; now {data_id}): resume with "
                                   "the run's data.train_files (and data settings), or start a new train.output_dir")
-            if schedule.stable != tc.lr_stable_fraction:
-                _say(f"warning: train.lr_stable_fraction={tc.lr_stable_fraction:g} ignored on resume: the run keeps "
-                     f"its schedule ({schedule.stable:g}, from its checkpoint)", rank)
+            check_resumed_schedule(schedule, sched.base_lrs[0], opt.param_groups[0]["weight_decay"], tc,
+                                   total_steps, lambda msg: _say(msg, rank))
             step, epoch, index, micro = cs["step"], cs["epoch"], cs["index"], cs["micro"]
             init_steps = cs.get("init_steps", init_steps)  # as the run began (head.checkpoint may have changed since)
             elapsed_before = float(cs.get("elapsed_s", 0.0))
@@ -380,8 +478,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
         bar = tqdm(total=total_steps, initial=step, desc=f"head n={n}", unit="step", dynamic_ncols=True)
     log_path = out_dir / LOG_FILE
-    if is_logger and step == 0:
-        log_path.unlink(missing_ok=True)  # a fresh run starts a fresh log
+    if is_logger:  # a fresh run starts a fresh log; a resumed one drops what came after its checkpoint
+        truncate_log(log_path, step)
     meter = Meter.zeros(n, device)
     # t_start: start of the whole run, earlier invocations included, so that train.max_time_s and the learning-rate
     # decay by time fraction count the run's total time across resumes (not each invocation's); t_run: this one
@@ -478,7 +576,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
             _save(engine, ckpt_dir, step, epoch, index + 1, micro, rank, world, tc.keep_checkpoints, device,
                   elapsed_s=time.perf_counter() - t_start,
                   extra={"data": data_id, "init_steps": init_steps,
-                         **({"validation": validator.state()} if validator is not None else {})})
+                         **({"validation": validator.state()} if validator is not None else {})},
+                  identity=identity)
 
     # 9. the final head
     del batches  # stops the prefetching worker now, not at interpreter exit
@@ -516,9 +615,10 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
 # ---------------------------------------------------------------------------------------------------- helpers
 def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro: int, rank: int, world: int,
-          keep: int, device, elapsed_s: float = 0.0, extra: dict | None = None) -> None:
+          keep: int, device, elapsed_s: float = 0.0, extra: dict | None = None, identity: dict | None = None) -> None:
     """DeepSpeed checkpoint ``step<N>`` with the data position, every rank's RNG state, the run's training time so
-    far (``elapsed_s``, seconds) and ``extra`` client state (the validation's best so far); keep the newest ``keep``."""
+    far (``elapsed_s``, seconds) and ``extra`` client state (the validation's best so far), and ``identity``
+    (:func:`run_identity`) in its :data:`RUN_FILE`; keep the newest ``keep``."""
     import deepspeed.comm as dist
 
     states = [None] * world
@@ -526,6 +626,8 @@ def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro:
     client = {"step": step, "epoch": epoch, "index": next_index, "micro": micro, "rng": states,
               "elapsed_s": float(elapsed_s), **(extra or {})}
     engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client)
+    if rank == 0 and identity is not None:
+        (ckpt_dir / f"step{step}" / RUN_FILE).write_text(json.dumps(identity, indent=1))
     if rank == 0 and keep > 0:
         tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
         for old in tags[:-keep]:
@@ -573,4 +675,5 @@ def _tensorboard(out_dir: Path):
     return SummaryWriter(str(out_dir / "tensorboard"))
 
 
-__all__ = ["train", "load_ds_config", "WarmupLinear", "Meter"]
+__all__ = ["train", "load_ds_config", "WarmupLinear", "Meter", "run_identity", "check_resume",
+           "check_resumed_schedule", "truncate_log"]
