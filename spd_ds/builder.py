@@ -258,10 +258,19 @@ def load_tokenizer(arch: TargetArch | str | os.PathLike):
     Its ``model_max_length`` is lifted: spd-ds checks lengths itself (``decoding.max_length`` for prompts plus new
     tokens, ``data.max_seq_length`` for training rows), so the tokenizer's limit would only print a misleading
     warning before our error, or for long training conversations that are cut into rows anyway.
+
+    Raises:
+        ConfigError: the directory holds no ``tokenizer*`` file (a random-weight shape): transformers would build an
+            empty tokenizer that encodes every text to no token.
     """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(getattr(arch, "model_dir", arch)))
+    model_dir = Path(getattr(arch, "model_dir", arch))
+    if not any(model_dir.glob("tokenizer*")):
+        raise ConfigError(f"the model in {model_dir} has no tokenizer (random-weight shapes have none), so it cannot "
+                          "read text: use a model with one, or random token prompts (launch/eval.py "
+                          "eval.prompt_sets=[random], launch/benchmark.py --suite b)")
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.model_max_length = int(1e30)
     return tok
 

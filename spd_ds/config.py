@@ -100,7 +100,8 @@ class DecodingConfig:
     """Generation: ``temperature`` 0 = greedy; ``eos_token_ids`` None = the model's generation config;
     ``stop``: stop strings, a generation ends with the token whose text completes one of them (finish reason
     ``stop``; ``spd_ds.decoding.stopping``; needs the model's tokenizer; ``launch/infer.py`` and the Python API, not
-    the benchmarks); ``drafter``: ``head`` or ``oracle`` (target's own next token with probability ``oracle_alpha``)."""
+    the benchmarks); ``drafter``: ``head`` or ``oracle`` (the target's own greedy next token with probability
+    ``oracle_alpha``)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0

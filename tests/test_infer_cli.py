@@ -265,3 +265,7 @@ def test_bad_inputs_known_before_decoding_are_one_line_errors(smollm2_dir, tmp_p
              "decoding.eos_token_ids=[2,999999]"], timeout=300)
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and "decoding.eos_token_ids [999999] are outside the target's vocabulary of 49152" in last
+    r = run([sys.executable, "launch/infer.py", "model.name=random:qwen3.5-tiny", "partition.num_stages=2",
+             "head.checkpoint=null", "--prompt", "hello world"], timeout=300)  # a shape without a tokenizer
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "has no tokenizer" in last and "eval.prompt_sets=[random]" in last, r.stderr[-2000:]

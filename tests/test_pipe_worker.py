@@ -74,7 +74,7 @@ def reference_tokens(cfg, job, prompts, max_new):
     from spd_ds.builder import build_arch, build_drafter, build_head, build_partition, build_target, eos_token_ids, \
         sampling_params
     from spd_ds.decoding.ar import ARDecoder
-    from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+    from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter, oracle_reference
     from spd_ds.decoding.reference import SPDReferenceDecoder
 
     arch = build_arch(cfg)
@@ -88,11 +88,14 @@ def reference_tokens(cfg, job, prompts, max_new):
         sampling = sampling_params(cfg, request=i)
         ar_dec.sampling = sampling
         ar = ar_dec.generate(p, max_new).tokens
+        # an oracle's reference as the product makes it (greedy whatever the sampling: oracle_reference)
+        oracle = job.get("drafter") == "oracle_head" or cfg.decoding.drafter == "oracle"
+        reference = oracle_reference(target, p, max_new, sampling, eos, cfg.decoding.max_length) if oracle else None
         if job.get("drafter") == "oracle_head":
             base = HeadDrafter(head, cfg.decoding.max_length, torch.float32, "cpu")
-            drafter = OracleDrafter(list(p) + ar, job.get("alpha", 1.0), base=base, seed=cfg.decoding.seed + 11)
+            drafter = OracleDrafter(reference, job.get("alpha", 1.0), base=base, seed=cfg.decoding.seed + 11)
         elif cfg.decoding.drafter == "oracle":
-            drafter = build_drafter(cfg, None, arch, "cpu", reference=list(p) + ar)
+            drafter = build_drafter(cfg, None, arch, "cpu", reference=reference)
         else:
             drafter = HeadDrafter(head, cfg.decoding.max_length, torch.float32, "cpu")
         res = SPDReferenceDecoder(target, drafter, sampling, eos, cfg.decoding.max_length).generate(p, max_new)

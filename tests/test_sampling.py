@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy import stats
 
-from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
+from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter, oracle_reference
 from spd_ds.decoding.reference import SPDReferenceDecoder, prefill
 from spd_ds.decoding.sampling import SamplingParams, keyed_uniform, logits_to_probs, sample_from_probs, warp_logits
 from spd_ds.decoding.verify import verify_greedy, verify_sampling
@@ -68,12 +68,16 @@ def test_speculative_sampling_rule_is_exact():
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter_kind,vary,warp", [("head", "seed", "T0.9-top5"), ("oracle_mix", "seed", "T0.9-top5"),
                                                     ("head", "request", "T0.9-top5"),
-                                                    ("widened_head", "seed", "T0.9-top5"), ("head", "seed", "T1")])
+                                                    ("widened_head", "seed", "T0.9-top5"), ("head", "seed", "T1"),
+                                                    ("oracle_ar", "seed", "T1")])
 def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind, vary, warp):
     """Chi-square: joint distribution of the 2nd and 3rd new tokens under SPD (n=3) vs the target's exact one, over
     seeds, or over the requests of one run (one seed: the prompts of a run). ``widened_head``: a target-tied head
     made for 3 ids and widened to every id by ``set_draft_vocab``, as the shipped heads are. ``warp``: T = 0.9 with
-    top-k 5 (the warpers on), or plain T = 1 (the benchmarks' sampled setting)."""
+    top-k 5 (the warpers on), or plain T = 1 (the benchmarks' sampled setting). ``oracle_ar``: the oracle drafter
+    at alpha 1 on the reference the product makes (``oracle_reference``: the target's greedy continuation; a
+    continuation sampled with the generation's own uniforms would propose the very token a rejection resamples, and
+    this test fails)."""
     V = 6
     arch = TargetArch(make_tiny_model(tiny_root, "llama", 3, seed=2, vocab_size=V))
     part = StagePartition.build(3, 3)
@@ -119,6 +123,9 @@ def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind, vary, 
                             else SamplingParams(seed=3, request=seed, **params))
         if drafter_kind == "oracle_mix":  # deterministic proposals mixed with the head's sampled ones
             decoder.drafter = OracleDrafter(prompt + [seed % V] * 8, 0.5, base=base, seed=seed)
+        elif drafter_kind == "oracle_ar":
+            reference = oracle_reference(target, prompt, 3 + part.num_stages, decoder.sampling, [], 16)
+            decoder.drafter = OracleDrafter(reference, 1.0, vocab_size=V, seed=seed)
         toks = decoder.generate(prompt, 3).tokens
         counts[toks[1], toks[2]] += 1
     exp = joint.flatten() * draws

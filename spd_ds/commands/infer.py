@@ -307,6 +307,7 @@ def run_reference(cfg, arch, tok, ids, with_ar: bool = False, on_generation=None
         ``(spd results, ar results or None)``, lists of :class:`~spd_ds.decoding.reference.GenerationResult`.
     """
     from spd_ds.decoding.ar import ARDecoder
+    from spd_ds.decoding.drafters import oracle_reference
     from spd_ds.decoding.reference import SPDReferenceDecoder
 
     part = builder.build_partition(cfg, arch)
@@ -322,8 +323,9 @@ def run_reference(cfg, arch, tok, ids, with_ar: bool = False, on_generation=None
     for i, p in enumerate(ids):
         sampling = builder.sampling_params(cfg, request=i)
         if oracle:
-            ar = ARDecoder(target, sampling, eos, cfg.decoding.max_length)  # no stop strings: drafts past them too
-            reference = list(p) + ar.generate(p, cfg.decoding.max_new_tokens + part.num_stages).tokens
+            # no stop strings: drafts past them too
+            reference = oracle_reference(target, p, cfg.decoding.max_new_tokens + part.num_stages, sampling, eos,
+                                         cfg.decoding.max_length)
             drafter = builder.build_drafter(cfg, head, arch, target.device, reference)
         dec = SPDReferenceDecoder(target, drafter, sampling, eos, cfg.decoding.max_length, stop_strings=stop)
         if on_generation is not None:

@@ -73,8 +73,11 @@ def _main(argv=None) -> int:
     def factory(head, prompt, ar_reference):
         from spd_ds.builder import build_drafter, build_head_drafter
 
-        if cfg.decoding.drafter == "oracle":  # the AR run just made through the pipeline is the oracle's reference
-            return build_drafter(cfg, None, arch, session.device, reference=list(prompt) + ar_runs[len(ar_runs) - 1])
+        if cfg.decoding.drafter == "oracle":  # at T = 0 the AR run just made through the pipeline is the reference;
+            # at T > 0 the greedy one (drafters.oracle_reference_sampling)
+            greedy = cfg.decoding.temperature == 0
+            reference = list(prompt) + ar_runs[len(ar_runs) - 1] if greedy else ar_reference()
+            return build_drafter(cfg, None, arch, session.device, reference=reference)
         if not hasattr(factory, "head_drafter"):
             factory.head_drafter = build_head_drafter(cfg, head, session.max_len, session.device)
         return factory.head_drafter

@@ -114,11 +114,43 @@ def draft_from_logits(logits: torch.Tensor, draft_ids: torch.Tensor, sampling: S
     return Draft(int(draft_ids[idx]), q, draft_ids)
 
 
+def oracle_reference_sampling(sampling: SamplingParams) -> SamplingParams:
+    """How an :class:`OracleDrafter`'s reference run decodes, whatever the generation's ``sampling``: greedily.
+
+    Speculative sampling is exact only when a draft does not depend on the uniforms that verify it (``STREAM_ACCEPT``
+    and ``STREAM_TARGET`` at its position). A reference sampled at T > 0 with the generation's own uniforms proposes
+    exactly the token that a rejection resamples and biases the output; the greedy continuation depends on no
+    uniform, and proposes the target's likeliest token (at T = 0 it is the generation itself).
+    """
+    return dataclasses.replace(sampling, temperature=0.0, top_k=0, top_p=1.0)
+
+
+def oracle_reference(target, prompt: Sequence[int], num_new: int, sampling: SamplingParams,
+                     eos_token_ids: Sequence[int], max_len: int) -> list[int]:
+    """An :class:`OracleDrafter`'s reference for one generation: ``prompt`` + the target's greedy continuation
+    (:func:`oracle_reference_sampling`).
+
+    Args:
+        target: the :class:`~spd_ds.models.adapter.Target` (or a view of it) the generation runs on.
+        prompt: token ids; num_new: continuation tokens (the generation's ``max_new_tokens`` + n covers every
+            position the oracle can be asked for).
+        sampling: the generation's own parameters.
+        eos_token_ids, max_len: as for :class:`~spd_ds.decoding.ar.ARDecoder` (the continuation may end at EOS).
+    Returns:
+        ``list(prompt) + continuation``.
+    """
+    from spd_ds.decoding.ar import ARDecoder
+
+    ar = ARDecoder(target, oracle_reference_sampling(sampling), eos_token_ids, max_len)
+    return list(prompt) + ar.generate(list(prompt), num_new).tokens
+
+
 class OracleDrafter:
     """Systems-benchmark and test proposer: the target's own next token with probability ``alpha``.
 
     Args:
-        reference: token ids of a prior AR run (prompt + continuation) of the same target; ``reference[t]`` is
+        reference: token ids of a prior greedy AR run (prompt + continuation) of the same target
+            (:func:`oracle_reference`; a sampled one would bias the output at T > 0); ``reference[t]`` is
             proposed for position ``t``.
         alpha: probability of proposing the reference token (seeded coin per position).
         base: optional drafter that is still run every cycle (its state stays exact) and proposes when the coin fails;

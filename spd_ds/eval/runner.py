@@ -357,7 +357,7 @@ def _local_device(cfg: ExperimentConfig) -> torch.device:
 
 
 def _run_reference(cfg, part, target, prompts, variants, methods, bar) -> None:
-    from spd_ds.decoding.ar import ARDecoder
+    from spd_ds.decoding.drafters import oracle_reference
     from spd_ds.decoding.reference import SPDReferenceDecoder
 
     sampling = builder.sampling_params(cfg)
@@ -368,8 +368,8 @@ def _run_reference(cfg, part, target, prompts, variants, methods, bar) -> None:
     def reference_of(ids: list[int], request: int) -> list[int]:
         key = (request, tuple(ids))
         if key not in references:
-            ar = ARDecoder(target, sampling.for_request(request), eos, max_len)
-            references[key] = list(ids) + ar.generate(ids, max_new + part.num_stages).tokens
+            references[key] = oracle_reference(target, ids, max_new + part.num_stages, sampling.for_request(request),
+                                               eos, max_len)
         return references[key]
 
     warm = _warm(prompts, cfg.eval.warmup_prompts)

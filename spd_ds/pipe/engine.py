@@ -164,15 +164,19 @@ class SPDPipelineEngine(PipelineEngine):
         return self._run_head(self.spd_head, prompt, max_new_tokens, drafter, on_token)
 
     @torch.no_grad()
-    def generate_ar(self, prompt: Sequence[int], max_new_tokens: int) -> GenerationResult:
+    def generate_ar(self, prompt: Sequence[int], max_new_tokens: int,
+                    sampling: SamplingParams | None = None) -> GenerationResult:
         """Autoregressive generation through the same pipeline and stage code (head rank only): the exactness
-        reference on the same kernels and the oracle drafter's source. Same contract as :meth:`generate`."""
-        return self._run_head(self.pipe_ar, prompt, max_new_tokens, None)
+        reference on the same kernels and the oracle drafter's source. Same contract as :meth:`generate`;
+        ``sampling`` replaces :attr:`sampling` for this generation (the oracle's reference decodes greedily:
+        :func:`~spd_ds.decoding.drafters.oracle_reference_sampling`)."""
+        return self._run_head(self.pipe_ar, prompt, max_new_tokens, None, sampling=sampling)
 
-    def _run_head(self, driver: HeadDriver | None, prompt, max_new_tokens, drafter, on_token=None) -> GenerationResult:
+    def _run_head(self, driver: HeadDriver | None, prompt, max_new_tokens, drafter, on_token=None,
+                  sampling: SamplingParams | None = None) -> GenerationResult:
         if driver is None:
             raise RuntimeError("generate() runs on the head rank (pipe stage 0) only")
-        driver.request(prompt, max_new_tokens, drafter, self.sampling, on_token)
+        driver.request(prompt, max_new_tokens, drafter, sampling or self.sampling, on_token)
         self.role = driver
         try:
             self._exec_schedule(driver.schedule(self))

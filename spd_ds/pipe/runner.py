@@ -39,8 +39,8 @@ DEFAULT_DS_CONFIG = {
     "wall_clock_breakdown": False,
 }
 
-# drafter_factory(head, prompt, ar_reference) -> Drafter; ``ar_reference()`` runs AR through the pipeline and
-# returns prompt + continuation (the oracle's source).
+# drafter_factory(head, prompt, ar_reference) -> Drafter; ``ar_reference()`` runs greedy AR through the pipeline
+# (drafters.oracle_reference_sampling) and returns prompt + continuation (the oracle's source).
 DrafterFactory = Callable[[object, list, Callable[[], list]], Drafter]
 
 
@@ -240,11 +240,13 @@ class SPDSession:
 
     def _drafter_for(self, prompt: list[int], max_new_tokens: int) -> Drafter:
         from spd_ds.builder import build_drafter, build_head_drafter
+        from spd_ds.decoding.drafters import oracle_reference_sampling
 
         head = self.engine.module.head_ends.head
 
-        def ar_reference() -> list[int]:
-            return list(prompt) + self.engine.generate_ar(prompt, max_new_tokens).tokens
+        def ar_reference() -> list[int]:  # greedy whatever the generation's sampling (oracle_reference_sampling)
+            sampling = oracle_reference_sampling(self.engine.sampling)
+            return list(prompt) + self.engine.generate_ar(prompt, max_new_tokens, sampling).tokens
 
         if self.drafter_factory is not None:
             return self.drafter_factory(head, list(prompt), ar_reference)
