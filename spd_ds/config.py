@@ -466,7 +466,7 @@ def validate(cfg: ExperimentConfig) -> None:
 # Numeric settings with a lower bound: (key, bound, strict (> rather than >=), null allowed). What the loops divide
 # by or count with; the other ranges (probabilities, fractions) are checked in validate() itself.
 _BOUNDS = (
-    ("train.lr", 0, True, False), ("train.weight_decay", 0, False, False), ("train.warmup_steps", 0, False, False),
+    ("train.lr", 0, False, False), ("train.weight_decay", 0, False, False), ("train.warmup_steps", 0, False, False),
     ("train.kd_temperature", 0, True, False), ("train.epochs", 0, False, False), ("train.max_steps", 1, False, True),
     ("train.save_every", 1, False, False), ("train.log_every", 1, False, False),
     ("train.keep_checkpoints", 0, False, False), ("train.max_time_s", 0, True, True),

@@ -80,7 +80,7 @@ def test_bad_values():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("train.lr=-1", "train.lr must be > 0, got -1.0"), ("train.save_every=0", "train.save_every must be >= 1"),
+    ("train.lr=-1", "train.lr must be >= 0, got -1.0"), ("train.save_every=0", "train.save_every must be >= 1"),
     ("train.log_every=0", "train.log_every must be >= 1"), ("train.kd_temperature=0", "train.kd_temperature must be > 0"),
     ("train.loss_chunk=0", "train.loss_chunk must be >= 1"), ("train.warmup_steps=-5", "train.warmup_steps must be >= 0"),
     ("train.max_steps=0", "train.max_steps must be >= 1 (or null)"), ("train.epochs=-1", "train.epochs must be >= 0"),
@@ -103,6 +103,7 @@ def test_epochs_zero_means_no_epoch_limit_and_needs_max_steps():
         load_config(None, ["train.epochs=0"])
     assert load_config(None, ["train.epochs=0", "train.max_steps=5"]).train.max_steps == 5
     assert load_config(None, ["train.max_time_s=null", "train.session_time_s=0"]).train.session_time_s == 0
+    assert load_config(None, ["train.lr=0"]).train.lr == 0  # a frozen head (tests/test_train_run.py's warm start)
 
 
 def test_bad_config_files_are_one_line_errors(tmp_path):

@@ -119,7 +119,7 @@ def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
         check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, tc, 30, said.append)
 
     log = tmp_path / "train_log.jsonl"
-    log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4, 3, 4)))
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4, 3, 4)) + '{"step": 5, "lo')
     truncate_log(log, 2)  # a resume at step 2 drops what a crash logged after it
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
     truncate_log(log, 0)  # a fresh run

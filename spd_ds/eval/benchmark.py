@@ -143,7 +143,7 @@ def _model_label(overrides: Sequence[str]) -> str:
     """The model a suite run evaluates, as its label says it: the last ``model.name=`` override wins (``extra``
     goes last); the default SmolLM2 is ``smollm2``, a path its folder's name, ``random:<shape>`` the shape."""
     name = [o.split("=", 1)[1] for o in overrides if o.startswith("model.name=")][-1]
-    return "smollm2" if name == "smollm2-135m-instruct" else Path(name.split(":")[-1].rstrip("/")).name or name
+    return "smollm2" if name == "smollm2-135m-instruct" else Path(name.removeprefix("random:").rstrip("/")).name or name
 
 
 def config_of(sr: SuiteRun, base_config: str | None = None) -> ExperimentConfig:

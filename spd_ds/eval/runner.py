@@ -228,11 +228,13 @@ def prepare(cfg: ExperimentConfig):
     sets = load_eval_records(cfg, tokenizer_free=is_random_model_dir(cfg.model.name))
     arch = builder.build_arch(cfg)
     part = builder.build_partition(cfg, arch)
-    tok = None if getattr(arch, "random_weights", False) else builder.load_tokenizer(arch)
-    if cfg.decoding.eos_token_ids is not None or tok is not None:  # given ids are checked against the vocabulary
+    random_weights = getattr(arch, "random_weights", False)
+    # a folder without tokenizer files (random-weight shapes, a checkpoint saved without one) reads no text
+    tok = builder.load_tokenizer(arch) if not random_weights and any(arch.model_dir.glob("tokenizer*")) else None
+    if cfg.decoding.eos_token_ids is not None or not random_weights:  # given ids are checked against the vocabulary
         cfg.decoding.eos_token_ids = builder.eos_token_ids(cfg, arch, tok)
     else:
-        cfg.decoding.eos_token_ids = []  # a random-weight shape without a tokenizer: no EOS
+        cfg.decoding.eos_token_ids = []  # a random-weight shape: no EOS (fixed-length generations)
     if tok is None and any(recs is not None for _, recs in sets):
         load_eval_records(cfg, tokenizer_free=True)  # raises the one-line error for the first named set
     prompts = encode_eval_prompts(cfg, sets, tok, arch.vocab_size)

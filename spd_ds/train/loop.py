@@ -157,11 +157,18 @@ def check_resumed_schedule(schedule: "WarmupLinear", base_lr: float, weight_deca
 def truncate_log(path: Path, step: int) -> None:
     """Start ``train_log.jsonl`` for a run at optimizer step ``step``: a fresh run (``step = 0``) removes it, a
     resumed one keeps the records up to its checkpoint's step, so that the steps a crash had logged after it are
-    not logged twice."""
+    not logged twice (a line the crash cut short is dropped too)."""
     if step == 0 or not path.exists():
         path.unlink(missing_ok=True)
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    keep = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the crash
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+            keep.append(line)
     path.write_text("".join(line + "\n" for line in keep))
 
 
