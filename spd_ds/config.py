@@ -8,6 +8,7 @@ unknown key names the valid keys of its section.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import typing
@@ -476,6 +477,25 @@ _BOUNDS = (
     ("data.num_workers", 0, False, False), ("data.min_seq_length", 1, False, False),
     ("eval.baseline_num_prompts", 1, False, True), ("eval.warmup_prompts", 0, False, False),
 )
+
+
+def read_json_object(path: str | os.PathLike, what: str, fix: str) -> dict:
+    """A JSON file that must hold one object (a DeepSpeed config), read with one-line errors.
+
+    Args:
+        path: the file (it must exist: callers say what a missing one means).
+        what: how the user named it, for the message (``--deepspeed_config``, ``deepspeed.config``).
+        fix: what to do about a damaged file, for the message.
+    Raises:
+        ConfigError: the file is not valid JSON (or not UTF-8), or holds something other than an object.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} must be a JSON object, got {type(data).__name__}; {fix}")
+    return data
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:

@@ -88,6 +88,12 @@ def test_ds_config(tmp_path):
         load_ds_config(load_config(None, [f"deepspeed.config={bad}"]))
     with pytest.raises(ConfigError, match="not found"):
         load_ds_config(load_config(None, [f"deepspeed.config={tmp_path / 'missing.json'}"]))
+    bad.write_text('{"steps_per_print": 10,}')
+    with pytest.raises(ConfigError, match="deepspeed.config .* is not valid JSON .* set another deepspeed.config"):
+        load_ds_config(load_config(None, [f"deepspeed.config={bad}"]))
+    bad.write_text("[]")
+    with pytest.raises(ConfigError, match="must be a JSON object, got list"):
+        load_ds_config(load_config(None, [f"deepspeed.config={bad}"]))
 
 
 def test_session_checks_before_any_collective(tiny_root, monkeypatch):

@@ -16,7 +16,6 @@ destroyed.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from spd_ds.config import ConfigError, ExperimentConfig
+from spd_ds.config import ConfigError, ExperimentConfig, read_json_object
 from spd_ds.decoding.drafters import Drafter
 from spd_ds.decoding.cycle import GenerationResult, check_prompt
 from spd_ds.dist import init_process_group, init_timeout_s
@@ -58,10 +57,7 @@ def load_ds_config(cfg: ExperimentConfig) -> dict:
     ds = None
     for p in candidates:
         if p.exists():
-            try:
-                ds = json.loads(p.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"deepspeed.config {p} is not valid JSON: {e}") from None
+            ds = read_json_object(p, "deepspeed.config", "fix the file or set another deepspeed.config")
             break
     if ds is None:
         if path:

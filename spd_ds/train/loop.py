@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from spd_ds.config import ConfigError, ExperimentConfig, to_yaml
+from spd_ds.config import ConfigError, ExperimentConfig, read_json_object, to_yaml
 from spd_ds.train.chat import EmptyMaskError, set_chat_template
 from spd_ds.train.data import BatchPlanner, iterate, load_records, tokenize_records
 from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
@@ -62,13 +62,7 @@ def load_ds_config(path_or_dict, micro_batch_rows: int) -> dict:
         p = Path(path_or_dict or "ds_configs/zero2.json")
         if not p.exists():
             raise ConfigError(f"DeepSpeed config {p} not found; pass --deepspeed_config ds_configs/zero2.json")
-        try:
-            cfg = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"DeepSpeed config {p} is not valid JSON ({e}); fix the file or pass another "
-                              "--deepspeed_config") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"DeepSpeed config {p} must be a JSON object, got {type(cfg).__name__}")
+        cfg = read_json_object(p, "DeepSpeed config", "fix the file or pass another --deepspeed_config")
     for key in ("optimizer", "scheduler"):
         if key in cfg:
             raise ConfigError(f"remove the '{key}' section from the DeepSpeed config: spd-ds passes a torch AdamW "
