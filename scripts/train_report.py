@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from spd_ds.train.history import read_train_log
+
 
 def report(run: Path) -> dict:
     """Figures of one run directory (``train_log.jsonl``, ``train_summary.json``)."""
@@ -27,7 +29,7 @@ def report(run: Path) -> dict:
         s = json.loads(summ.read_text())
         out.update({k: s.get(k) for k in ("steps", "total_steps", "finished", "elapsed_s", "tokens_per_s", "best")})
     log = run / "train_log.jsonl"
-    recs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    recs = read_train_log(log)
     train = [r for r in recs if "loss" in r]
     if train:
         last = train[-1]
@@ -74,7 +76,7 @@ def validation_curve(run: Path, key: str = "val_pred_acceptance") -> list[tuple[
     that logged ``key`` (``val_pred_acceptance_noloop``: outside loops; runs before that figure have none); a run
     started from a trained head (``head.checkpoint``) counts that head's steps too (:func:`init_steps`)."""
     per, base = tokens_per_step(run), init_steps(run)
-    recs = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    recs = read_train_log(run / "train_log.jsonl")
     return [((base + r["step"]) * per, r[key]) for r in recs if r.get(key) is not None]
 
 
@@ -118,7 +120,7 @@ def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_ac
         if i and not 0 < base <= end:
             raise ValueError(f"{run}: init_steps {base} is not within the {end} steps of the runs before it; give "
                              "one head's runs in training order, each warm-started from the one before")
-        recs = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+        recs = read_train_log(run / "train_log.jsonl")
         pts = [(base + r["step"], r[key]) for r in recs if r.get(key) is not None]
         if not pts:
             raise ValueError(f"{run}: no validation logged {key}; train with train.eval_every > 0")
@@ -186,6 +188,9 @@ def main(argv=None) -> int:
                     help="treat the runs as one head's history, in order, and print how much its predicted acceptance "
                          "rose over the last 20 %% of all steps and of the last run (target: < 1 %%)")
     args = ap.parse_args(argv)
+    missing = [str(r) for r in args.runs if not ((r / "train_log.jsonl").exists() or (r / "train_summary.json").exists())]
+    if missing:
+        ap.error(f"not a training run (no train_log.jsonl or train_summary.json): {', '.join(missing)}")
     if args.convergence:
         try:
             c = convergence(args.runs)

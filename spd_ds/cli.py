@@ -164,6 +164,54 @@ def ensure_output_dir(path: str | os.PathLike, what: str) -> str:
     return str(path)
 
 
+def check_output_file(path: str, what: str) -> None:
+    """Check an output *file* path now, so that a bad one fails in one line before any work rather than after it:
+    an existing file must be writable (``/dev/stdout`` is fine), a new one's folder is created
+    (:func:`ensure_output_dir`); a folder at ``path`` itself is refused.
+
+    Args:
+        path: the file; what: how the user named it (``--output``, ``--out``), for the message.
+    Raises:
+        ConfigError: ``path`` is a folder or a file that cannot be written, or its folder cannot be created or
+            written.
+    """
+    from spd_ds.config import ConfigError
+
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} {path} is a folder; give a file path, e.g. {os.path.join(path, 'out.jsonl')}")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"{what} {path} exists and is not writable; give another path")
+        return
+    ensure_output_dir(os.path.dirname(path) or ".", f"{what}'s folder")
+
+
+def data_user_errors(*extra: type[BaseException]) -> tuple[type[BaseException], ...]:
+    """The exceptions that are the user's to fix in the data programs (training, data preparation, draft
+    vocabularies): bad settings, data, chat templates, models; plus ``extra``."""
+    from spd_ds.config import ConfigError
+    from spd_ds.train.chat import ChatTemplateError, EmptyMaskError
+    from spd_ds.train.data import DataError
+    from spd_ds.zoo import ModelUnavailableError
+
+    return (ConfigError, DataError, EmptyMaskError, ChatTemplateError, ModelUnavailableError, *extra)
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An ``argparse`` type: an integer ``>= low`` (argparse then refuses other values in one line, exit status 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
 def setup_process() -> None:
     """What every ``launch/*.py`` program does first: CPU threads per rank (:func:`configure_cpu_threads`) and
     DeepSpeed's accelerator choice (:func:`settle_accelerator`)."""

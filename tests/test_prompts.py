@@ -136,6 +136,11 @@ def test_prepare_eval_data_cli(tmp_path, source_dir, capsys):
     assert {p.parent.name for p in out.glob("*/question.jsonl")} == {"mt_bench", "humaneval", "gsm8k"}
     assert mod.main(["--out-dir", str(out), "--source-dir", str(tmp_path / "nothing"), "gsm8k"]) == 1
     assert "FAILED" in capsys.readouterr().err
+    # --keep with a damaged kept file: that set fails in one line, the next is still written
+    (out / "mt_bench" / "question.jsonl").write_text("{bad\n")
+    (out / "humaneval" / "question.jsonl").unlink()
+    assert mod.main(["--out-dir", str(out), "--source-dir", str(source_dir), "--keep", "mt_bench", "humaneval"]) == 1
+    assert "mt_bench: FAILED" in capsys.readouterr().err and (out / "humaneval" / "question.jsonl").exists()
 
 
 def test_gsm8k_with_unreachable_hub_fails_fast(tmp_path, monkeypatch):

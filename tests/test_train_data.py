@@ -95,6 +95,73 @@ def test_cut_off_json_array_is_read_record_by_record(tmp_path):
     bad.write_text('{"a": 1}\n{oops\n')
     with pytest.raises(DataError, match="bad.jsonl:2"):
         list(iter_json_records(bad))
+    # a complete array with a damaged record in the middle is an error, not a cut-off end (nothing dropped silently)
+    mid = tmp_path / "mid.json"
+    mid.write_text(text.replace('"value": "a2"', "'value': 'a2'"))
+    with pytest.raises(DataError, match="mid.json: a record of its JSON array does not decode"):
+        list(iter_json_records(mid))
+    # gzip is read by its bytes, whatever the name; text that is not UTF-8 is a one-line error
+    named_plain = tmp_path / "plain.jsonl"
+    named_plain.write_bytes(gzip.compress(pl.read_bytes()))
+    assert len(list(iter_json_records(named_plain))) == 5
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"a": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match="latin.jsonl is not UTF-8 text"):
+        list(iter_json_records(latin))
+
+
+def test_a_chat_template_is_a_file_or_jinja_text(tmp_path):
+    from spd_ds.train.chat import ChatTemplateError, set_chat_template
+
+    tok = make_tokenizer()
+    with pytest.raises(ChatTemplateError, match="neither a file nor Jinja text"):
+        set_chat_template(tok, str(tmp_path / "chatml_typo.jinja"))  # a mistyped path must not become the template
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    set_chat_template(tok, str(f))
+    assert tok.chat_template == f.read_text()
+    set_chat_template(tok, "{{ messages[0]['content'] }}")
+    assert tok.chat_template == "{{ messages[0]['content'] }}"
+
+
+def test_prepare_train_data_and_draft_vocab_cli_errors_are_one_line(tmp_path, capsys):
+    """The data programs end a user error with one line and exit status 2, before reading the corpus; export keeps
+    conv_id when it clips (the held-out split keys on it)."""
+    from spd_ds.commands import build_draft_vocab, prepare_train_data
+
+    model = make_chat_model(tmp_path)
+    data = make_chats(tmp_path / "chats.jsonl", 20)
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        (build_draft_vocab, ["--model", str(model), "--data", str(data), "--size", "0", "--out", str(tmp_path / "v.json")],
+         "--size: must be >= 1"),
+        (build_draft_vocab, ["--model", str(model), "--data", str(data), "--size", "5000",
+                             "--out", str(tmp_path / "v.json")], "--size 5000 is larger than the model's vocabulary"),
+        (build_draft_vocab, ["--model", str(model), "--data", str(data), "--out", str(tmp_path)], "is a folder"),
+        (build_draft_vocab, ["--model", str(model), "--data", str(tmp_path / "none.jsonl"), "--out",
+                             str(tmp_path / "v.json")], "not found"),
+        (prepare_train_data, ["export", "--data", str(data), "--limit", "0", "--out", str(tmp_path / "e.jsonl.gz")],
+         "--limit: must be >= 1"),
+        (prepare_train_data, ["export", "--data", str(data), "--out", str(tmp_path / "afile" / "e.jsonl.gz")],
+         "cannot be created as a folder"),
+        (prepare_train_data, ["regenerate", "--model", str(model), "--data", str(data), "--sample-fraction", "-0.4",
+                              "--out", str(tmp_path / "r.jsonl.gz")], "--sample-fraction must be in [0, 1]"),
+    ]
+    for mod, argv, message in cases:
+        try:
+            code = mod.main(argv)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+        {"from": "human", "value": "q" * 30}, {"from": "gpt", "value": "a" * 30},
+        {"from": "human", "value": "more"}, {"from": "gpt", "value": "b"}]}) + "\n" for i in range(3)))
+    out = tmp_path / "clipped.jsonl.gz"
+    assert prepare_train_data.main(["export", "--data", str(ids), "--max-chars", "62", "--out", str(out)]) == 0
+    got = list(iter_json_records(out))
+    assert [r["conv_id"] for r in got] == ["c0", "c1", "c2"] and all(len(r["messages"]) == 2 for r in got)
 
 
 def test_normalize_sharegpt_and_messages():
@@ -290,3 +357,26 @@ def test_skip_loops_leaves_loop_positions_out_of_the_loss():
     assert int(loop.sum()) == len(loop_answer) - 10 - 8  # 30-token answer: 10 new, 8 more before a 9-gram repeats
     assert torch.equal(b["valid"], a["valid"] & ~loop)
     assert int(a["valid"].sum()) - int(b["valid"].sum()) == int(loop.sum())
+
+
+def test_regenerated_answers_keep_their_conversation_id(tmp_path, capsys):
+    """regenerate answers each first user turn with the target; each record keeps its source's conv_id (the held-out
+    split keeps an answer with its conversation), and a run that answers nothing leaves an earlier --out alone."""
+    from spd_ds.builder import load_tokenizer
+    from spd_ds.commands import prepare_train_data
+    from spd_ds.train.data import load_records
+    from spd_ds.train.regenerate import regenerate_records
+
+    model = make_chat_model(tmp_path)
+    data = tmp_path / "ids.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "answer"}]}) + "\n" for i in range(3)))
+    tok = load_tokenizer(model)
+    out = regenerate_records(load_records([str(data)]), model, tok, max_new_tokens=3, batch_size=2, device="cpu")
+    assert sorted(r["conv_id"] for r in out) == ["c0", "c1", "c2"]
+    assert all(len(r["input_ids"]) == len(r["assistant_mask"]) and 1 <= sum(r["assistant_mask"]) <= 3 for r in out)
+    kept = tmp_path / "kept.jsonl.gz"
+    kept.write_bytes(b"earlier")
+    assert prepare_train_data.main(["regenerate", "--model", str(model), "--data", str(data), "--max-prompt-tokens",
+                                    "1", "--max-new-tokens", "2", "--out", str(kept)]) == 1
+    assert kept.read_bytes() == b"earlier" and "regenerated 0 answers of 3 conversations" in capsys.readouterr().err

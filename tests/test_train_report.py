@@ -250,3 +250,17 @@ def test_convergence_refuses_what_it_cannot_order(tmp_path):
     with pytest.raises(SystemExit) as e:  # the command line: one line (argparse), exit status 2
         tr.main([str(a), "--convergence"])
     assert e.value.code == 2
+
+
+def test_a_crash_cut_log_line_is_skipped_and_a_folder_without_a_run_is_refused(tmp_path, capsys):
+    tr = _load()
+    run = _run_dir(tmp_path, "r")
+    with open(run / "train_log.jsonl", "a") as fh:
+        fh.write('{"step": 400, "lo')  # the last line, cut short by a crash
+    assert tr.report(run)["last"]["step"] == 300
+    assert [s for s, _ in tr.validation_curve(run)] == [200 * 2 * 4 * 512, 300 * 2 * 4 * 512]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as e:
+        tr.main([str(run), str(tmp_path / "empty"), str(tmp_path / "nosuchrun")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "not a training run" in err and "empty" in err and "nosuchrun" in err

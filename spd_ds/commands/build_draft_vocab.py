@@ -22,21 +22,31 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     """Count the assistant tokens of the corpus and write the draft vocabulary (module docstring). Exit status 0
-    on success."""
+    on success, 2 after a user error (one line: arguments, data, model, chat template, output path)."""
+    from spd_ds.cli import data_user_errors, run_cli
+
+    return run_cli(_main, argv, user_errors=data_user_errors(), prog="build_draft_vocab")
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from spd_ds.cli import check_output_file, int_at_least
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="zoo name, local HF directory or hub id")
     ap.add_argument("--data", action="append", required=True,
                     help="data source (file, directory, 'sharegpt', hub id); repeatable")
-    ap.add_argument("--size", type=int, default=16384, help="draft vocabulary size K (default: %(default)s)")
+    ap.add_argument("--size", type=int_at_least(1), default=16384, help="draft vocabulary size K (default: %(default)s)")
     ap.add_argument("--out", required=True, help="output JSON path")
-    ap.add_argument("--max-conversations", type=int, default=None, help="use at most this many conversations")
-    ap.add_argument("--max-seq-length", type=int, default=4096, help="truncate conversations to this many tokens")
+    ap.add_argument("--max-conversations", type=int_at_least(1), default=None, help="use at most this many conversations")
+    ap.add_argument("--max-seq-length", type=int_at_least(2), default=4096, help="truncate conversations to this many tokens")
     ap.add_argument("--chat-template", default=None, help="Jinja template (file or string) replacing the tokenizer's")
-    ap.add_argument("--num-workers", type=int, default=0, help="tokenising processes")
+    ap.add_argument("--num-workers", type=int_at_least(0), default=0, help="tokenising processes")
     ap.add_argument("--name", default=None, help="tokenizer_name recorded in the file (default: --model)")
     args = ap.parse_args(argv)
+    check_output_file(args.out, "--out")  # before the corpus is read and tokenised
 
     from spd_ds.builder import load_tokenizer
+    from spd_ds.config import ConfigError
     from spd_ds.train.chat import set_chat_template
     from spd_ds.train.data import load_records, tokenize_records
     from spd_ds.train.vocab import count_assistant_tokens, draft_vocab_record, select_draft_vocab, write_draft_vocab
@@ -52,14 +62,19 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     V = max(int(cfg.get("vocab_size", 0)), len(tok))
+    if args.size > V:
+        raise ConfigError(f"--size {args.size} is larger than the model's vocabulary of {V} ids; give at most {V}")
     counts = count_assistant_tokens(data.input_ids, data.assistant_mask, V)
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     gen = Path(model_dir) / "generation_config.json"
     if gen.exists():
         e = json.loads(gen.read_text()).get("eos_token_id")
         eos |= set([e] if isinstance(e, int) else (e or []))
-    ids = select_draft_vocab(counts, args.size, sorted(eos))
-    rec = draft_vocab_record(counts, ids, args.name or str(args.model), args.data, tok.vocab_size)
+    try:
+        ids = select_draft_vocab(counts, args.size, sorted(eos))
+    except ValueError as e:  # fewer ids than the EOS ids that are always kept
+        raise ConfigError(f"--size {args.size}: {e}") from None
+    rec = draft_vocab_record(counts, ids, args.name or str(args.model), args.data, V)
     path = write_draft_vocab(rec, args.out)
     print(f"build_draft_vocab: {len(ids)} ids covering {rec['topk_mass_ratio']:.4f} of "
           f"{rec['total_positions_counted']} assistant tokens (EOS {sorted(eos)}) -> {path}", file=sys.stderr)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 from spd_ds import builder
-from spd_ds.cli import checks_outputs, chosen_engine, ensure_output_dir, experiment_parser, run_cli, setup_process
+from spd_ds.cli import check_output_file, checks_outputs, chosen_engine, experiment_parser, run_cli, setup_process
 from spd_ds.config import ConfigError, load_config, validate
 from spd_ds.decoding.cycle import PromptError, check_prompt
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_accept_length, pooled_decode_tok_s
@@ -215,25 +215,6 @@ class _Streamer:
             self.open = False
 
 
-def check_output_file(path: str) -> None:
-    """Check ``--output`` now, so that a bad path fails in one line before the model loads rather than after every
-    answer has been generated: an existing file must be writable (``/dev/stdout`` is fine), a new one's folder is
-    created (:func:`~spd_ds.cli.ensure_output_dir`); a folder at ``path`` itself is refused. Called on the ranks
-    :func:`~spd_ds.cli.checks_outputs` names (across nodes, rank 0 alone: it writes the answers).
-
-    Raises:
-        ConfigError: ``path`` is a folder or a file that cannot be written, or its folder cannot be created or
-            written.
-    """
-    if os.path.isdir(path):
-        raise ConfigError(f"--output {path} is a folder; give a file path for the JSONL answers, e.g. {path}/out.jsonl")
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            raise ConfigError(f"--output {path} exists and is not writable; give another path")
-        return
-    ensure_output_dir(os.path.dirname(path) or ".", "--output's folder")
-
-
 def _main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -244,7 +225,7 @@ def _main(argv=None) -> int:
         validate(cfg)
     prompts = load_prompt_texts(cfg, args)  # before any model is fetched or loaded: an empty set fails here
     if args.output and checks_outputs():  # which ranks: spd_ds.cli.checks_outputs
-        check_output_file(args.output)
+        check_output_file(args.output, "--output")
     world = detect_world_size()
     engine = chosen_engine(args.engine)
 

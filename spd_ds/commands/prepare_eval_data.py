@@ -43,11 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             path = materialize_prompt_set(name, args.out_dir, args.source_dir,
                                           cache_dir=args.cache_dir, overwrite=not args.keep)
+            count = len(read_jsonl_prompts(path))  # a kept file is read here first: damaged or empty is a failure
+            if not count:
+                raise ValueError(f"{path} holds no prompt; remove it (or leave out --keep) to materialise it again")
         except Exception as e:  # noqa: BLE001 - report and go on with the other sets
             print(f"{name}: FAILED: {e}", file=sys.stderr)
             failed += 1
             continue
-        print(f"{name}: {len(read_jsonl_prompts(path))} prompts -> {path}")
+        print(f"{name}: {count} prompts -> {path}")
     return 1 if failed else 0
 
 

@@ -55,7 +55,7 @@ def _clip(rec: dict, max_chars: int) -> dict:
         if total > max_chars and any(x["role"] == "assistant" for x in out):
             break
         out.append(m)
-    return {"messages": out}
+    return {**rec, "messages": out}  # the rest (conv_id: the held-out split keys on it) as it was
 
 
 def _regenerate(args) -> int:
@@ -79,6 +79,11 @@ def _regenerate(args) -> int:
                              max_prompt_tokens=args.max_prompt_tokens, dtype=dtype, time_budget_s=args.time_budget,
                              seed=args.seed, eos_token_ids=eos)
     dt = time.perf_counter() - t0
+    if not out:  # nothing to write: an earlier file at --out stays as it was
+        print(f"prepare_train_data: regenerated 0 answers of {len(recs)} conversations (each first prompt longer than "
+              f"--max-prompt-tokens {args.max_prompt_tokens}, or --time-budget ended first); {args.out} not written",
+              file=sys.stderr)
+        return 1
     n = write_jsonl_gz(out, args.out)
     gen = sum(sum(r["assistant_mask"]) for r in out)
     ended = sum(r["input_ids"][-1] in eos for r in out)
@@ -162,22 +167,34 @@ def _selfdistill(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand (module docstring; ``--help`` documents each). Exit status 0 on success."""
+    """Run one subcommand (module docstring; ``--help`` documents each). Exit status 0 on success, 1 when nothing
+    was produced, 2 after a user error (one line: arguments, data, model, chat template, output path, a resumed
+    self-distillation's settings)."""
+    from spd_ds.cli import data_user_errors, run_cli
+    from spd_ds.train.selfdistill.config import SelfDistillError
+
+    return run_cli(_main, argv, user_errors=data_user_errors(SelfDistillError), prog="prepare_train_data")
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from spd_ds.cli import check_output_file, ensure_output_dir, int_at_least
+
+    pos, nonneg = int_at_least(1), int_at_least(0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export", help="normalise conversations into one gzipped JSON-lines file")
     ex.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
-    ex.add_argument("--limit", type=int, default=6000, help="conversations to keep (default: %(default)s)")
-    ex.add_argument("--max-chars", type=int, default=None, help="drop turns past this many characters")
+    ex.add_argument("--limit", type=pos, default=6000, help="conversations to keep (default: %(default)s)")
+    ex.add_argument("--max-chars", type=pos, default=None, help="drop turns past this many characters")
     ex.add_argument("--out", default="runs/train_data/sharegpt6k.jsonl.gz")
     rg = sub.add_parser("regenerate", help="answer first user turns with the target (pre-tokenised output)")
     rg.add_argument("--model", default="smollm2-135m-instruct")
     rg.add_argument("--data", action="append", required=True, help="conversation source; repeatable")
     rg.add_argument("--out", required=True)
-    rg.add_argument("--limit", type=int, default=None)
-    rg.add_argument("--max-new-tokens", type=int, default=512)
-    rg.add_argument("--max-prompt-tokens", type=int, default=512)
-    rg.add_argument("--batch-size", type=int, default=256)
+    rg.add_argument("--limit", type=pos, default=None)
+    rg.add_argument("--max-new-tokens", type=pos, default=512)
+    rg.add_argument("--max-prompt-tokens", type=pos, default=512)
+    rg.add_argument("--batch-size", type=pos, default=256)
     rg.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     rg.add_argument("--sample-fraction", type=float, default=None,
                     help="share of prompts sampled at --temperature (1.0 if 0); the rest greedy")
@@ -187,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     rg.add_argument("--seed", type=int, default=0)
     ep = sub.add_parser("export-prompts", help="only the system/user turns, grouped in rounds (input of selfdistill)")
     ep.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
-    ep.add_argument("--limit", type=int, default=None, help="conversations to keep (default: all)")
-    ep.add_argument("--max-turn-chars", type=int, default=32000,
+    ep.add_argument("--limit", type=pos, default=None, help="conversations to keep (default: all)")
+    ep.add_argument("--max-turn-chars", type=pos, default=32000,
                     help="end a conversation before a turn longer than this (it would not fit a prompt)")
     ep.add_argument("--out", default="runs/train_data/sharegpt_prompts.jsonl.gz")
     sd = sub.add_parser("selfdistill", help="the target answers every user turn (rounds) into resumable shards")
@@ -196,22 +213,22 @@ def main(argv: list[str] | None = None) -> int:
     sd.add_argument("--data", action="append", required=True,
                     help="prompts (export-prompts output) or any conversation source; repeatable")
     sd.add_argument("--out", required=True, help="output directory (shards + manifest.json); reruns resume it")
-    sd.add_argument("--limit", type=int, default=None, help="conversations (default: all)")
-    sd.add_argument("--greedy", type=int, default=1, help="1 = one greedy answer per turn, 0 = none")
-    sd.add_argument("--samples", type=int, default=2, help="sampled answers per turn (at --temperature)")
+    sd.add_argument("--limit", type=pos, default=None, help="conversations (default: all)")
+    sd.add_argument("--greedy", type=nonneg, default=1, help="1 = one greedy answer per turn, 0 = none")
+    sd.add_argument("--samples", type=nonneg, default=2, help="sampled answers per turn (at --temperature)")
     sd.add_argument("--temperature", type=float, default=1.0)
     sd.add_argument("--seed", type=int, default=0)
-    sd.add_argument("--max-new-tokens", type=int, default=768, help="longest answer (cut answers end the chain)")
-    sd.add_argument("--max-prompt-tokens", type=int, default=2048, help="turns with a longer prompt are not asked")
-    sd.add_argument("--max-rounds", type=int, default=None, help="user turns per conversation at most")
-    sd.add_argument("--batch-size", type=int, default=1024, help="rows per generate call at most")
-    sd.add_argument("--max-batch-tokens", type=int, default=1024 * 1280,
+    sd.add_argument("--max-new-tokens", type=pos, default=768, help="longest answer (cut answers end the chain)")
+    sd.add_argument("--max-prompt-tokens", type=pos, default=2048, help="turns with a longer prompt are not asked")
+    sd.add_argument("--max-rounds", type=pos, default=None, help="user turns per conversation at most")
+    sd.add_argument("--batch-size", type=pos, default=1024, help="rows per generate call at most")
+    sd.add_argument("--max-batch-tokens", type=pos, default=1024 * 1280,
                     help="rows x static-cache length per call at most (long prompts get fewer rows)")
-    sd.add_argument("--chunk-new-tokens", type=int, default=256,
+    sd.add_argument("--chunk-new-tokens", type=pos, default=256,
                     help="new tokens per generate call; unfinished answers continue in a later call")
     sd.add_argument("--min-alive", type=float, default=0.25,
                     help="end a call once fewer than this share of its rows still generate (they continue later)")
-    sd.add_argument("--wave-conversations", type=int, default=4096,
+    sd.add_argument("--wave-conversations", type=pos, default=4096,
                     help="conversations tokenised and length-sorted together")
     sd.add_argument("--cache", choices=["static", "dynamic"], default="static")
     sd.add_argument("--no-compile", action="store_true", help="no torch.compile of the decode step (static cache)")
@@ -220,15 +237,21 @@ def main(argv: list[str] | None = None) -> int:
                          "(carry it to the next machine of the same kind; spd_ds/compile_cache.py)")
     sd.add_argument("--attention", choices=["gqa-decode", "sdpa"], default="gqa-decode",
                     help="gqa-decode: SDPA without repeat_kv for the decode step (default); sdpa: transformers' own")
-    sd.add_argument("--cache-quantum", type=int, default=128,
+    sd.add_argument("--cache-quantum", type=pos, default=128,
                     help="static cache = longest prompt rounded to a power of two up to this, a multiple above")
     sd.add_argument("--time-budget", type=float, default=None, help="stop starting generate calls after this many s")
-    sd.add_argument("--shard-bytes", type=int, default=12_000_000, help="uncompressed bytes per shard at most")
+    sd.add_argument("--shard-bytes", type=pos, default=12_000_000, help="uncompressed bytes per shard at most")
     sd.add_argument("--flush-every", type=float, default=60.0, help="write finished answers at least this often (s)")
     sd.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     sd.add_argument("--device", default=None, help="default: cuda if available")
     sd.add_argument("--chat-template", default=None)
     args = ap.parse_args(argv)
+    if args.cmd == "regenerate" and args.sample_fraction is not None and not 0.0 <= args.sample_fraction <= 1.0:
+        ap.error(f"--sample-fraction must be in [0, 1], got {args.sample_fraction}")
+    if args.cmd == "selfdistill":  # before the model loads: a bad output path fails now, not after generating
+        ensure_output_dir(args.out, "--out")
+    else:
+        check_output_file(args.out, "--out")
     if args.cmd in ("export", "export-prompts"):
         args.data = args.data or ["sharegpt"]
         return _export(args) if args.cmd == "export" else _export_prompts(args)

@@ -67,13 +67,18 @@ def set_chat_template(tokenizer, template: str | None) -> None:
     """Install ``template`` (a Jinja string or a path to a ``.jinja``/text file) on ``tokenizer``; check one exists.
 
     Raises:
-        ChatTemplateError: no template given and the tokenizer has none.
+        ChatTemplateError: no template given and the tokenizer has none; or ``template`` is neither an existing file
+            nor Jinja text (a mistyped path would otherwise become the template, and every prompt its file name).
     """
     from pathlib import Path
 
     if template:
         p = Path(template).expanduser()
-        tokenizer.chat_template = p.read_text() if ("{%" not in template and p.is_file()) else template
+        is_jinja = "{%" in template or "{{" in template
+        if not is_jinja and not p.is_file():
+            raise ChatTemplateError(f"chat template {template!r} is neither a file nor Jinja text (no '{{%' or '{{{{' in "
+                                    "it); give an existing template file or the template itself")
+        tokenizer.chat_template = template if is_jinja else p.read_text()
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             "the tokenizer has no chat template; set data.chat_template to a Jinja template (file path or string)"

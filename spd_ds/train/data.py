@@ -61,16 +61,23 @@ def sharegpt_registry_file():
 def iter_json_records(path: str | os.PathLike) -> Iterator[dict]:
     """Records of a JSON-lines file or a JSON array file (``.gz`` too), tolerant of a cut-off end.
 
-    A JSON array is decoded record by record with ``json.JSONDecoder.raw_decode``; decoding stops silently at the
-    first incomplete record (the registry ShareGPT file is cut off mid-way).
+    A JSON array is decoded record by record with ``json.JSONDecoder.raw_decode``; in an array that never closes,
+    decoding stops silently at the first incomplete record (the registry ShareGPT file is cut off mid-way). A file
+    is read as gzip when its first bytes say so, whatever its name.
 
     Raises:
-        DataError: the file is neither JSON lines nor a JSON array/object.
+        DataError: the file is neither JSON lines nor a JSON array/object, is not UTF-8 text, or is a complete JSON
+            array (closed by ``]``) with a record that does not decode.
     """
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        text = fh.read()
+    with open(path, "rb") as fh:
+        gzipped = fh.read(2) == b"\x1f\x8b"
+    try:
+        with (gzip.open if gzipped else open)(path, "rt", encoding="utf-8") as fh:
+            text = fh.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"data file {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8 "
+                        "JSON lines or a JSON array") from None
     i = _skip_ws(text, 0)
     if i >= len(text):
         return
@@ -83,7 +90,10 @@ def iter_json_records(path: str | os.PathLike) -> Iterator[dict]:
                 return
             try:
                 obj, i = dec.raw_decode(text, i)
-            except json.JSONDecodeError:
+            except json.JSONDecodeError as e:
+                if text.rstrip().endswith("]"):  # a complete array: this record is damaged, not cut off
+                    raise DataError(f"data file {path}: a record of its JSON array does not decode ({e.msg} at "
+                                    f"line {e.lineno}, column {e.colno}); fix it or remove it") from None
                 return  # cut off mid-record
             if isinstance(obj, dict):
                 yield obj

@@ -16,6 +16,23 @@ from spd_ds.train.validate import BEST_FILE
 SUMMARY_FILE = "train_summary.json"  # written by spd_ds.train.loop.train into the run directory
 
 
+def read_train_log(path: str | os.PathLike) -> list[dict]:
+    """The records of a run's ``train_log.jsonl`` (one JSON object per line), in order; a line that does not decode
+    (the last one, cut short by a crash) is left out. ``[]`` when the file does not exist."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def prior_steps(head_dir: str | os.PathLike) -> int | None:
     """Optimizer steps behind a head checkpoint, the steps of the head it started from included (``init_steps``).
 

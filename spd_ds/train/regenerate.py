@@ -4,7 +4,8 @@ The head is used on the target's outputs; distilling it on human-written (or oth
 contexts it will never see. :func:`regenerate_records` answers the first user turn of each conversation with the
 target (batched ``generate`` of transformers, greedy or sampled) and returns pre-tokenised records::
 
-    {"input_ids": prompt ids + generated ids (up to and including EOS), "assistant_mask": 0 on the prompt, 1 after}
+    {"input_ids": prompt ids + generated ids (up to and including EOS), "assistant_mask": 0 on the prompt, 1 after,
+     "conv_id": the source conversation's id, when it has one (the held-out split keeps the two on one side)}
 
 Only the first turn is regenerated (later turns would need the target's answers to earlier ones as context);
 ``launch/prepare_train_data.py regenerate`` writes them as a data file, and ``data.regenerate=true`` does it inside
@@ -65,14 +66,16 @@ def regenerate_records(records: Sequence[dict], model_dir, tokenizer, *, max_new
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    prompts = []
-    for r in records:
+    prompts, conv_ids = [], []  # conv_ids: the source's id, so that the held-out split keeps an answer with its
+    for r in records:          # conversation (spd_ds.train.split)
         msgs = first_turn_prompt(r.get("messages") or [])
         if msgs is None:
             continue
         ids = prompt_ids(tokenizer, msgs)
         if len(ids) <= max_prompt_tokens:
             prompts.append(ids)
+            conv_ids.append(r.get("conv_id", r.get("id")))
+    prompts = [(ids, cid) for ids, cid in zip(prompts, conv_ids)]
     groups: list[tuple[float, list[list[int]]]] = []
     if sample_fraction is not None:
         k = int(round(len(prompts) * sample_fraction))
@@ -92,11 +95,12 @@ def regenerate_records(records: Sequence[dict], model_dir, tokenizer, *, max_new
         bar = tqdm(total=total, desc="regenerating", unit="conv")
     torch.manual_seed(seed)
     for temp, plist in groups:
-        order = sorted(range(len(plist)), key=lambda i: -len(plist[i]))
+        order = sorted(range(len(plist)), key=lambda i: -len(plist[i][0]))
         for b in range(0, len(order), batch_size):
             if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
                 break
-            batch = [plist[i] for i in order[b:b + batch_size]]
+            batch = [plist[i][0] for i in order[b:b + batch_size]]
+            cids = [plist[i][1] for i in order[b:b + batch_size]]
             L = max(len(p) for p in batch)
             ids = torch.full((len(batch), L), pad, dtype=torch.long)
             att = torch.zeros(len(batch), L, dtype=torch.long)
@@ -107,14 +111,15 @@ def regenerate_records(records: Sequence[dict], model_dir, tokenizer, *, max_new
             gen = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=max_new_tokens,
                                  eos_token_id=eos, pad_token_id=pad, **kw)
             gen = gen[:, L:].tolist()
-            for p, g in zip(batch, gen):
+            for p, cid, g in zip(batch, cids, gen):
                 answer = []
                 for tok in g:
                     answer.append(tok)
                     if tok in eos:
                         break
                 if answer:
-                    out.append({"input_ids": list(p) + answer, "assistant_mask": [0] * len(p) + [1] * len(answer)})
+                    rec = {"input_ids": list(p) + answer, "assistant_mask": [0] * len(p) + [1] * len(answer)}
+                    out.append(rec if cid is None else {**rec, "conv_id": cid})
             if bar is not None:
                 bar.update(len(batch))
     if bar is not None:
