@@ -416,6 +416,14 @@ def test_time_budget_and_resume(loaded, ending_model, convs, reference_run, tmp_
     # other content settings refuse to mix into the same directory
     with pytest.raises(sd.SelfDistillError, match="another sampling"):
         _run(loaded, ending_model, convs, out, temperature=0.5)
+    model, tok = loaded  # another chat template would render the prompts otherwise: refused too
+    template = tok.chat_template
+    try:
+        tok.chat_template = template + "{# another #}"
+        with pytest.raises(sd.SelfDistillError, match="another chat_template"):
+            _run(loaded, ending_model, convs, out)
+    finally:
+        tok.chat_template = template
     # a finished directory: nothing to do
     assert _run(loaded, ending_model, convs, out)["answers"] == 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -83,6 +84,8 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
     base = {"format": FORMAT, "model": model_name or str(model_dir), "model_fingerprint": fp,
             "vocab_size": vocab, "id_dtype": id_dtype.name, "eos_token_ids": eos,
             "sampling": cfg.content_key(), "variants": {"greedy": cfg.greedy, "samples": cfg.samples},
+            # the template the prompts were rendered with (a resume under another one would mix two renderings)
+            "chat_template": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:16],
             "source": [str(s) for s in source], "num_conversations": len(convs),
             "max_prompt_tokens": cfg.max_prompt_tokens, "max_rounds": cfg.max_rounds,
             "assistant_mask": "answer tokens incl. the EOS id that ended them (the template's end-of-turn)",

@@ -186,7 +186,7 @@ class _Store:
         old = {}
         if (out_dir / MANIFEST).is_file():
             old = json.loads((out_dir / MANIFEST).read_text())
-            for k in ("model_fingerprint", "sampling", "id_dtype"):
+            for k in ("model_fingerprint", "sampling", "id_dtype", "chat_template"):
                 if k in old and old[k] != manifest_base[k]:
                     raise SelfDistillError(
                         f"{out_dir} holds answers made with another {k} ({old[k]} vs {manifest_base[k]}); use the "
