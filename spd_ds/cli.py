@@ -178,7 +178,7 @@ def check_output_file(path: str, what: str) -> None:
     from spd_ds.config import ConfigError
 
     if os.path.isdir(path):
-        raise ConfigError(f"{what} {path} is a folder; give a file path, e.g. {os.path.join(path, 'out.jsonl')}")
+        raise ConfigError(f"{what} {path} is a folder; give a file path inside it")
     if os.path.exists(path):
         if not os.access(path, os.W_OK):
             raise ConfigError(f"{what} {path} exists and is not writable; give another path")
@@ -188,13 +188,14 @@ def check_output_file(path: str, what: str) -> None:
 
 def data_user_errors(*extra: type[BaseException]) -> tuple[type[BaseException], ...]:
     """The exceptions that are the user's to fix in the data programs (training, data preparation, draft
-    vocabularies): bad settings, data, chat templates, models; plus ``extra``."""
+    vocabularies): bad settings, data (self-distilled folders included), chat templates, models; plus ``extra``."""
     from spd_ds.config import ConfigError
     from spd_ds.train.chat import ChatTemplateError, EmptyMaskError
     from spd_ds.train.data import DataError
+    from spd_ds.train.selfdistill.config import SelfDistillError
     from spd_ds.zoo import ModelUnavailableError
 
-    return (ConfigError, DataError, EmptyMaskError, ChatTemplateError, ModelUnavailableError, *extra)
+    return (ConfigError, DataError, EmptyMaskError, ChatTemplateError, ModelUnavailableError, SelfDistillError, *extra)
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

@@ -132,14 +132,19 @@ def test_prepare_train_data_and_draft_vocab_cli_errors_are_one_line(tmp_path, ca
     model = make_chat_model(tmp_path)
     data = make_chats(tmp_path / "chats.jsonl", 20)
     (tmp_path / "afile").write_text("x")
+    sd_dir = tmp_path / "sd"
+    sd_dir.mkdir()
+    (sd_dir / "manifest.json").write_text("{}")
     cases = [
         (build_draft_vocab, ["--model", str(model), "--data", str(data), "--size", "0", "--out", str(tmp_path / "v.json")],
          "--size: must be >= 1"),
         (build_draft_vocab, ["--model", str(model), "--data", str(data), "--size", "5000",
                              "--out", str(tmp_path / "v.json")], "--size 5000 is larger than the model's vocabulary"),
         (build_draft_vocab, ["--model", str(model), "--data", str(data), "--out", str(tmp_path)], "is a folder"),
-        (build_draft_vocab, ["--model", str(model), "--data", str(tmp_path / "none.jsonl"), "--out",
+        (build_draft_vocab, ["--model", str(model), "--data", str(tmp_path / "none.jsonl"), "--size", "20", "--out",
                              str(tmp_path / "v.json")], "not found"),
+        (build_draft_vocab, ["--model", str(model), "--data", str(sd_dir), "--size", "20", "--out",
+                             str(tmp_path / "v.json")], str(sd_dir)),  # a self-distillation folder without shards
         (prepare_train_data, ["export", "--data", str(data), "--limit", "0", "--out", str(tmp_path / "e.jsonl.gz")],
          "--limit: must be >= 1"),
         (prepare_train_data, ["export", "--data", str(data), "--out", str(tmp_path / "afile" / "e.jsonl.gz")],
@@ -379,4 +384,23 @@ def test_regenerated_answers_keep_their_conversation_id(tmp_path, capsys):
     kept.write_bytes(b"earlier")
     assert prepare_train_data.main(["regenerate", "--model", str(model), "--data", str(data), "--max-prompt-tokens",
                                     "1", "--max-new-tokens", "2", "--out", str(kept)]) == 1
-    assert kept.read_bytes() == b"earlier" and "regenerated 0 answers of 3 conversations" in capsys.readouterr().err
+    assert kept.read_bytes() == b"earlier" and "regenerated 0 answers of 3 records" in capsys.readouterr().err
+
+
+def test_json_reading_edges_of_cut_and_damaged_files(tmp_path):
+    """A file cut just after a ']' inside a record is still a cut (read to it); a gzip file cut short is a one-line
+    error; a plain-text 'template' too long for a file name is refused in one line."""
+    from spd_ds.train.chat import ChatTemplateError, set_chat_template
+
+    recs = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i} x[0]"}, {"from": "gpt", "value": "a"}]}
+            for i in range(3)]
+    text = json.dumps(recs)
+    cut = tmp_path / "cut.json"
+    cut.write_text(text[: text.index('x[0]', text.index('"q2')) + 4])  # ends with ']' inside the third record
+    assert [r["id"] for r in iter_json_records(cut)] == ["0", "1"]
+    gz = tmp_path / "short.jsonl.gz"
+    gz.write_bytes(gzip.compress(("\n".join(json.dumps(r) for r in recs) + "\n").encode())[:-12])
+    with pytest.raises(DataError, match="short.jsonl.gz is a damaged gzip file"):
+        list(iter_json_records(gz))
+    with pytest.raises(ChatTemplateError, match="neither a file nor Jinja text"):
+        set_chat_template(make_tokenizer(), "You are a helpful assistant. " * 20)

@@ -55,15 +55,15 @@ def _main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(args.model)
     tok = load_tokenizer(model_dir)
     set_chat_template(tok, args.chat_template)
-    records = load_records(args.data, limit=args.max_conversations)
-    data = tokenize_records(records, tok, args.max_seq_length, 1, "truncate", args.num_workers)
-    print(f"build_draft_vocab: {data.summary()}", file=sys.stderr)
     import json
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    V = max(int(cfg.get("vocab_size", 0)), len(tok))
-    if args.size > V:
+    V = max(int(cfg.get("vocab_size", 0)), len(tok))  # the model's vocabulary (recorded as the file's vocab_size)
+    if args.size > V:  # before the corpus is read
         raise ConfigError(f"--size {args.size} is larger than the model's vocabulary of {V} ids; give at most {V}")
+    records = load_records(args.data, limit=args.max_conversations)
+    data = tokenize_records(records, tok, args.max_seq_length, 1, "truncate", args.num_workers)
+    print(f"build_draft_vocab: {data.summary()}", file=sys.stderr)
     counts = count_assistant_tokens(data.input_ids, data.assistant_mask, V)
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     gen = Path(model_dir) / "generation_config.json"

@@ -18,7 +18,7 @@ Examples::
         --data runs/train_data/sharegpt_prompts.jsonl.gz --out runs/sd --greedy 1 --samples 2 --time-budget 200
 
 ``export`` writes ``{"messages": [{role, content}, ...]}`` JSON lines (gzipped, deterministic bytes); ``regenerate``
-writes pre-tokenised ``{"input_ids", "assistant_mask"}`` lines; ``selfdistill`` writes a directory of shards
+writes pre-tokenised ``{"input_ids", "assistant_mask"}`` lines (with the source's ``conv_id``); ``selfdistill`` writes a directory of shards
 (``spd_ds.train.selfdistill``). All are valid ``data.train_files`` entries; ``export-prompts`` writes
 ``{"id", "rounds"}`` lines, input for ``selfdistill`` only.
 """
@@ -80,7 +80,7 @@ def _regenerate(args) -> int:
                              seed=args.seed, eos_token_ids=eos)
     dt = time.perf_counter() - t0
     if not out:  # nothing to write: an earlier file at --out stays as it was
-        print(f"prepare_train_data: regenerated 0 answers of {len(recs)} conversations (each first prompt longer than "
+        print(f"prepare_train_data: regenerated 0 answers of {len(recs)} records (none with a first user turn within "
               f"--max-prompt-tokens {args.max_prompt_tokens}, or --time-budget ended first); {args.out} not written",
               file=sys.stderr)
         return 1
@@ -171,9 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     was produced, 2 after a user error (one line: arguments, data, model, chat template, output path, a resumed
     self-distillation's settings)."""
     from spd_ds.cli import data_user_errors, run_cli
-    from spd_ds.train.selfdistill.config import SelfDistillError
 
-    return run_cli(_main, argv, user_errors=data_user_errors(SelfDistillError), prog="prepare_train_data")
+    return run_cli(_main, argv, user_errors=data_user_errors(), prog="prepare_train_data")
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -185,7 +184,7 @@ def _main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("export", help="normalise conversations into one gzipped JSON-lines file")
     ex.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
     ex.add_argument("--limit", type=pos, default=6000, help="conversations to keep (default: %(default)s)")
-    ex.add_argument("--max-chars", type=pos, default=None, help="drop turns past this many characters")
+    ex.add_argument("--max-chars", type=nonneg, default=None, help="drop turns past this many characters")
     ex.add_argument("--out", default="runs/train_data/sharegpt6k.jsonl.gz")
     rg = sub.add_parser("regenerate", help="answer first user turns with the target (pre-tokenised output)")
     rg.add_argument("--model", default="smollm2-135m-instruct")
@@ -205,7 +204,7 @@ def _main(argv: list[str] | None = None) -> int:
     ep = sub.add_parser("export-prompts", help="only the system/user turns, grouped in rounds (input of selfdistill)")
     ep.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
     ep.add_argument("--limit", type=pos, default=None, help="conversations to keep (default: all)")
-    ep.add_argument("--max-turn-chars", type=pos, default=32000,
+    ep.add_argument("--max-turn-chars", type=nonneg, default=32000,
                     help="end a conversation before a turn longer than this (it would not fit a prompt)")
     ep.add_argument("--out", default="runs/train_data/sharegpt_prompts.jsonl.gz")
     sd = sub.add_parser("selfdistill", help="the target answers every user turn (rounds) into resumable shards")

@@ -20,14 +20,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     """Train. Exit status 0; 2 after a user error (one line: config, data, chat template, model); under a launcher 1
     after any other error (one rank-tagged line, traceback in a log file; ``SPD_DEBUG=1`` prints it)."""
-    from spd_ds.cli import run_cli
-    from spd_ds.config import ConfigError
-    from spd_ds.train.chat import ChatTemplateError, EmptyMaskError
-    from spd_ds.train.data import DataError
-    from spd_ds.zoo import ModelUnavailableError
+    from spd_ds.cli import data_user_errors, run_cli
 
-    user_errors = (ConfigError, DataError, EmptyMaskError, ChatTemplateError, ModelUnavailableError)
-    return run_cli(_main, argv, user_errors=user_errors, prefix="train.py", prog="train")
+    return run_cli(_main, argv, user_errors=data_user_errors(), prefix="train.py", prog="train")
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -75,7 +75,11 @@ def set_chat_template(tokenizer, template: str | None) -> None:
     if template:
         p = Path(template).expanduser()
         is_jinja = "{%" in template or "{{" in template
-        if not is_jinja and not p.is_file():
+        try:
+            is_file = not is_jinja and p.is_file()
+        except (OSError, ValueError):  # text too long (or odd) for a file name
+            is_file = False
+        if not is_jinja and not is_file:
             raise ChatTemplateError(f"chat template {template!r} is neither a file nor Jinja text (no '{{%' or '{{{{' in "
                                     "it); give an existing template file or the template itself")
         tokenizer.chat_template = template if is_jinja else p.read_text()

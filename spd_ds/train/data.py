@@ -5,7 +5,8 @@ Sources (``data.train_files``; several are concatenated):
 * a local ``.jsonl`` / ``.json`` / ``.parquet`` file (``.gz`` allowed for JSON), or a directory of them. Records hold
   ``messages`` or ``conversations``: a list of ``{role, content}`` or ShareGPT ``{from, value}`` turns. Records that
   are already tokenised (``input_ids`` + ``assistant_mask``, e.g. written by ``launch/prepare_train_data.py
-  regenerate``) are used as they are. A JSON array that is cut off mid-way is read record by record up to the cut;
+  regenerate``) are used as they are. A JSON array that is cut off mid-way is read record by record up to the cut
+  (a damaged record inside a complete array is an error);
 * a self-distillation directory (``launch/prepare_train_data.py selfdistill``: ``manifest.json`` + ``shard-*.npz``)
   or one of its shards: its records are pre-tokenised chains of the target's own answers
   (:func:`spd_ds.train.selfdistill.iter_records`);
@@ -29,6 +30,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -78,6 +80,8 @@ def iter_json_records(path: str | os.PathLike) -> Iterator[dict]:
     except UnicodeDecodeError as e:
         raise DataError(f"data file {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8 "
                         "JSON lines or a JSON array") from None
+    except (EOFError, OSError, zlib.error) as e:  # a gzip file cut short or damaged
+        raise DataError(f"data file {path} is a damaged gzip file ({type(e).__name__}: {e}); write it again") from None
     i = _skip_ws(text, 0)
     if i >= len(text):
         return
@@ -91,7 +95,8 @@ def iter_json_records(path: str | os.PathLike) -> Iterator[dict]:
             try:
                 obj, i = dec.raw_decode(text, i)
             except json.JSONDecodeError as e:
-                if text.rstrip().endswith("]"):  # a complete array: this record is damaged, not cut off
+                cut = e.msg.startswith("Unterminated string") or e.pos >= len(text.rstrip())
+                if not cut and text.rstrip().endswith("]"):  # a complete array: this record is damaged, not cut off
                     raise DataError(f"data file {path}: a record of its JSON array does not decode ({e.msg} at "
                                     f"line {e.lineno}, column {e.colno}); fix it or remove it") from None
                 return  # cut off mid-record

@@ -18,7 +18,8 @@ SUMMARY_FILE = "train_summary.json"  # written by spd_ds.train.loop.train into t
 
 def read_train_log(path: str | os.PathLike) -> list[dict]:
     """The records of a run's ``train_log.jsonl`` (one JSON object per line), in order; a line that does not decode
-    (the last one, cut short by a crash) is left out. ``[]`` when the file does not exist."""
+    as a JSON object (the last one, cut short by a crash, or any damaged one) is left out. ``[]`` when the file does
+    not exist."""
     p = Path(path)
     if not p.exists():
         return []

@@ -190,7 +190,8 @@ class _Store:
                 if k in old and old[k] != manifest_base[k]:
                     raise SelfDistillError(
                         f"{out_dir} holds answers made with another {k} ({old[k]} vs {manifest_base[k]}); use the "
-                        "same settings to resume, or a new --out")
+                        "same settings to resume (model, --temperature, --seed, --max-new-tokens, --greedy, "
+                        "--chat-template), or a new --out")
         self.manifest = dict(manifest_base, runs=old.get("runs", []))
         known = {s["file"]: s for s in old.get("shards", [])}
         self.shards: list[dict] = []
