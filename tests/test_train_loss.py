@@ -92,7 +92,7 @@ def test_lr_schedule_and_ds_config(tmp_path):
 def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
     from types import SimpleNamespace
 
-    from spd_ds.train.loop import RUN_FILE, check_resume, check_resumed_schedule, truncate_log
+    from spd_ds.train.resume import RUN_FILE, check_resume, check_resumed_schedule, truncate_log
 
     ck = tmp_path / "run" / "checkpoints"
     (ck / "step6").mkdir(parents=True)
