@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 import traceback
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 ENGINES = ("auto", "reference", "deepspeed")
 DEBUG_ENV = "SPD_DEBUG"  # 1: print tracebacks instead of one line per failing rank
@@ -186,6 +186,10 @@ def check_output_file(path: str, what: str) -> None:
     ensure_output_dir(os.path.dirname(path) or ".", f"{what}'s folder")
 
 
+UserErrors = Union[tuple[type[BaseException], ...], Callable[[], tuple[type[BaseException], ...]]]
+"""What ``run_cli`` takes as the user's errors: the exception types, or a function that returns them."""
+
+
 def data_user_errors(*extra: type[BaseException]) -> tuple[type[BaseException], ...]:
     """The exceptions that are the user's to fix in the data programs (training, data preparation, draft
     vocabularies): bad settings, data (self-distilled folders included), chat templates, models; plus ``extra``."""
@@ -262,14 +266,16 @@ def _traceback_file(prog: str, rank: int) -> str | None:
 
 
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, *,
-            user_errors: tuple[type[BaseException], ...] = (), prefix: str = "error", prog: str = "spd") -> int:
+            user_errors: UserErrors = (), prefix: str = "error", prog: str = "spd") -> int:
     """Run a program's ``main(argv)`` and turn its exceptions into the exit statuses and messages of the module
     docstring.
 
     Args:
         main: the program; returns its exit status.
         argv: its arguments.
-        user_errors: exception types that are the user's to fix (exit status 2, one line, no traceback).
+        user_errors: exception types that are the user's to fix (exit status 2, one line, no traceback), or a
+            function of no argument that returns them, called only after an exception (so that ``--help`` does not
+            import what defines them, torch included).
         prefix: first word of the error line (``error``; ``train.py`` for the training program).
         prog: short program name for the traceback file (``infer``, ``eval``, ...).
     Returns:
@@ -286,17 +292,18 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
         return 141  # 128 + SIGPIPE, the shell's status for a writer whose pipe closed
-    except user_errors as e:
+    except Exception as e:  # noqa: BLE001 - sorted below: the user's to fix, or a bug
+        errors = user_errors() if callable(user_errors) else user_errors
+        if not isinstance(e, errors):
+            rank, world = rank_and_world()
+            if debug or world <= 1:
+                raise
+            path = _traceback_file(prog, rank)
+            where = f"; traceback in {path}" if path else ""
+            print(f"{error_prefix(prefix)}: {type(e).__name__}: {one_line(e)}{where} ({DEBUG_ENV}=1 prints it)",
+                  file=sys.stderr, flush=True)
+            return 1
         if debug:
             traceback.print_exc()
         print(f"{error_prefix(prefix)}: {one_line(e)}", file=sys.stderr, flush=True)
         return 2
-    except Exception as e:  # noqa: BLE001 - one line per failing rank under a launcher
-        rank, world = rank_and_world()
-        if debug or world <= 1:
-            raise
-        path = _traceback_file(prog, rank)
-        where = f"; traceback in {path}" if path else ""
-        print(f"{error_prefix(prefix)}: {type(e).__name__}: {one_line(e)}{where} ({DEBUG_ENV}=1 prints it)",
-              file=sys.stderr, flush=True)
-        return 1

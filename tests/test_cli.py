@@ -121,6 +121,34 @@ def test_other_error_in_one_process_keeps_its_traceback(monkeypatch):
         cli.run_cli(main, [], user_errors=(ConfigError,))
 
 
+def test_user_errors_may_be_a_function_called_only_after_an_exception(monkeypatch, capsys):
+    _launched(monkeypatch, rank=0, world=1)
+    calls = []
+
+    def errors():
+        calls.append(1)
+        return (ConfigError,)
+
+    assert cli.run_cli(lambda argv: 0, [], user_errors=errors) == 0 and not calls
+    def main(argv):
+        raise ConfigError("train.lr must be >= 0, got -1")
+
+    assert cli.run_cli(main, [], user_errors=errors) == 2 and calls == [1]
+    assert capsys.readouterr().err == "error: train.lr must be >= 0, got -1\n"
+    with pytest.raises(KeyError):
+        cli.run_cli(lambda argv: {}["a bug"], [], user_errors=errors)
+
+
+@pytest.mark.parametrize("program", ["build_draft_vocab", "prepare_train_data", "train"])
+def test_data_program_help_does_not_import_torch(program):
+    code = (f"import sys; from spd_ds.commands.{program} import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "usage:" in r.stdout
+
+
 def test_error_prefix():
     assert cli.error_prefix("error", {}) == "error"
     assert cli.error_prefix("train.py", {"RANK": "0", "WORLD_SIZE": "4"}) == "train.py (rank 0 of 4)"

@@ -77,3 +77,18 @@ def test_draws_joined_by_commas_are_pooled_per_prompt(paired, tmp_path, capsys):
     assert "| 0.367 | " in out  # 22 / 60 drafts over both draws
     assert "2 prompts): mean +0.0500" in out and "A leads on 1, B on 0" in out  # 16/40 - 0.3 and 6/20 - 0.3
     assert paired.load_draws(f"{a1},{b}", "ppsd") is None
+
+
+def test_missing_or_damaged_file_is_a_usage_error(paired, tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(_rec("spd", "s", q, 10, 5, 10, 20)) + "\n" for q in ("1", "2")))
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text(json.dumps(_rec("spd", "s", "1", 10, 5, 10, 20)) + "\n{\"method\": \"spd\", \"prom\n")
+    not_records = tmp_path / "summary.json"
+    not_records.write_text(json.dumps({"acceptance": 0.6}) + "\n")
+    for bad, words in ((tmp_path / "missing.jsonl", "cannot read"), (damaged, "line 2"), (not_records, "line 1")):
+        with pytest.raises(SystemExit) as e:
+            paired.main([str(good), str(bad)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert str(bad) in err and words in err and "Traceback" not in err

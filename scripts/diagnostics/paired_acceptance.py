@@ -29,13 +29,30 @@ import statistics
 from collections import defaultdict
 
 
+class RecordsError(ValueError):
+    """A ``per_prompt.jsonl`` that cannot be read: missing, unreadable, or a line that is not a suite (c) record."""
+
+
 def load(path: str) -> dict[str, dict[tuple[str, str], dict]]:
-    """``{method: {(prompt_set, question_id): record}}`` of one ``per_prompt.jsonl``."""
+    """``{method: {(prompt_set, question_id): record}}`` of one ``per_prompt.jsonl``.
+
+    Raises:
+        RecordsError: the file is missing or unreadable, or a line is not JSON or lacks a record's fields.
+    """
     out: dict[str, dict] = defaultdict(dict)
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            out[r["method"]][(r["prompt_set"], str(r["question_id"]))] = r
+    try:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    r = json.loads(line)
+                    out[r["method"]][(r["prompt_set"], str(r["question_id"]))] = r
+                except (ValueError, KeyError, TypeError) as e:
+                    raise RecordsError(f"{path}, line {number}: not a suite (c) per-prompt record ({e!r}); give "
+                                       "the per_prompt.jsonl that launch/benchmark.py --suite c wrote") from None
+    except OSError as e:
+        raise RecordsError(f"cannot read {path}: {e.strerror or e}") from None
     return out
 
 
@@ -72,7 +89,7 @@ def pooled(recs) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     """Print the per-method table and the paired difference; returns 0. Exits with argparse's usage error (status 2)
-    for a wrong number of files, a method a file does not hold, no shared prompt, or fewer than two prompts with
+    for a missing or damaged file, a wrong number of files, a method a file does not hold, no shared prompt, or fewer than two prompts with
     drafts under both methods."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", help="one per_prompt.jsonl with two methods, or two files (A then B); "
@@ -87,7 +104,10 @@ def main(argv=None) -> int:
     fa, fb = args.files[0], args.files[-1]
     sides = []
     for path, method in ((fa, ma), (fb, mb)):
-        side = load_draws(path, method)
+        try:
+            side = load_draws(path, method)
+        except RecordsError as e:
+            ap.error(str(e))
         if side is None:
             bad = next(p for p in path.split(",") if method not in load(p))
             ap.error(f"{bad} holds no method {method!r} (it holds {', '.join(sorted(load(bad)))}): pick one with "

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     on success, 2 after a user error (one line: arguments, data, model, chat template, output path)."""
     from spd_ds.cli import data_user_errors, run_cli
 
-    return run_cli(_main, argv, user_errors=data_user_errors(), prog="build_draft_vocab")
+    return run_cli(_main, argv, user_errors=data_user_errors, prog="build_draft_vocab")
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     self-distillation's settings)."""
     from spd_ds.cli import data_user_errors, run_cli
 
-    return run_cli(_main, argv, user_errors=data_user_errors(), prog="prepare_train_data")
+    return run_cli(_main, argv, user_errors=data_user_errors, prog="prepare_train_data")
 
 
 def _main(argv: list[str] | None = None) -> int:
