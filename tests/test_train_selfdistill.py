@@ -382,6 +382,19 @@ def test_manifest_and_data_files_accept_the_directory(loaded, reference_run):
     assert len(load_records([str(sd.shard_files(out)[0])])) > 0  # one shard works too
 
 
+def test_data_folder_reads_its_self_distillation_sub_folder(reference_run, chats_file, tmp_path):
+    out, _, recs = reference_run
+    folder = tmp_path / "data"
+    shutil.copytree(out, folder / "selfdistill")
+    shutil.copy(chats_file, folder / "chats.jsonl")
+    got = load_records([str(folder)])
+    chats = load_records([str(chats_file)])
+    # name order: chats.jsonl, then the sub-folder's records (its manifest.json is not read as chats)
+    assert len(got) == len(chats) + len(recs)
+    assert got[:len(chats)] == chats
+    assert [r["input_ids"] for r in got[len(chats):]] == [r["input_ids"] for r in recs]
+
+
 def test_time_budget_and_resume(loaded, ending_model, convs, reference_run, tmp_path, monkeypatch):
     _, _, recs = reference_run
     # a spent budget starts no call and writes an empty manifest

@@ -178,10 +178,17 @@ def _with_conv_id(out: dict, rec: dict) -> dict:
 
 
 def _files_of(src: Path) -> list[Path]:
+    """The data files of ``src`` in name order: ``src`` itself, or every data file under the directory ``src``,
+    where a self-distillation directory (:func:`spd_ds.train.selfdistill.is_selfdistill_path`) counts as one entry
+    and its ``manifest.json`` is not read as chats."""
     if src.is_dir():
-        files = sorted(p for p in src.rglob("*") if p.is_file() and p.name.endswith(_DATA_SUFFIXES))
+        from spd_ds.train import selfdistill
+
+        sd_dirs = sorted(d for d in [src, *src.rglob("*")] if d.is_dir() and selfdistill.is_selfdistill_path(d))
+        files = sorted([*sd_dirs, *(p for p in src.rglob("*") if p.is_file() and p.name.endswith(_DATA_SUFFIXES)
+                                    and not any(d in p.parents for d in sd_dirs))])
         if not files:
-            raise DataError(f"{src} holds no {'/'.join(_DATA_SUFFIXES)} files")
+            raise DataError(f"{src} holds no {'/'.join(_DATA_SUFFIXES)} files and no self-distillation directory")
         return files
     if not src.name.endswith(_DATA_SUFFIXES):
         raise DataError(f"{src}: unknown data file type; use one of {', '.join(_DATA_SUFFIXES)}")
@@ -206,7 +213,9 @@ def _raw_records(source: str, cache_dir: str | None) -> Iterator[dict]:
             yield from selfdistill.iter_records(p)
             return
         for f in _files_of(p):
-            if f.suffix == ".parquet":
+            if f.is_dir():  # a self-distillation directory inside the data folder
+                yield from selfdistill.iter_records(f)
+            elif f.suffix == ".parquet":
                 import datasets
 
                 yield from datasets.load_dataset("parquet", data_files=str(f), split="train")
