@@ -500,6 +500,11 @@ def test_cli_export_prompts_and_selfdistill(ending_model, tmp_path, capsys):
     assert rc == 0 and "generated tokens/s" in err and "records" in err
     man = json.loads((out / sd.MANIFEST).read_text())
     assert man["counts"]["records"] == 12 and man["variants"] == {"greedy": 1, "samples": 1}
+    # every prompt over --max-prompt-tokens: nothing generated (exit 1), and the output says why
+    rc = main(["selfdistill", "--model", str(ending_model), "--data", str(prompts), "--out", str(tmp_path / "sd2"),
+               "--greedy", "1", "--samples", "0", "--max-new-tokens", "8", "--max-prompt-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "6 prompt too long" in err and "--max-prompt-tokens 2" in err
 
 
 # ---------------------------------------------------------------------------------------------------- SmolLM2
