@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import typing
@@ -365,6 +366,12 @@ def _registered_attention(name: str) -> bool:
 def validate(cfg: ExperimentConfig) -> None:
     """Cheap checks that need no model (more happen when the model is known). Raises ConfigError."""
     from spd_ds.models.adapter import resolve_dtype
+
+    for section in dataclasses.fields(cfg):  # nan passes every range check below, inf most: neither is a setting
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
 
     try:
         resolve_dtype(cfg.model.dtype)

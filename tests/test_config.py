@@ -91,6 +91,12 @@ def test_bad_values():
     ("data.max_conversations=0", "data.max_conversations must be >= 1 (or null)"),
     ("data.overflow=bogus", "data.overflow must be truncate or drop"),
     ("eval.baseline_num_prompts=0", "eval.baseline_num_prompts must be >= 1 (or null)"),
+    ("decoding.temperature=.nan", "decoding.temperature must be a finite number, got nan"),
+    ("decoding.temperature=nan", "decoding.temperature must be a finite number, got nan"),
+    ("decoding.temperature=inf", "decoding.temperature must be a finite number, got inf"),
+    ("train.lr=.nan", "train.lr must be a finite number, got nan"),
+    ("train.max_time_s=.inf", "train.max_time_s must be a finite number, got inf"),
+    ("decoding.top_p=nan", "decoding.top_p must be a finite number"),
 ])
 def test_out_of_range_settings_are_one_line_errors(override, message):
     with pytest.raises(ConfigError) as e:
