@@ -17,7 +17,7 @@ import torch
 from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.decoding.stopping import StopStrings
-from spd_ds.head import SpeculationHead, load_draft_vocab
+from spd_ds.head import HeadMismatchError, SpeculationHead, load_draft_vocab
 from spd_ds.models.adapter import Target, TargetArch, resolve_dtype
 from spd_ds.partition import PartitionError, StagePartition
 
@@ -116,7 +116,8 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
     must be the one the head was trained for.
 
     Raises:
-        ConfigError: invalid partition, or one that disagrees with the head checkpoint.
+        ConfigError: invalid partition, or one that disagrees with the head checkpoint (a head of another target
+            depth: the base-model check's message, which says to use a head trained for this target).
     """
     p = cfg.partition
     cfg.head.checkpoint = resolve_path(cfg.head.checkpoint)
@@ -128,6 +129,11 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
         raise ConfigError(str(e)) from None
     if cfg.head.checkpoint:
         saved = StagePartition.from_dict(SpeculationHead.read_config(cfg.head.checkpoint)["partition"])
+        if saved != part and saved.num_layers != part.num_layers:  # a head of another target: no partition fits
+            try:
+                SpeculationHead.check_base_model(cfg.head.checkpoint, arch)
+            except HeadMismatchError as e:
+                raise ConfigError(str(e)) from None
         if saved != part:
             raise ConfigError(
                 f"head.checkpoint {cfg.head.checkpoint} was trained for partition {saved}, but the config asks for "

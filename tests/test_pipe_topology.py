@@ -141,3 +141,29 @@ def test_head_checkpoint_of_another_model_fails_before_any_collective(tiny_root,
         SPDSession(cfg)
     assert "\n" not in str(e.value)  # one line
     assert not (dist.is_available() and dist.is_initialized())
+
+
+@pytest.mark.parametrize("head_family,match", [
+    ("llama", "trained for a llama target but .* is qwen3; use a head trained for"),
+    ("qwen3", "trained for another base model"),
+])
+def test_head_of_a_target_of_another_depth_names_the_model_not_the_partition(tiny_root, tmp_path, monkeypatch,
+                                                                             head_family, match):
+    """A head whose target has another number of layers: no partition setting fits it, so the message is the
+    base-model check's (it used to suggest partition.num_stages, which the config already had)."""
+    import torch.distributed as dist
+
+    from spd_ds.head import SpeculationHead
+    from spd_ds.models.adapter import TargetArch
+    from spd_ds.pipe.runner import SPDSession
+    from tests.tiny_models import make_tiny_model
+
+    a = make_tiny_model(tiny_root, head_family, 8)
+    b = make_tiny_model(tiny_root, "qwen3", 6)
+    SpeculationHead(TargetArch(a), StagePartition.build(8, 2)).save(tmp_path / "head_a")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config(None, [f"model.name={b}", "partition.num_stages=2", f"head.checkpoint={tmp_path / 'head_a'}"])
+    with pytest.raises(ConfigError, match=match) as e:
+        SPDSession(cfg)
+    assert "partition.num_stages" not in str(e.value) and "\n" not in str(e.value)
+    assert not (dist.is_available() and dist.is_initialized())
