@@ -13,9 +13,13 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
+import time
 import traceback
+from pathlib import Path
 from typing import Callable, Sequence, Union
 
 ENGINES = ("auto", "reference", "deepspeed")
@@ -218,13 +222,71 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
 
 def setup_process() -> None:
-    """What every ``launch/*.py`` program does first: CPU threads per rank (:func:`configure_cpu_threads`) and
-    DeepSpeed's accelerator choice (:func:`settle_accelerator`)."""
+    """What every ``launch/*.py`` program does first: CPU threads per rank (:func:`configure_cpu_threads`),
+    DeepSpeed's accelerator choice (:func:`settle_accelerator`) and, under DeepSpeed's launcher, the watch that ends
+    the ranks when the ``deepspeed`` command is gone (:func:`watch_launcher`)."""
     threads = configure_cpu_threads()
     if threads is not None:
         log.info("%d local ranks: %d CPU thread(s) per rank (set OMP_NUM_THREADS to choose)", local_world_size(),
                  threads)
     settle_accelerator()
+    watch_launcher()
+
+
+_DS_LAUNCH = b"deepspeed.launcher.launch"  # the per-node launcher module (`deepspeed` runs it, locally or over pdsh)
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` from ``/proc`` (Linux), or ``None`` when the process is gone or unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[1])  # "pid (comm) state ppid ...": comm may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def watch_launcher(poll_s: float = 0.5) -> threading.Thread | None:
+    """End this rank's run when the ``deepspeed`` command that started it is gone.
+
+    DeepSpeed's single-node runner forwards no signal: ``kill <pid of deepspeed>`` (or a job tool that signals that
+    one process) ends the runner and leaves its ``deepspeed.launcher.launch`` and every rank running. Under that
+    launcher this starts a daemon thread that polls every ``poll_s`` seconds: when the launcher's own parent changes
+    (the runner, or the pdsh/ssh session of a remote node, has ended), it sends SIGTERM to the launcher, which ends
+    every rank of the node (as Ctrl-C does); when this rank's parent changes (the launcher itself was killed), the
+    rank sends SIGTERM to itself. Linux only (``/proc``); elsewhere, and under other launchers (MPI, torchrun,
+    none), it does nothing.
+
+    Returns:
+        The watching thread, or ``None`` when there is nothing to watch.
+    """
+    launcher = os.getppid()
+    try:
+        if _DS_LAUNCH not in Path(f"/proc/{launcher}/cmdline").read_bytes():
+            return None
+    except OSError:  # not Linux, or no such parent
+        return None
+    runner = _parent_of(launcher)
+    if runner is None:
+        return None
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != launcher:  # the launcher was killed: nothing else will end this rank
+                print(f"{error_prefix('error')}: the DeepSpeed launcher (pid {launcher}) is gone; stopping",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            if _parent_of(launcher) != runner:  # the deepspeed command (or the node's remote session) has ended
+                print(f"{error_prefix('error')}: the deepspeed command (pid {runner}) is gone; stopping its "
+                      f"launcher (pid {launcher}) and every rank", file=sys.stderr, flush=True)
+                with contextlib.suppress(OSError):
+                    os.kill(launcher, signal.SIGTERM)
+                return
+
+    thread = threading.Thread(target=watch, name="spd-launcher-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -269,3 +269,50 @@ def test_bad_inputs_known_before_decoding_are_one_line_errors(smollm2_dir, tmp_p
              "head.checkpoint=null", "--prompt", "hello world"], timeout=300)  # a shape without a tokenizer
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and "has no tokenizer" in last and "eval.prompt_sets=[random]" in last, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["runner", "launcher"])
+def test_every_rank_ends_when_the_deepspeed_command_or_its_launcher_is_killed(smollm2_dir, tmp_path, victim):
+    """DeepSpeed's single-node runner forwards no signal: `kill <deepspeed pid>` used to leave the launcher and both
+    ranks decoding. Each rank's launcher watch (spd_ds.cli.watch_launcher) now ends them: SIGTERM to the runner
+    stops the launcher and its ranks; SIGKILL to the launcher makes each rank stop itself."""
+    import contextlib
+    import signal
+    import time
+
+    import psutil
+
+    log = tmp_path / "out.txt"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [*deepspeed_cmd(2), "launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=4000",
+           "decoding.max_length=4200", "--prompt", "Tell a very long story.", "--no-compare-ar"]
+    with open(log, "w") as out:
+        runner = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    tree = []
+    try:
+        deadline = time.time() + 300
+        while "engine deepspeed:" not in log.read_text():  # logged after setup_process, which starts the watch
+            assert runner.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        tree = psutil.Process(runner.pid).children(recursive=True)
+        launcher = next(p for p in tree if "deepspeed.launcher.launch" in " ".join(p.cmdline()))
+        ranks = launcher.children()
+        assert len(ranks) == 2
+        if victim == "runner":
+            runner.send_signal(signal.SIGTERM)
+            gone = [launcher, *ranks]
+        else:
+            launcher.kill()
+            gone = ranks
+        t0 = time.time()
+        _, alive = psutil.wait_procs(gone, timeout=30)
+        assert not alive, f"{victim} killed: still running after 30 s: {[p.pid for p in alive]}"
+        assert time.time() - t0 < 15
+        text = log.read_text()
+        assert ("the deepspeed command" if victim == "runner" else "the DeepSpeed launcher") in text, text[-3000:]
+    finally:  # nothing left behind, whatever failed
+        for p in [*tree, runner]:
+            with contextlib.suppress(psutil.Error, OSError):
+                p.kill()
+        runner.wait()
