@@ -341,8 +341,8 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         prefix: first word of the error line (``error``; ``train.py`` for the training program).
         prog: short program name for the traceback file (``infer``, ``eval``, ...).
     Returns:
-        ``main``'s status; 2 after a user error; 141 when stdout's reader went away (``| head``); 1 after another
-        exception under a multi-process launcher.
+        ``main``'s status; 2 after a user error; 141 when stdout's reader went away (``| head``); 130 after Ctrl-C
+        (one line, no traceback); 1 after another exception under a multi-process launcher.
     Raises:
         Any other exception of ``main`` in a single process (its traceback is the bug report), and every exception
         with ``SPD_DEBUG=1`` set.
@@ -354,6 +354,11 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
         return 141  # 128 + SIGPIPE, the shell's status for a writer whose pipe closed
+    except KeyboardInterrupt:  # Ctrl-C: the user asked for it, no traceback
+        if debug:
+            raise
+        print(f"{error_prefix(prefix)}: interrupted", file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT
     except Exception as e:  # noqa: BLE001 - sorted below: the user's to fix, or a bug
         errors = user_errors() if callable(user_errors) else user_errors
         if not isinstance(e, errors):

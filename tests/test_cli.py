@@ -149,6 +149,19 @@ def test_data_program_help_does_not_import_torch(program):
     assert "usage:" in r.stdout
 
 
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    _launched(monkeypatch, rank=1, world=2)
+
+    def main(argv):
+        raise KeyboardInterrupt
+
+    assert cli.run_cli(main, [], user_errors=(ConfigError,)) == 130
+    assert capsys.readouterr().err == "error (rank 1 of 2): interrupted\n"
+    monkeypatch.setenv(cli.DEBUG_ENV, "1")
+    with pytest.raises(KeyboardInterrupt):
+        cli.run_cli(main, [])
+
+
 def test_error_prefix():
     assert cli.error_prefix("error", {}) == "error"
     assert cli.error_prefix("train.py", {"RANK": "0", "WORLD_SIZE": "4"}) == "train.py (rank 0 of 4)"
