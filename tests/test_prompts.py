@@ -126,6 +126,23 @@ def test_load_prompts_normalises_plain_jsonl(tmp_path):
     bad.write_text('{"question_id": 1}\n')
     with pytest.raises(ValueError):
         load_prompts(bad)
+    array = tmp_path / "arr.json"  # a JSON array file, not jsonl
+    array.write_text('[{"prompt": "hi"}]')
+    with pytest.raises(ValueError, match=r"arr.json:1: the line is a JSON array .* one JSON object per line"):
+        load_prompts(array)
+    plain = tmp_path / "s.jsonl"
+    plain.write_text('"hi"\n')
+    with pytest.raises(ValueError, match=r"s.jsonl:1: the line is a JSON string, not an object"):
+        load_prompts(plain)
+
+
+def test_missing_prompt_file_is_named_as_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"prompt file '.*nope.jsonl' does not exist; give a jsonl file"):
+        load_prompts(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match=r"is a directory without question.jsonl"):
+        load_prompts(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"'nope' is neither a jsonl file nor a prompt set name"):
+        load_prompts("nope", eval_dir=tmp_path)
 
 
 def test_prepare_eval_data_cli(tmp_path, source_dir, capsys):

@@ -116,6 +116,11 @@ def _one_line(text: object, limit: int = 240) -> str:
 
 def _normalize(rec: dict, index: int) -> dict:
     """Make sure a record has ``question_id`` and ``turns`` (list of str)."""
+    if not isinstance(rec, dict):
+        kind = ("a JSON array (a .json file?)" if isinstance(rec, list) else
+                f"a JSON {dict(str='string', bool='boolean', int='number', float='number').get(type(rec).__name__, 'null')}")
+        raise ValueError(f"the line is {kind}, not an object; give one JSON object per line (jsonl), e.g. "
+                         '{"turns": ["..."]}')
     out = dict(rec)
     turns = out.get("turns")
     if turns is None:
@@ -356,6 +361,10 @@ def load_prompts(
         return read_jsonl_prompts(path / QUESTION_FILE, limit)
     canon = canonical_name(raw)
     if canon is None:
+        if os.sep in raw or raw.endswith((".jsonl", ".json", ".txt")) or path.is_dir():
+            what = "is a directory without question.jsonl" if path.is_dir() else "does not exist"
+            raise FileNotFoundError(f"prompt file {raw!r} {what}; give a jsonl file (one JSON object per line) or "
+                                    f"a prompt set name ({', '.join(PROMPT_SETS)})")
         raise FileNotFoundError(
             f"{raw!r} is neither a jsonl file nor a prompt set name ({', '.join(PROMPT_SETS)})"
         )
