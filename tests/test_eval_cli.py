@@ -50,6 +50,19 @@ def test_eval_cli_bad_config_is_one_line(tmp_path):
     assert p.returncode == 2 and "tp_ar, which needs the pipeline engine over >= 2 ranks" in last, p.stderr[-2000:]
 
 
+@pytest.mark.parametrize("override,message", [
+    ("eval.baselines=[hf_generate]", "--strict-exact compares SPD with the 'ar' baseline, which eval.baselines="),
+    ("decoding.temperature=0.7", "--strict-exact compares tokens at T = 0"),
+    ("eval.check_exact=false", "--strict-exact needs eval.check_exact=true"),
+])
+def test_strict_exact_without_a_comparison_is_refused_before_the_model(tmp_path, override, message):
+    """--strict-exact with nothing to compare used to pass (exit 0, 'exactness not checked')."""
+    p = run(["launch/eval.py", "--strict-exact", f"model.name={tmp_path / 'no_model_here'}", override])
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: " + message) and "no_model_here" not in p.stderr
+
+
 def test_eval_cli_empty_prompt_set_is_an_error_before_the_model(tmp_path):
     """An empty prompt set: one line, exit 2, before any model is resolved (the model named here does not exist)."""
     f = tmp_path / "empty.jsonl"

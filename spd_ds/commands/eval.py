@@ -29,7 +29,7 @@ import sys
 
 
 from spd_ds.cli import checks_outputs, ensure_output_dir, experiment_parser, run_cli, setup_process
-from spd_ds.config import load_config
+from spd_ds.config import ConfigError, load_config
 
 log = logging.getLogger("spd_ds.eval")
 
@@ -52,11 +52,29 @@ def main(argv=None) -> int:
     return run_cli(_main, argv, user_errors=USER_ERRORS, prog="eval")
 
 
+def _check_strict_exact(cfg) -> None:
+    """``--strict-exact`` compares SPD with the ``ar`` baseline at T = 0: refuse a run where no comparison can happen.
+
+    Raises:
+        ConfigError: T > 0, ``eval.check_exact`` false, or no ``ar`` in ``eval.baselines``.
+    """
+    if cfg.decoding.temperature > 0:
+        raise ConfigError(f"--strict-exact compares tokens at T = 0, but decoding.temperature={cfg.decoding.temperature}"
+                          "; set decoding.temperature=0 or drop --strict-exact")
+    if not cfg.eval.check_exact:
+        raise ConfigError("--strict-exact needs eval.check_exact=true")
+    if "ar" not in cfg.eval.baselines:
+        raise ConfigError(f"--strict-exact compares SPD with the 'ar' baseline, which eval.baselines="
+                          f"{list(cfg.eval.baselines)} leaves out; add ar (e.g. eval.baselines='[ar, hf_generate]')")
+
+
 def _main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     setup_process()
     cfg = load_config(args.config, args.overrides)
+    if args.strict_exact:
+        _check_strict_exact(cfg)
     if checks_outputs():  # before the model loads, not after the run (spd_ds.cli.checks_outputs: which ranks)
         ensure_output_dir(cfg.eval.output_dir, "eval.output_dir")
     from spd_ds.eval.report import bandwidth_line, exactness_lines, summary_table, write_reports
