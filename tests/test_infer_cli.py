@@ -164,6 +164,11 @@ def test_speed_lines_explain_the_numbers():
     assert "deepspeed --num_gpus 2 launch/infer.py" in lines[2] and "one after another" in lines[2]
     lines = infer.speed_lines(cfg, spd, None, one_process=False)
     assert "AR did not run (--no-compare-ar)" in lines[0] and len(lines) == 2
+    # max_new_tokens=1 (or a stop at once): the prefill's token alone, no decode rate or acceptance to speak of
+    first = [GenerationResult([7], "length", SPDMetrics(2, num_new_tokens=1, num_cycles=0))]
+    lines = infer.speed_lines(cfg, first, first, "AR decoding")
+    assert lines == ["speed: no decode tokens (every answer ended at its first token: decoding.max_new_tokens=1, or "
+                     "EOS or a stop string at once), so there is no speed or acceptance to report"]
 
 
 def _damaged_head(tmp_path, damage: str) -> Path:

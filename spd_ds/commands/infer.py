@@ -342,6 +342,9 @@ def speed_lines(cfg, results, ar_results=None, ar_name: str = "AR decoding", one
     """
     metrics = [r.metrics for r in results]
     n = metrics[0].num_stages if metrics else cfg.partition.num_stages
+    if not any(m.num_cycles for m in metrics):  # every answer ended at its prefill token: no rate, no acceptance
+        return ["speed: no decode tokens (every answer ended at its first token: decoding.max_new_tokens=1, or EOS or "
+                "a stop string at once), so there is no speed or acceptance to report"]
     spd = pooled_decode_tok_s(metrics)
     out = []
     if ar_results is not None:
@@ -387,9 +390,10 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
             print(answer_text(tok, res.tokens, res.finish_reason, stop))
             head = "--- "
         same = None if ar_tokens is None else ar_tokens[i] == res.tokens
-        print(f"{head}{m.num_new_tokens} tokens in {m.num_cycles} cycles, draft acceptance "
-              f"{m.draft_acceptance_rate:.3f}, equivalent accept length {m.equivalent_accept_length:.2f}, "
-              f"{m.decode_tok_s:.1f} tok/s, finish {res.finish_reason}"
+        rates = (f"in {m.num_cycles} cycles, draft acceptance {m.draft_acceptance_rate:.3f}, equivalent accept length "
+                 f"{m.equivalent_accept_length:.2f}, {m.decode_tok_s:.1f} tok/s" if m.num_cycles else
+                 "(the prefill's token alone: no decode cycle)")
+        print(f"{head}{m.num_new_tokens} tokens {rates}, finish {res.finish_reason}"
               + ("" if same is None else f", identical to AR: {'yes' if same else 'NO'}"))
         row = {"question_id": qid, "tokens": res.tokens, "finish_reason": res.finish_reason,
                "identical_to_ar": same, **m.to_dict()}
