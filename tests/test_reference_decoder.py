@@ -108,6 +108,14 @@ def test_bad_prompts(arch):
         dec.generate(list(range(60)), 5)
     with pytest.raises(PromptError, match="max_new_tokens"):
         dec.generate([1], 0)
+    from spd_ds.decoding.cycle import check_prompt
+
+    # a context the model's maximum sets (decoding.max_length was capped to it): raising max_length is no advice
+    with pytest.raises(PromptError, match="exceeds the model's maximum context of 64 positions") as e:
+        check_prompt(list(range(60)), 5, 64, 2, model_max=64)
+    assert "decoding.max_length" not in str(e.value)
+    with pytest.raises(PromptError, match="raise decoding.max_length"):
+        check_prompt(list(range(60)), 5, 64, 2, model_max=8192)
 
 
 # ---------------------------------------------------------------------------------------------------- Qwen3.5

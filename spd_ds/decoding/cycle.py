@@ -65,13 +65,22 @@ class GenerationResult:
     metrics: SPDMetrics
 
 
-def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_positions: int, num_stages: int) -> None:
-    """Raise :class:`PromptError` for an empty prompt or one that does not fit the context with its generation."""
+def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_positions: int, num_stages: int,
+                 model_max: int | None = None) -> None:
+    """Raise :class:`PromptError` for an empty prompt or one that does not fit the context with its generation.
+
+    ``max_positions`` is ``decoding.max_length`` capped at the model's maximum ``model_max`` (when known): a context
+    that the model's maximum sets is not advised to be raised."""
     if len(prompt) == 0:
         raise PromptError("the prompt is empty: give at least one token")
     if max_new_tokens < 1:
         raise PromptError(f"decoding.max_new_tokens must be >= 1, got {max_new_tokens}")
     need = len(prompt) + max_new_tokens + num_stages
+    if need > max_positions and model_max is not None and max_positions >= model_max:
+        raise PromptError(
+            f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} (+{num_stages} in flight) exceeds the "
+            f"model's maximum context of {model_max} positions; shorten the prompt or lower decoding.max_new_tokens"
+        )
     if need > max_positions:
         raise PromptError(
             f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} (+{num_stages} in flight) exceeds the "
