@@ -277,14 +277,27 @@ def _valid_keys(path: Sequence[str]) -> str:
     return f"valid keys of {path[0]}: " + ", ".join(f.name for f in dataclasses.fields(cls))
 
 
+# lists of strings typed list[Any] in the schema (so that YAML's No -> False gets our own message, not OmegaConf's)
+_STRING_LISTS = ("decoding.stop",)
+
+
 def _list_field(path: Sequence[str]) -> bool:
     """Whether ``section.key`` (``path``) is a list in the schema, ``Optional[list]`` included (a null default holds
     no ListConfig to recognise it by)."""
+    return _list_item_type(path) is not None
+
+
+def _list_item_type(path: Sequence[str]) -> Any:
+    """The item type of the list ``section.key`` (``path``) in the schema (``Any`` when unstated), ``None`` when the
+    key is not a list."""
     if len(path) != 2 or path[0] not in _SECTIONS:
-        return False
+        return None
     cls = {f.name: f for f in dataclasses.fields(ExperimentConfig)}[path[0]].default_factory
     hint = typing.get_type_hints(cls).get(path[1])
-    return any(typing.get_origin(t) is list for t in (hint, *typing.get_args(hint)))
+    for t in (hint, *typing.get_args(hint)):
+        if typing.get_origin(t) is list:
+            return (typing.get_args(t) or (Any,))[0]
+    return None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
@@ -314,8 +327,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             except OmegaConfBaseException:
                 current = None
             new = OmegaConf.select(parsed, key)
-            number = isinstance(new, (int, float)) and not isinstance(new, bool)
-            example = value if number else f'"{value}"'  # a number stays a number: '[2]'
+            number = (isinstance(new, (int, float)) and not isinstance(new, bool)
+                      and _list_item_type(key.split(".")) is not str and key not in _STRING_LISTS)
+            example = value if number else f'"{value}"'  # a number stays a number ('[2]'), unless strings are asked
             takes_list = ConfigError(f"override {o!r}: {key} takes a list; write it as a YAML list in quotes, e.g. "
                                      f"{key}='[{example}]'")
             if isinstance(current, ListConfig) and not isinstance(new, ListConfig):

@@ -162,6 +162,17 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
         cli.run_cli(main, [])
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--baseline-prompts", "-1"], "argument --baseline-prompts: must be >= 0, got -1"),
+    (["--num-prompts", "0"], "argument --num-prompts: must be >= 1, got 0"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+])
+def test_benchmark_numbers_are_checked_by_their_own_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        launcher_module("benchmark").build_parser().parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_error_prefix():
     assert cli.error_prefix("error", {}) == "error"
     assert cli.error_prefix("train.py", {"RANK": "0", "WORLD_SIZE": "4"}) == "train.py (rank 0 of 4)"

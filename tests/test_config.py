@@ -77,6 +77,9 @@ def test_bad_values():
         load_config(None, ["decoding.eos_token_ids=2"])
     with pytest.raises(ConfigError, match=re.escape("""e.g. decoding.stop='["User:"]'""")):
         load_config(None, ["decoding.stop=User:"])
+    with pytest.raises(ConfigError, match=re.escape("""e.g. decoding.stop='["5"]'""")):  # stop strings stay strings
+        load_config(None, ["decoding.stop=5"])
+    assert load_config(None, ["""decoding.stop=["5"]"""]).decoding.stop == ["5"]
 
 
 @pytest.mark.parametrize("override,message", [

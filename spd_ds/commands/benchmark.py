@@ -45,7 +45,8 @@ import time
 from pathlib import Path
 
 
-from spd_ds.cli import checks_outputs, chosen_engine, ensure_output_dir, experiment_parser, run_cli, setup_process
+from spd_ds.cli import (checks_outputs, chosen_engine, ensure_output_dir, experiment_parser, int_at_least, run_cli,
+                        setup_process)
 from spd_ds.pipe.topology import detect_world_size
 
 
@@ -79,13 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"],
                     help="prompt sets of suites a and c (names or jsonl paths; suite b uses random token prompts; "
                          "gsm8k needs the hub and is skipped with a warning offline; default: %(default)s)")
-    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per prompt set (default: %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=128,
+    ap.add_argument("--num-prompts", type=int_at_least(1), default=4, help="prompts per prompt set (default: %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128,
                     help="new tokens per prompt, the prefill token included (default: %(default)s)")
     ap.add_argument("--no-tp-baseline", dest="tp_baseline", action="store_false",
                     help="with the pipeline engine over >= 2 ranks, suites a and b also measure tp_ar (AR with DeepSpeed "
                          "AutoTP tensor parallelism over the same ranks); this leaves it out")
-    ap.add_argument("--baseline-prompts", type=int, default=2,
+    ap.add_argument("--baseline-prompts", type=int_at_least(0), default=2,
                     help="prompts per set for the baselines (0 = all; default: %(default)s)")
     return ap
 
