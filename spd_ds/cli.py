@@ -4,7 +4,8 @@ threads per rank, and how a failing rank reports its error.
 Error reporting (:func:`run_cli`): a user error (bad config, prompt, head, model, world size) is one line on stderr
 and exit status 2; under a launcher (``WORLD_SIZE > 1``) any other exception is one line too, tagged with the rank,
 exit status 1, and its traceback goes to a log file (``$SPD_LOG_DIR``, default the system temp directory) named in
-that line. ``SPD_DEBUG=1`` prints every traceback instead.
+that line. Ctrl-C is one line too (``interrupted``), and the process then ends by SIGINT as Python's own handling
+does. ``SPD_DEBUG=1`` prints every traceback instead.
 """
 
 from __future__ import annotations
@@ -234,6 +235,15 @@ def setup_process() -> None:
 
 
 _DS_LAUNCH = b"deepspeed.launcher.launch"  # the per-node launcher module (`deepspeed` runs it, locally or over pdsh)
+_DS_RUNNER = b"deepspeed.launcher.runner"  # the `deepspeed` command's module (its script is bin/deepspeed)
+
+
+def _argv_of(pid: int) -> list[bytes] | None:
+    """The command line of ``pid`` from ``/proc`` (Linux), one element per argument; ``None`` when unreadable."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
 
 
 def _parent_of(pid: int) -> int | None:
@@ -245,40 +255,61 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
+def _is_ds_runner(argv: list[bytes] | None) -> bool:
+    """Whether ``argv`` is DeepSpeed's ``deepspeed`` command (its script ``.../deepspeed`` run by Python, or the
+    runner module)."""
+    return bool(argv) and any(a == _DS_RUNNER or os.path.basename(a) == b"deepspeed" for a in argv[:3])
+
+
+def _watch_step(launcher: int, runner: int | None) -> str | None:
+    """One look at the processes above this rank (:func:`watch_launcher`): ``"launcher"`` when this rank's parent is
+    no longer ``launcher`` (the launcher was killed), ``"runner"`` when ``runner`` (the ``deepspeed`` command; ``None``
+    = not watched) is no longer the launcher's parent, else ``None``. A ``/proc`` read that fails says nothing."""
+    if os.getppid() != launcher:
+        return "launcher"
+    if runner is not None:
+        now = _parent_of(launcher)
+        if now is not None and now != runner:
+            return "runner"
+    return None
+
+
 def watch_launcher(poll_s: float = 0.5) -> threading.Thread | None:
-    """End this rank's run when the ``deepspeed`` command that started it is gone.
+    """End this rank's run when the ``deepspeed`` command that started it, or its launcher, is gone.
 
     DeepSpeed's single-node runner forwards no signal: ``kill <pid of deepspeed>`` (or a job tool that signals that
     one process) ends the runner and leaves its ``deepspeed.launcher.launch`` and every rank running. Under that
-    launcher this starts a daemon thread that polls every ``poll_s`` seconds: when the launcher's own parent changes
-    (the runner, or the pdsh/ssh session of a remote node, has ended), it sends SIGTERM to the launcher, which ends
-    every rank of the node (as Ctrl-C does); when this rank's parent changes (the launcher itself was killed), the
-    rank sends SIGTERM to itself. Linux only (``/proc``); elsewhere, and under other launchers (MPI, torchrun,
-    none), it does nothing.
+    launcher this starts a daemon thread that polls every ``poll_s`` seconds (:func:`_watch_step`):
+
+    - the launcher's parent was the ``deepspeed`` command and is no longer (the command ended): local rank 0 sends
+      SIGTERM to the launcher, which ends every rank of the node (as it does on Ctrl-C);
+    - this rank's parent is no longer the launcher (the launcher was killed, even by SIGKILL): the rank sends SIGTERM
+      to itself.
+
+    A launcher started by something else (pdsh on a remote node, a detached shell) is not tied to its parent. Linux
+    only (``/proc``); elsewhere, and under other launchers (MPI, torchrun, none), it does nothing.
 
     Returns:
         The watching thread, or ``None`` when there is nothing to watch.
     """
     launcher = os.getppid()
-    try:
-        if _DS_LAUNCH not in Path(f"/proc/{launcher}/cmdline").read_bytes():
-            return None
-    except OSError:  # not Linux, or no such parent
+    if _DS_LAUNCH not in (_argv_of(launcher) or []):  # not Linux, or not DeepSpeed's launcher
         return None
     runner = _parent_of(launcher)
-    if runner is None:
-        return None
+    if runner is None or not _is_ds_runner(_argv_of(runner)) or os.environ.get("LOCAL_RANK", "0") != "0":
+        runner = None  # one rank per node stops the launcher; the others watch their launcher alone
 
     def watch() -> None:
         while True:
             time.sleep(poll_s)
-            if os.getppid() != launcher:  # the launcher was killed: nothing else will end this rank
-                print(f"{error_prefix('error')}: the DeepSpeed launcher (pid {launcher}) is gone; stopping",
+            gone = _watch_step(launcher, runner)
+            if gone == "launcher":  # nothing else will end this rank
+                print(f"{error_prefix('error')}: the DeepSpeed launcher (pid {launcher}) has ended; stopping",
                       file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
-            if _parent_of(launcher) != runner:  # the deepspeed command (or the node's remote session) has ended
-                print(f"{error_prefix('error')}: the deepspeed command (pid {runner}) is gone; stopping its "
+            if gone == "runner":
+                print(f"{error_prefix('error')}: the deepspeed command (pid {runner}) has ended; stopping its "
                       f"launcher (pid {launcher}) and every rank", file=sys.stderr, flush=True)
                 with contextlib.suppress(OSError):
                     os.kill(launcher, signal.SIGTERM)
@@ -341,8 +372,9 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         prefix: first word of the error line (``error``; ``train.py`` for the training program).
         prog: short program name for the traceback file (``infer``, ``eval``, ...).
     Returns:
-        ``main``'s status; 2 after a user error; 141 when stdout's reader went away (``| head``); 130 after Ctrl-C
-        (one line, no traceback); 1 after another exception under a multi-process launcher.
+        ``main``'s status; 2 after a user error; 141 when stdout's reader went away (``| head``); 1 after another
+        exception under a multi-process launcher. After Ctrl-C it prints one line (no traceback) and ends the
+        process by SIGINT, as Python does, so that a calling shell stops too (130 where that signal is ignored).
     Raises:
         Any other exception of ``main`` in a single process (its traceback is the bug report), and every exception
         with ``SPD_DEBUG=1`` set.
@@ -358,7 +390,10 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         if debug:
             raise
         print(f"{error_prefix(prefix)}: interrupted", file=sys.stderr, flush=True)
-        return 130  # 128 + SIGINT
+        # die of SIGINT, as an uncaught KeyboardInterrupt does: a calling shell script then stops too
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 130  # 128 + SIGINT, where the signal does not end the process
     except Exception as e:  # noqa: BLE001 - sorted below: the user's to fix, or a bug
         errors = user_errors() if callable(user_errors) else user_errors
         if not isinstance(e, errors):

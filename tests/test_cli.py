@@ -149,17 +149,42 @@ def test_data_program_help_does_not_import_torch(program):
     assert "usage:" in r.stdout
 
 
-def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
-    _launched(monkeypatch, rank=1, world=2)
+def test_ctrl_c_is_one_line_and_the_process_dies_of_sigint():
+    """One line, no traceback; then the process ends by SIGINT (as an uncaught KeyboardInterrupt ends it), so that
+    a shell loop around the program stops too."""
+    import signal
 
-    def main(argv):
-        raise KeyboardInterrupt
+    code = ("import os; os.environ.update(RANK='1', WORLD_SIZE='2'); from spd_ds import cli\n"
+            "def main(argv):\n    raise KeyboardInterrupt\n"
+            "cli.run_cli(main, [])\nprint('not reached')")
+    env = {k: v for k, v in os.environ.items() if k != cli.DEBUG_ENV}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == -signal.SIGINT, (r.returncode, r.stderr)
+    assert r.stderr == "error (rank 1 of 2): interrupted\n" and "not reached" not in r.stdout
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**env, cli.DEBUG_ENV: "1"})
+    assert "Traceback" in r.stderr and "KeyboardInterrupt" in r.stderr  # the debug switch: the traceback itself
 
-    assert cli.run_cli(main, [], user_errors=(ConfigError,)) == 130
-    assert capsys.readouterr().err == "error (rank 1 of 2): interrupted\n"
-    monkeypatch.setenv(cli.DEBUG_ENV, "1")
-    with pytest.raises(KeyboardInterrupt):
-        cli.run_cli(main, [])
+
+def test_launcher_watch_step(monkeypatch):
+    """spd_ds.cli.watch_launcher's rule: the launcher gone (this rank reparented), or the deepspeed command gone
+    (the launcher reparented); a /proc read that fails says nothing (it must not stop a healthy run)."""
+    parents = {"me": 100, 100: 50}
+    monkeypatch.setattr(cli.os, "getppid", lambda: parents["me"])
+    monkeypatch.setattr(cli, "_parent_of", lambda pid: parents.get(pid))
+    assert cli._watch_step(100, 50) is None
+    parents[100] = None  # unreadable
+    assert cli._watch_step(100, 50) is None
+    parents[100] = 1  # the runner ended: the launcher was reparented
+    assert cli._watch_step(100, 50) == "runner"
+    assert cli._watch_step(100, None) is None  # the launcher's parent is not watched (not deepspeed, or not rank 0)
+    parents["me"] = 1  # the launcher itself ended
+    assert cli._watch_step(100, 50) == "launcher" and cli._watch_step(100, None) == "launcher"
+    assert cli._is_ds_runner([b"/usr/bin/python3", b"/venv/bin/deepspeed", b"--num_gpus", b"2"])
+    assert cli._is_ds_runner([b"python", b"-m", b"deepspeed.launcher.runner"])
+    assert not cli._is_ds_runner([b"bash", b"-c", b"python -m deepspeed.launcher.launch x"])
+    assert not cli._is_ds_runner(None)
+    assert cli.watch_launcher() is None  # pytest's parent is no DeepSpeed launcher
 
 
 @pytest.mark.parametrize("argv,message", [
