@@ -144,7 +144,7 @@ class ARGraphDecoder:
         Raises:
             PromptError: empty or too long prompt.
         """
-        check_prompt(prompt, max_new_tokens, self.max_len, 1)
+        check_prompt(prompt, max_new_tokens, self.max_len, 1, self.target.arch.max_positions)
         metrics = SPDMetrics(num_stages=1)
         s0 = len(prompt)
         t0 = time.perf_counter()

@@ -176,7 +176,7 @@ class SPDSession:
         self.max_len = min(cfg.decoding.max_length, self.arch.max_positions)
         self.max_new_tokens = max_new_tokens or cfg.decoding.max_new_tokens
         for p in prompts or ():
-            check_prompt(p, self.max_new_tokens, self.max_len, self.partition.num_stages)
+            check_prompt(p, self.max_new_tokens, self.max_len, self.partition.num_stages, self.arch.max_positions)
         self.stop = _stop_strings(cfg, self.arch)  # every rank, before any collective: a bad list fails everywhere
         if cfg.decoding.drafter == "head" or drafter_factory is not None:
             _precheck_head(cfg, self.arch)
