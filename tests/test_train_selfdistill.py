@@ -393,6 +393,14 @@ def test_data_folder_reads_its_self_distillation_sub_folder(reference_run, chats
     assert len(got) == len(chats) + len(recs)
     assert got[:len(chats)] == chats
     assert [r["input_ids"] for r in got[len(chats):]] == [r["input_ids"] for r in recs]
+    # a self-distillation folder without shards yet is skipped; another folder's manifest.json does not hide its data
+    (folder / "later").mkdir()
+    shutil.copy(out / sd.MANIFEST, folder / "later" / sd.MANIFEST)
+    (folder / "other").mkdir()
+    (folder / "other" / "manifest.json").write_text('{"files": ["train.jsonl"]}\n')
+    shutil.copy(chats_file, folder / "other" / "train.jsonl")
+    got = load_records([str(folder)])
+    assert len(got) == 2 * len(chats) + len(recs)
 
 
 def test_time_budget_and_resume(loaded, ending_model, convs, reference_run, tmp_path, monkeypatch):

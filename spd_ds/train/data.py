@@ -29,6 +29,7 @@ import dataclasses
 import gzip
 import io
 import json
+import logging
 import os
 import zlib
 from pathlib import Path
@@ -38,6 +39,8 @@ import torch
 
 from spd_ds.eval.report import REPEAT_NGRAM, repeat_flags
 from spd_ds.train.chat import EmptyMaskError, encode_conversation, valid_positions
+
+log = logging.getLogger(__name__)
 
 SHAREGPT_NAME = "sharegpt"
 _ROLE = {
@@ -178,21 +181,40 @@ def _with_conv_id(out: dict, rec: dict) -> dict:
 
 
 def _files_of(src: Path) -> list[Path]:
-    """The data files of ``src`` in name order: ``src`` itself, or every data file under the directory ``src``,
-    where a self-distillation directory (:func:`spd_ds.train.selfdistill.is_selfdistill_path`) counts as one entry
-    and its ``manifest.json`` is not read as chats."""
+    """The data files of ``src`` in name order: ``src`` itself, or every data file under the directory ``src``, where
+    a sub-folder holding self-distillation shards (``shard-*.npz``) is one entry, read as self-distilled records
+    (its ``manifest.json`` is not read as chats; a self-distillation folder without shards yet is skipped).
+
+    Raises:
+        DataError: a directory with no data file and no shards, or a file of an unknown type.
+    """
     if src.is_dir():
         from spd_ds.train import selfdistill
 
-        sd_dirs = sorted(d for d in [src, *src.rglob("*")] if d.is_dir() and selfdistill.is_selfdistill_path(d))
+        dirs = [d for d in [src, *src.rglob("*")] if d.is_dir()]
+        sd_dirs = [d for d in dirs if selfdistill.shard_files(d)]
+        empty = [d for d in dirs if d not in sd_dirs and _is_selfdistill_manifest(d / selfdistill.MANIFEST)]
+        for d in empty:
+            log.warning("%s: a self-distillation folder without shards yet; skipped", d)
+        skip = sd_dirs + empty
         files = sorted([*sd_dirs, *(p for p in src.rglob("*") if p.is_file() and p.name.endswith(_DATA_SUFFIXES)
-                                    and not any(d in p.parents for d in sd_dirs))])
+                                    and not any(d in p.parents for d in skip))])
         if not files:
-            raise DataError(f"{src} holds no {'/'.join(_DATA_SUFFIXES)} files and no self-distillation directory")
+            raise DataError(f"{src} holds no {'/'.join(_DATA_SUFFIXES)} files and no self-distillation shards")
         return files
     if not src.name.endswith(_DATA_SUFFIXES):
         raise DataError(f"{src}: unknown data file type; use one of {', '.join(_DATA_SUFFIXES)}")
     return [src]
+
+
+def _is_selfdistill_manifest(path: Path) -> bool:
+    """Whether ``path`` is a self-distillation ``manifest.json`` (by its ``format``), not any file of that name."""
+    from spd_ds.train import selfdistill
+
+    try:
+        return path.is_file() and json.loads(path.read_text()).get("format") == selfdistill.FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _raw_records(source: str, cache_dir: str | None) -> Iterator[dict]:
