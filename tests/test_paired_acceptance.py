@@ -86,7 +86,10 @@ def test_missing_or_damaged_file_is_a_usage_error(paired, tmp_path, capsys):
     damaged.write_text(json.dumps(_rec("spd", "s", "1", 10, 5, 10, 20)) + "\n{\"method\": \"spd\", \"prom\n")
     not_records = tmp_path / "summary.json"
     not_records.write_text(json.dumps({"acceptance": 0.6}) + "\n")
-    for bad, words in ((tmp_path / "missing.jsonl", "cannot read"), (damaged, "line 2"), (not_records, "line 1")):
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage\n")
+    for bad, words in ((tmp_path / "missing.jsonl", "cannot read"), (damaged, "line 2"), (not_records, "line 1"),
+                       (binary, "is not UTF-8 text")):
         with pytest.raises(SystemExit) as e:
             paired.main([str(good), str(bad)])
         assert e.value.code == 2

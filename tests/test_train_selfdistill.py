@@ -512,7 +512,7 @@ def test_cli_export_prompts_and_selfdistill(ending_model, tmp_path, capsys):
     rc = main(["selfdistill", "--model", str(ending_model), "--data", str(prompts), "--out", str(tmp_path / "sd2"),
                "--greedy", "1", "--samples", "0", "--max-new-tokens", "8", "--max-prompt-tokens", "2"])
     err = capsys.readouterr().err
-    assert rc == 1 and "6 prompt too long" in err and "--max-prompt-tokens 2" in err
+    assert rc == 1 and "answer chains stopped early: 6 prompt too long" in err and "--max-prompt-tokens 2" in err
 
 
 # ---------------------------------------------------------------------------------------------------- SmolLM2

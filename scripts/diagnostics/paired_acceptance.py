@@ -53,6 +53,9 @@ def load(path: str) -> dict[str, dict[tuple[str, str], dict]]:
                                        "the per_prompt.jsonl that launch/benchmark.py --suite c wrote") from None
     except OSError as e:
         raise RecordsError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise RecordsError(f"{path} is not UTF-8 text; give the per_prompt.jsonl that launch/benchmark.py --suite c "
+                           "wrote") from None
     return out
 
 
@@ -89,8 +92,8 @@ def pooled(recs) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     """Print the per-method table and the paired difference; returns 0. Exits with argparse's usage error (status 2)
-    for a missing or damaged file, a wrong number of files, a method a file does not hold, no shared prompt, or fewer than two prompts with
-    drafts under both methods."""
+    for a missing or damaged file, a wrong number of files, a method a file does not hold, no shared prompt, or fewer
+    than two prompts with drafts under both methods."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", help="one per_prompt.jsonl with two methods, or two files (A then B); "
                     "several draws of one side joined by commas")

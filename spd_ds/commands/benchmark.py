@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"],
                     help="prompt sets of suites a and c (names or jsonl paths; suite b uses random token prompts; "
                          "gsm8k needs the hub and is skipped with a warning offline; default: %(default)s)")
-    ap.add_argument("--num-prompts", type=int_at_least(1), default=4, help="prompts per prompt set (default: %(default)s)")
+    ap.add_argument("--num-prompts", type=int_at_least(1), default=4,
+                    help="prompts per prompt set (default: %(default)s)")
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128,
                     help="new tokens per prompt, the prefill token included (default: %(default)s)")
     ap.add_argument("--no-tp-baseline", dest="tp_baseline", action="store_false",

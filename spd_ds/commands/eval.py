@@ -59,8 +59,8 @@ def _check_strict_exact(cfg) -> None:
         ConfigError: T > 0, ``eval.check_exact`` false, or no ``ar`` in ``eval.baselines``.
     """
     if cfg.decoding.temperature > 0:
-        raise ConfigError(f"--strict-exact compares tokens at T = 0, but decoding.temperature={cfg.decoding.temperature}"
-                          "; set decoding.temperature=0 or drop --strict-exact")
+        raise ConfigError(f"--strict-exact compares tokens at T = 0, but decoding.temperature="
+                          f"{cfg.decoding.temperature}; set decoding.temperature=0 or drop --strict-exact")
     if not cfg.eval.check_exact:
         raise ConfigError("--strict-exact needs eval.check_exact=true")
     if "ar" not in cfg.eval.baselines:

@@ -338,7 +338,8 @@ def speed_lines(cfg, results, ar_results=None, ar_name: str = "AR decoding", one
         ar_results: AR's, same prompts and run (``None``: AR did not run).
         one_process: all stages ran in one process (the reference decoder, or a world of one rank).
     Returns:
-        Lines to print.
+        Lines to print; one line saying there is nothing to report when no answer had a decode cycle (every answer
+        was its prefill's token alone).
     """
     metrics = [r.metrics for r in results]
     n = metrics[0].num_stages if metrics else cfg.partition.num_stages

@@ -164,8 +164,8 @@ def _selfdistill(args) -> int:
           f"{tot['records']} records, {tot['tokens']} tokens ({tot['assistant_tokens']} answer tokens), "
           f"{tot['bytes'] / 1e6:.1f} MB in shards", file=sys.stderr)
     stopped = run.get("chains_stopped", {})
-    if stopped:  # chains that end before their last user turn, by cause (also in the manifest's run entry)
-        print("prepare_train_data: conversations stopped early: " + ", ".join(f"{n} {k.replace('_', ' ')}"
+    if stopped:  # answer chains (conversation x variant) that end before their last user turn, by cause (manifest too)
+        print("prepare_train_data: answer chains stopped early: " + ", ".join(f"{n} {k.replace('_', ' ')}"
               for k, n in sorted(stopped.items())) + (f" (prompt too long: over --max-prompt-tokens "
               f"{args.max_prompt_tokens})" if stopped.get("prompt_too_long") else ""), file=sys.stderr)
     return 0 if tot["items"] else 1

@@ -70,7 +70,12 @@ def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_positions: int,
     """Raise :class:`PromptError` for an empty prompt or one that does not fit the context with its generation.
 
     ``max_positions`` is ``decoding.max_length`` capped at the model's maximum ``model_max`` (when known): a context
-    that the model's maximum sets is not advised to be raised."""
+    that the model's maximum sets is not advised to be raised.
+
+    Raises:
+        PromptError: an empty prompt, ``max_new_tokens < 1``, or ``len(prompt) + max_new_tokens + num_stages`` over
+            ``max_positions``.
+    """
     if len(prompt) == 0:
         raise PromptError("the prompt is empty: give at least one token")
     if max_new_tokens < 1:

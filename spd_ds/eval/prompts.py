@@ -115,10 +115,14 @@ def _one_line(text: object, limit: int = 240) -> str:
 
 
 def _normalize(rec: dict, index: int) -> dict:
-    """Make sure a record has ``question_id`` and ``turns`` (list of str)."""
+    """Make sure a record has ``question_id`` and ``turns`` (list of str).
+
+    Raises:
+        ValueError: the record is not a JSON object, or has no usable turns.
+    """
     if not isinstance(rec, dict):
-        kind = ("a JSON array (a .json file?)" if isinstance(rec, list) else
-                f"a JSON {dict(str='string', bool='boolean', int='number', float='number').get(type(rec).__name__, 'null')}")
+        names = {str: "string", bool: "boolean", int: "number", float: "number"}
+        kind = "a JSON array (a .json file?)" if isinstance(rec, list) else f"a JSON {names.get(type(rec), 'null')}"
         raise ValueError(f"the line is {kind}, not an object; give one JSON object per line (jsonl), e.g. "
                          '{"turns": ["..."]}')
     out = dict(rec)
