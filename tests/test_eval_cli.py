@@ -235,6 +235,11 @@ def test_benchmark_head_patterns_are_checked_before_any_suite(tmp_path):
         check_head_pattern(str(tmp_path / "n{n}"), "--spd-head", [2, 5])
     with pytest.raises(ConfigError, match=r"--ppsd-head .* may hold only the placeholder \{n\}"):
         check_head_pattern(str(tmp_path / "n{N}"), "--ppsd-head", [3])
+    # a fixed path to the shipped n = 3 head asked for at n = 2: the fix is --stages 3 (or a {n} pattern)
+    n3 = ROOT / "spd_ds" / "assets" / "heads" / "smollm2-135m-instruct-n3"
+    with pytest.raises(ConfigError, match=r"is a head for n = 3 stages but the run asks it for n = 2; use --stages 3"):
+        check_head_pattern(str(n3), "--spd-head", [2])
+    check_head_pattern(str(n3), "--spd-head", [3])
 
 
 def test_benchmark_refuses_before_the_first_suite(tmp_path):

@@ -18,6 +18,7 @@ engine, all pipeline sessions first, then the baselines on rank 0 (so no stage r
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -79,6 +80,16 @@ def check_head_pattern(pattern: str | None, flag: str, stages: Sequence[int]) ->
         where = ", ".join(dict.fromkeys(str(d) for d in dirs))
         raise ConfigError(f"{flag} {pattern!r} names no head checkpoint at n = {', '.join(map(str, stages))} (no "
                           f"head_config.json in {where}); check the path, or leave {flag} out")
+    for n, d in zip(stages, dirs):  # a head is trained for one stage count: a fixed path serves only that n
+        try:
+            k = len(json.loads((d / "head_config.json").read_text())["partition"]["stage_layers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # no head at this n (warned later), or a damaged one (its loader says so)
+        if k != n:
+            left, found, right = str(d).rpartition(str(k))
+            example = f" (e.g. '{left}{{n}}{right}')" if found else ""
+            raise ConfigError(f"{flag} {str(d)!r} is a head for n = {k} stages but the run asks it for n = {n}; use "
+                              f"--stages {k}, or a pattern with {{n}}{example}")
 
 
 def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None, ppsd_head: str | None = None,
