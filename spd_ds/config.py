@@ -478,6 +478,12 @@ def validate(cfg: ExperimentConfig) -> None:
         if value is None or (value <= low if strict else value < low):
             bound = f"> {low:g}" if strict else f">= {low:g}"
             raise ConfigError(f"{key} must be {bound}{' (or null)' if nullable else ''}, got {value}")
+    for key, seed in (("train.seed", cfg.train.seed), ("decoding.seed", cfg.decoding.seed)):
+        if not 0 <= seed < 2**63:
+            raise ConfigError(f"{key} must be in [0, 2^63), got {seed}")
+    if not 0.01 <= cfg.train.kd_temperature <= 100:  # outside, the softened logits underflow or overflow the loss
+        raise ConfigError(f"train.kd_temperature must be in [0.01, 100] (1 = the target's own distribution), got "
+                          f"{cfg.train.kd_temperature}")
     if cfg.train.epochs == 0 and cfg.train.max_steps is None:
         raise ConfigError("train.epochs=0 (no epoch limit) needs train.max_steps; set either")
     if not 0.0 <= cfg.train.full_pipeline_prob <= 1.0:
@@ -497,6 +503,8 @@ _BOUNDS = (
     ("data.micro_batch_size", 1, False, False), ("data.max_conversations", 1, False, True),
     ("data.num_workers", 0, False, False), ("data.min_seq_length", 1, False, False),
     ("eval.baseline_num_prompts", 1, False, True), ("eval.warmup_prompts", 0, False, False),
+    ("head.intermediate_size", 1, False, True), ("train.teacher_pipe_degree", 1, False, True),
+    ("data.max_seq_length", 2, False, False), ("deepspeed.timeout_s", 0, True, False),
 )
 
 

@@ -100,6 +100,14 @@ def test_bad_values():
     ("train.lr=.nan", "train.lr must be a finite number, got nan"),
     ("train.max_time_s=.inf", "train.max_time_s must be a finite number, got inf"),
     ("decoding.top_p=nan", "decoding.top_p must be a finite number"),
+    ("train.kd_temperature=1e30", "train.kd_temperature must be in [0.01, 100]"),
+    ("train.kd_temperature=1e-30", "train.kd_temperature must be in [0.01, 100]"),
+    ("train.seed=99999999999999999999", "train.seed must be in [0, 2^63)"),
+    ("decoding.seed=-1", "decoding.seed must be in [0, 2^63)"),
+    ("head.intermediate_size=0", "head.intermediate_size must be >= 1 (or null)"),
+    ("train.teacher_pipe_degree=0", "train.teacher_pipe_degree must be >= 1 (or null)"),
+    ("data.max_seq_length=0", "data.max_seq_length must be >= 2"),
+    ("deepspeed.timeout_s=0", "deepspeed.timeout_s must be > 0"),
 ])
 def test_out_of_range_settings_are_one_line_errors(override, message):
     with pytest.raises(ConfigError) as e:
