@@ -201,6 +201,26 @@ def test_resume_with_other_settings_is_refused(run_a, setup, tmp_path):
 
 
 @pytest.mark.slow
+def test_resume_of_a_missing_or_damaged_checkpoint_is_one_line(run_a, setup):
+    """`latest` naming no checkpoint, or a checkpoint file cut short, is one line naming it and the checkpoint to
+    resume instead (exit 2); DeepSpeed alone said `AssertionError` or a PytorchStreamReader error."""
+    tmp, model, data = setup
+    cfg, ck = _stopped_at_step6(run_a[0], tmp / "g", model, data)
+    shutil.copytree(ck / "step6", ck / "step3")  # an earlier checkpoint to fall back on
+    (ck / "latest").write_text("step9")
+    proc = _launch(cfg, "--resume")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "names checkpoint 'step9', which cannot be resumed (no such folder)" in proc.stderr
+    assert f"echo step6 > {ck / 'latest'}" in proc.stderr and "Traceback" not in proc.stderr
+    (ck / "latest").write_text("step6")
+    optim = next((ck / "step6").glob("*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[:1000])
+    proc = _launch(cfg, "--resume")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"checkpoint {ck / 'step6'} is damaged" in proc.stderr and f"echo step3 > {ck / 'latest'}" in proc.stderr
+
+
+@pytest.mark.slow
 def test_session_time_limit_pauses_and_resume_finishes_exactly(run_a, setup):
     """train.session_time_s ends the invocation after its first step with a checkpoint (a cluster time limit), without
     ending the run; --resume then finishes it with run_a's losses step for step."""

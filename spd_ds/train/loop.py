@@ -40,8 +40,8 @@ from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
-from spd_ds.train.resume import (RUN_FILE, check_resume, check_resumed_schedule, rng_state, run_identity,
-                                  set_rng_state, truncate_log)
+from spd_ds.train.resume import (RUN_FILE, check_resume, check_resumed_schedule, damaged_checkpoint_advice,
+                                  rng_state, run_identity, set_rng_state, truncate_log)
 from spd_ds.train.validate import Validator
 
 CHECKPOINTS = "checkpoints"
@@ -343,7 +343,13 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if resume:
         if (ckpt_dir / "latest").exists():
             schedule.stable = 0.0  # what checkpoints from before train.lr_stable_fraction ran with
-            _, cs = engine.load_checkpoint(str(ckpt_dir))  # restores the schedule's state (warmup, total, stable)
+            try:  # restores the schedule's state (warmup, total, stable)
+                _, cs = engine.load_checkpoint(str(ckpt_dir))
+            except (RuntimeError, EOFError, OSError, AssertionError) as e:  # a file cut short or damaged on disk
+                tag = (ckpt_dir / "latest").read_text().strip()
+                raise ConfigError(f"checkpoint {ckpt_dir / tag} is damaged ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:160] if str(e) else 'no message'}); "
+                                  f"{damaged_checkpoint_advice(ckpt_dir, tag)}") from None
             if cs.get("data") not in (None, data_id):  # same on every rank: all raise together
                 raise ConfigError(f"{ckpt_dir} was trained on other data ({cs['data']}; now {data_id}): resume with "
                                   "the run's data.train_files (and data settings), or start a new train.output_dir")

@@ -63,8 +63,10 @@ def check_resume(ckpt_dir: Path, identity: dict) -> None:
         identity: this invocation's :func:`run_identity`.
     Raises:
         ConfigError: one line naming every setting that differs, with the run's value and the new one. Checkpoints
-            written before :data:`RUN_FILE` existed are not checked.
+            written before :data:`RUN_FILE` existed are not checked. A missing checkpoint
+            (:func:`check_checkpoint_files`).
     """
+    check_checkpoint_files(ckpt_dir)
     path = ckpt_dir / (ckpt_dir / "latest").read_text().strip() / RUN_FILE
     if not path.exists():
         return
@@ -74,6 +76,37 @@ def check_resume(ckpt_dir: Path, identity: dict) -> None:
         raise ConfigError(f"{ckpt_dir.parent} was trained with other settings: {'; '.join(diffs)}. Resume with the "
                           "run's own settings, or start a new train.output_dir (head.checkpoint=<its head or "
                           "best_head> warm-starts from it)")
+
+
+def damaged_checkpoint_advice(ckpt_dir: Path, tag: str) -> str:
+    """What to do when checkpoint ``tag`` cannot be resumed: resume an earlier one, or start anew."""
+    earlier = sorted((d.name for d in ckpt_dir.glob("step*") if d.is_dir() and d.name != tag),
+                     key=lambda name: int(name[4:]) if name[4:].isdigit() else -1, reverse=True)
+    if earlier:
+        return (f"resume the one before (`echo {earlier[0]} > {ckpt_dir / 'latest'}`; it holds {', '.join(earlier)}), "
+                "or start a new train.output_dir")
+    return "start a new train.output_dir (or drop --resume)"
+
+
+def check_checkpoint_files(ckpt_dir: Path) -> None:
+    """Refuse a ``latest`` that names no checkpoint, or a checkpoint without DeepSpeed's model and optimizer files
+    (DeepSpeed itself fails there with a bare AssertionError).
+
+    Raises:
+        ConfigError: one line naming the checkpoint, what is missing, and what to resume instead.
+    """
+    tag = (ckpt_dir / "latest").read_text().strip()
+    where = ckpt_dir / tag
+    if not where.is_dir():
+        missing = "no such folder"
+    elif not (where / "mp_rank_00_model_states.pt").is_file():
+        missing = "no mp_rank_00_model_states.pt"
+    elif not any(where.glob("*optim_states.pt")):
+        missing = "no optimizer state (*optim_states.pt)"
+    else:
+        return
+    raise ConfigError(f"{ckpt_dir / 'latest'} names checkpoint {tag!r}, which cannot be resumed ({missing}); "
+                      f"{damaged_checkpoint_advice(ckpt_dir, tag)}")
 
 
 def check_resumed_schedule(schedule, base_lr: float, weight_decay: float, tc, total_steps: int,
