@@ -22,7 +22,7 @@ from spd_ds.train.data import BatchPlanner, load_records, tokenize_records
 from spd_ds.train.selfdistill.generation import _signed64
 from spd_ds.train.selfdistill.prompts import _encode_texts, _render
 from spd_ds.train.split import conversation_key, split_held_out
-from tests.test_train_data import WORDS, make_chats, make_tokenizer
+from tests.test_train_data import WORDS, make_chat_model, make_chats, make_tokenizer
 from tests.tiny_models import make_tiny_model
 
 EOS = 2
@@ -401,6 +401,27 @@ def test_data_folder_reads_its_self_distillation_sub_folder(reference_run, chats
     shutil.copy(chats_file, folder / "other" / "train.jsonl")
     got = load_records([str(folder)])
     assert len(got) == 2 * len(chats) + len(recs)
+
+
+def test_self_distilled_data_of_another_model_is_refused(ending_model, reference_run, tmp_path, capsys):
+    """Shards hold the answering model's token ids: training or a draft vocabulary on them for another target is
+    refused in one line (it trained silently on the wrong ids, or failed with an IndexError)."""
+    from spd_ds.commands.build_draft_vocab import main as build_draft_vocab
+    from spd_ds.train.data import DataError, check_selfdistill_target
+
+    out, _, _ = reference_run
+    mine = sd.model_fingerprint(ending_model)
+    folder = tmp_path / "data"
+    shutil.copytree(out, folder / "sd")
+    for src in (out, folder):  # the directory itself, or a data folder that holds it
+        check_selfdistill_target([str(src)], mine, "the target")
+        with pytest.raises(DataError, match=r"holds answers of .* not of the target other \(0123\): its token ids"):
+            check_selfdistill_target([str(src)], "0123", "other")
+    check_selfdistill_target(["sharegpt", str(tmp_path / "none.jsonl")], "0123", "other")  # nothing to compare
+    other = make_chat_model(tmp_path, num_layers=2)  # another model with a tokenizer
+    assert build_draft_vocab(["--model", str(other), "--data", str(out), "--size", "8",
+                              "--out", str(tmp_path / "dv.json")]) == 2
+    assert "holds answers of" in capsys.readouterr().err and not (tmp_path / "dv.json").exists()
 
 
 def test_time_budget_and_resume(loaded, ending_model, convs, reference_run, tmp_path, monkeypatch):

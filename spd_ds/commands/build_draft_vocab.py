@@ -48,7 +48,8 @@ def _main(argv: list[str] | None = None) -> int:
     from spd_ds.builder import load_tokenizer
     from spd_ds.config import ConfigError
     from spd_ds.train.chat import set_chat_template
-    from spd_ds.train.data import load_records, tokenize_records
+    from spd_ds.train.data import check_selfdistill_target, load_records, tokenize_records
+    from spd_ds.train.selfdistill import model_fingerprint
     from spd_ds.train.vocab import count_assistant_tokens, draft_vocab_record, select_draft_vocab, write_draft_vocab
     from spd_ds.zoo import resolve_model
 
@@ -61,6 +62,7 @@ def _main(argv: list[str] | None = None) -> int:
     V = max(int(cfg.get("vocab_size", 0)), len(tok))  # the model's vocabulary (recorded as the file's vocab_size)
     if args.size > V:  # before the corpus is read
         raise ConfigError(f"--size {args.size} is larger than the model's vocabulary of {V} ids; give at most {V}")
+    check_selfdistill_target(args.data, model_fingerprint(model_dir), args.model)
     records = load_records(args.data, limit=args.max_conversations)
     data = tokenize_records(records, tok, args.max_seq_length, 1, "truncate", args.num_workers)
     print(f"build_draft_vocab: {data.summary()}", file=sys.stderr)

@@ -34,7 +34,7 @@ import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig, read_json_object, to_yaml
 from spd_ds.train.chat import EmptyMaskError, set_chat_template
-from spd_ds.train.data import BatchPlanner, iterate, load_records, tokenize_records
+from spd_ds.train.data import BatchPlanner, check_selfdistill_target, iterate, load_records, tokenize_records
 from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
@@ -274,6 +274,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     identity = run_identity(cfg, arch, part, head, world, degree, gas)
     if resume and (ckpt_dir / "latest").exists():  # every rank reads the same file: all raise together
         check_resume(ckpt_dir, identity)
+    check_selfdistill_target(dc.train_files, arch.fingerprint(), str(arch.model_dir))
     tdtype = resolve_dtype(cfg.model.dtype)
     _say(f"target {arch.model_dir} (L={arch.num_layers}), partition {part}, f(d)={part.depth_to_type}, "
          f"draft vocab {head.draft_vocab_size}, world {world}, teacher pipe degree {degree}, device {device}", rank)
