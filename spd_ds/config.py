@@ -181,7 +181,7 @@ class TrainConfig:
     teacher_pipe_degree: Optional[int] = None  # 1 | partition.num_stages; None = 1 if the target fits one GPU, else n
     autocast: str = "auto"  # auto (bf16 on CUDA, off on CPU) | bf16 | off: head compute dtype; weights stay fp32
     outside_vocab: str = "weight"  # positions whose teacher argmax is outside the draft vocab: weight | drop | keep
-    keep_checkpoints: int = 2  # newest DeepSpeed checkpoints kept under output_dir/checkpoints
+    keep_checkpoints: int = 2  # newest DeepSpeed checkpoints kept under output_dir/checkpoints (0 = keep all)
     max_time_s: Optional[float] = None  # stop (and save) after this many seconds of training, counted over the whole
     # run: a resumed run continues the clock (and the time-based LR decay) where its checkpoint left it
     session_time_s: Optional[float] = None  # end this invocation (checkpoint saved) after this many seconds without

@@ -8,6 +8,7 @@ sampled, so multi-turn chains exist. One test runs the real SmolLM2-135M-Instruc
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -382,7 +383,7 @@ def test_manifest_and_data_files_accept_the_directory(loaded, reference_run):
     assert len(load_records([str(sd.shard_files(out)[0])])) > 0  # one shard works too
 
 
-def test_data_folder_reads_its_self_distillation_sub_folder(reference_run, chats_file, tmp_path):
+def test_data_folder_reads_its_self_distillation_sub_folder(reference_run, chats_file, tmp_path, caplog):
     out, _, recs = reference_run
     folder = tmp_path / "data"
     shutil.copytree(out, folder / "selfdistill")
@@ -401,6 +402,11 @@ def test_data_folder_reads_its_self_distillation_sub_folder(reference_run, chats
     shutil.copy(chats_file, folder / "other" / "train.jsonl")
     got = load_records([str(folder)])
     assert len(got) == 2 * len(chats) + len(recs)
+    # data files put inside a self-distillation directory itself are not read: said, not silent
+    shutil.copy(chats_file, folder / "selfdistill" / "extra.jsonl")
+    with caplog.at_level(logging.WARNING, logger="spd_ds.train.data"):
+        assert len(load_records([str(folder / "selfdistill")])) == len(recs)
+    assert "1 data file(s) in it are not read (extra.jsonl)" in caplog.text
 
 
 def test_self_distilled_data_of_another_model_is_refused(ending_model, reference_run, tmp_path, capsys):
