@@ -97,6 +97,10 @@ def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
     ck = tmp_path / "run" / "checkpoints"
     (ck / "step6").mkdir(parents=True)
     (ck / "latest").write_text("step6")
+    with pytest.raises(ConfigError, match="names checkpoint 'step6', which cannot be resumed .no mp_rank_00_model"):
+        check_resume(ck, {"world size": 2})  # DeepSpeed's own files missing: one line before DeepSpeed asserts
+    (ck / "step6" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (ck / "step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
     check_resume(ck, {"world size": 2})  # a checkpoint without the file (written before it existed): not checked
     saved = {"world size": 2, "partition": {"stage_layers": [2, 2]}, "head.num_layers": 1}
     (ck / "step6" / RUN_FILE).write_text(json.dumps(saved))
