@@ -18,7 +18,6 @@ engine, all pipeline sessions first, then the baselines on rank 0 (so no stage r
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -28,6 +27,8 @@ import torch
 from spd_ds.config import DEFAULT_PROMPT_SETS, ConfigError, ExperimentConfig, load_config
 from spd_ds.eval.regression import DEFAULT_HEAD_DIR
 from spd_ds.eval.report import REPEAT_NGRAM
+from spd_ds.head import SpeculationHead
+from spd_ds.partition import StagePartition
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def check_head_pattern(pattern: str | None, flag: str, stages: Sequence[int]) ->
                           f"head_config.json in {where}); check the path, or leave {flag} out")
     for n, d in zip(stages, dirs):  # a head is trained for one stage count: a fixed path serves only that n
         try:
-            k = len(json.loads((d / "head_config.json").read_text())["partition"]["stage_layers"])
+            k = StagePartition.from_dict(SpeculationHead.read_config(d)["partition"]).num_stages
         except (OSError, ValueError, KeyError, TypeError):
             continue  # no head at this n (warned later), or a damaged one (its loader says so)
         if k != n:

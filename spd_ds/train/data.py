@@ -189,11 +189,7 @@ def _files_of(src: Path) -> list[Path]:
         DataError: a directory with no data file and no shards, or a file of an unknown type.
     """
     if src.is_dir():
-        from spd_ds.train import selfdistill
-
-        dirs = [d for d in [src, *src.rglob("*")] if d.is_dir()]
-        sd_dirs = [d for d in dirs if selfdistill.shard_files(d)]
-        empty = [d for d in dirs if d not in sd_dirs and _is_selfdistill_manifest(d / selfdistill.MANIFEST)]
+        sd_dirs, empty = _selfdistill_dirs(src)
         for d in empty:
             log.warning("%s: a self-distillation folder without shards yet; skipped", d)
         skip = sd_dirs + empty
@@ -207,14 +203,14 @@ def _files_of(src: Path) -> list[Path]:
     return [src]
 
 
-def _is_selfdistill_manifest(path: Path) -> bool:
-    """Whether ``path`` is a self-distillation ``manifest.json`` (by its ``format``), not any file of that name."""
+def _selfdistill_dirs(src: Path) -> tuple[list[Path], list[Path]]:
+    """The self-distillation directories under the directory ``src`` (itself included): those with shards, and
+    those with only a self-distillation manifest so far."""
     from spd_ds.train import selfdistill
 
-    try:
-        return path.is_file() and json.loads(path.read_text()).get("format") == selfdistill.FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+    dirs = [d for d in [src, *src.rglob("*")] if d.is_dir()]
+    with_shards = [d for d in dirs if selfdistill.shard_files(d)]
+    return with_shards, [d for d in dirs if d not in with_shards and selfdistill.read_manifest(d) is not None]
 
 
 def _raw_records(source: str, cache_dir: str | None) -> Iterator[dict]:
@@ -279,11 +275,9 @@ def check_selfdistill_target(sources: Sequence[str], fingerprint: str, target: s
         p = Path(src).expanduser()
         if not p.is_dir():
             continue
-        dirs = [p] if selfdistill.is_selfdistill_path(p) else [f for f in _files_of(p) if f.is_dir()]
-        for d in dirs:
-            try:
-                manifest = json.loads((d / selfdistill.MANIFEST).read_text())
-            except (OSError, ValueError):
+        for d in [p] if selfdistill.is_selfdistill_path(p) else _selfdistill_dirs(p)[0]:
+            manifest = selfdistill.read_manifest(d)
+            if manifest is None:
                 continue  # shards without a readable manifest: nothing to compare
             saved = manifest.get("model_fingerprint")
             if saved is not None and saved != fingerprint:

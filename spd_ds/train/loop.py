@@ -346,6 +346,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
             schedule.stable = 0.0  # what checkpoints from before train.lr_stable_fraction ran with
             try:  # restores the schedule's state (warmup, total, stable)
                 _, cs = engine.load_checkpoint(str(ckpt_dir))
+            except torch.OutOfMemoryError:  # not the checkpoint's fault
+                raise
             except (RuntimeError, EOFError, OSError, AssertionError) as e:  # a file cut short or damaged on disk
                 tag = (ckpt_dir / "latest").read_text().strip()
                 raise ConfigError(f"checkpoint {ckpt_dir / tag} is damaged ({type(e).__name__}: "

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig
+from spd_ds.train.history import read_train_log
 
 RUN_FILE = "run.json"  # in every checkpoint folder: what a resume must share with it (run_identity)
 
@@ -146,16 +147,9 @@ def truncate_log(path: Path, step: int) -> None:
     if step == 0 or not path.exists():
         path.unlink(missing_ok=True)
         return
-    keep = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by the crash
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
-            keep.append(line)
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = [rec for rec in read_train_log(path) if isinstance(rec.get("step"), int) and rec["step"] <= step]
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
 
 
-__all__ = ["RUN_FILE", "run_identity", "check_resume", "check_resumed_schedule", "truncate_log", "rng_state",
-           "set_rng_state"]
+__all__ = ["RUN_FILE", "run_identity", "check_resume", "check_checkpoint_files", "damaged_checkpoint_advice",
+           "check_resumed_schedule", "truncate_log", "rng_state", "set_rng_state"]

@@ -73,7 +73,7 @@ from spd_ds.train.selfdistill.prompts import (
 from spd_ds.train.selfdistill.run import run_selfdistill, throughput_table
 from spd_ds.train.selfdistill.storage import (
     Item, chain_record, chains, id_dtype_for, is_selfdistill_path, iter_records, model_fingerprint, read_items,
-    read_shard, shard_files, shard_stats, write_shard,
+    read_manifest, read_shard, shard_files, shard_stats, write_shard,
 )
 
 __all__ = [
@@ -82,5 +82,5 @@ __all__ = [
     "item_key", "keyed_uniform", "register_gqa_decode_attention", "PromptConversation", "conversation_rounds",
     "load_prompt_conversations", "turn_glue", "write_prompts", "run_selfdistill", "throughput_table", "Item",
     "chain_record", "chains", "id_dtype_for", "is_selfdistill_path", "iter_records", "model_fingerprint", "read_items",
-    "read_shard", "shard_files", "shard_stats", "write_shard",
+    "read_manifest", "read_shard", "shard_files", "shard_stats", "write_shard",
 ]

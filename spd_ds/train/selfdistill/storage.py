@@ -120,6 +120,16 @@ def is_selfdistill_path(path: str | os.PathLike) -> bool:
     return p.is_file() and p.suffix == ".npz"
 
 
+def read_manifest(path: str | os.PathLike) -> dict | None:
+    """The ``manifest.json`` of the self-distillation directory ``path``, or ``None`` when it has none, or one that
+    does not decode or is not of this format (another program's file of that name)."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+
+
 def chains(items: Iterable[Item]) -> dict[tuple[str, int], list[Item]]:
     """Items grouped by ``(uid, variant)``, rounds 1..k in order (stops at the first missing round)."""
     by: dict[tuple[str, int], dict[int, Item]] = defaultdict(dict)
