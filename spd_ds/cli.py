@@ -154,7 +154,8 @@ def ensure_output_dir(path: str | os.PathLike, what: str) -> str:
     Returns:
         ``path`` as a string.
     Raises:
-        ConfigError: a file stands at ``path`` or above it, or the folder cannot be created or written.
+        ConfigError: a file stands at ``path`` or above it, or the folder cannot be created or a file cannot be
+            created in it (tried with a temporary file that leaves nothing behind).
     """
     from spd_ds.config import ConfigError
 
@@ -164,8 +165,11 @@ def ensure_output_dir(path: str | os.PathLike, what: str) -> str:
         why = "a file stands at it or above it" if isinstance(e, (FileExistsError, NotADirectoryError)) else \
             (e.strerror or str(e))
         raise ConfigError(f"{what} {path} cannot be created as a folder ({why}); give another path") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what} {path} is not writable; give another path")
+    try:  # a real write, not os.access alone: root passes access() on file systems that refuse files (/sys)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError:
+        raise ConfigError(f"{what} {path} is not writable; give another path") from None
     return str(path)
 
 
@@ -369,7 +373,7 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         user_errors: exception types that are the user's to fix (exit status 2, one line, no traceback), or a
             function of no argument that returns them, called only after an exception (so that ``--help`` does not
             import what defines them, torch included).
-        prefix: first word of the error line (``error``; ``train.py`` for the training program).
+        prefix: first word of the error line (``error``).
         prog: short program name for the traceback file (``infer``, ``eval``, ...).
     Returns:
         ``main``'s status; 2 after a user error; 141 when stdout's reader went away (``| head``); 1 after another

@@ -134,7 +134,7 @@ class DataConfig:
     min_seq_length: int = 10
     regenerate: bool = False
     num_workers: int = 0
-    # training batches (spd_ds.train.data): rows of max_seq_length tokens, micro_batch_size rows per micro-batch
+    # training batches (spd_ds.train.batching): rows of max_seq_length tokens, micro_batch_size rows per micro-batch
     micro_batch_size: int = 8
     pack: bool = True  # pack several conversations per row (else one per row, length-grouped)
     overflow: str = "truncate"  # conversations longer than max_seq_length: truncate | drop
@@ -147,7 +147,7 @@ class DataConfig:
     regenerate_max_prompt_tokens: int = 1024
     held_out_fraction: float = 0.02  # records held out for validation while training (0 = none; train.eval_every)
     # train on positions whose next token closes a 9-gram already in the same answer (a loop) or not: the tokens stay
-    # as context either way; validation scores every position (spd_ds.train.data.loop_positions, docs/training.md)
+    # as context either way; validation scores every position (spd_ds.train.batching.loop_positions, docs/training.md)
     skip_loops: bool = False
 
 

@@ -292,6 +292,16 @@ def test_output_folder_is_made_or_refused_in_one_line_before_the_run(tmp_path):
     for bad in (tmp_path / "file", tmp_path / "file" / "below"):
         with pytest.raises(ConfigError, match=r"^--out .* cannot be created as a folder \(a file stands at it"):
             cli.ensure_output_dir(bad, "--out")
+    # a folder where no file can be made, though access() says writable (root on /sys): refused, nothing left behind
+    before = set(os.listdir(tmp_path / "a" / "b"))
+    cli.check_output_file(str(tmp_path / "a" / "b" / "out.jsonl"), "--output")
+    assert set(os.listdir(tmp_path / "a" / "b")) == before
+    unwritable = "/sys" if os.path.isdir("/sys/kernel") else None
+    if unwritable is None or os.access(unwritable, os.W_OK) is False:  # not root on Linux: a folder made read-only
+        unwritable = tmp_path / "ro"
+        unwritable.mkdir(mode=0o555)
+    with pytest.raises(ConfigError, match=r"^--output's folder .* is not writable; give another path"):
+        cli.check_output_file(os.path.join(unwritable, "out.jsonl"), "--output")
     code = ("from spd_ds.cli import settle_accelerator; settle_accelerator(); "
             "from deepspeed.utils import logger; logger.warning('a-later-deepspeed-warning')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -117,6 +117,27 @@ def test_session_checks_before_any_collective(tiny_root, monkeypatch):
     assert not (dist.is_available() and dist.is_initialized())
 
 
+def test_head_rank_prompt_check_names_the_model_maximum():
+    """The head rank checks each prompt it is given (also after the session was built) with the same message as the
+    single-process decoders: at the target's own maximum context it does not say to raise decoding.max_length."""
+    from types import SimpleNamespace
+
+    from spd_ds.decoding.reference import PromptError
+    from spd_ds.pipe.head_rank import HeadDriver
+
+    def load(max_len, model_max):
+        rank = SimpleNamespace(n=2, max_len=max_len, model_max=model_max, eos=frozenset({0}), stop=None)
+        driver = HeadDriver(rank)
+        driver.request(list(range(1, 61)), 10, None, driver.sampling)
+        driver.load_prompt()
+
+    with pytest.raises(PromptError, match="exceeds the model's maximum context of 64 positions") as e:
+        load(64, 64)
+    assert "decoding.max_length" not in str(e.value)
+    with pytest.raises(PromptError, match="raise decoding.max_length"):
+        load(64, 4096)
+
+
 @pytest.mark.parametrize("head_model,target_model,match", [
     (("qwen3", 0), ("qwen3", 1), "trained for another base model"),
     (("qwen3_5_text", 0), ("qwen3", 0), "trained for a qwen3_5_text target but .* is qwen3;"),  # Qwen3.5 head, Qwen3

@@ -25,7 +25,7 @@ from spd_ds.eval.report import repeated_ngram_share
 from spd_ds.train.acceptance import (
     fill_transition, predict_acceptance, replay_decoder, stationary_fill_distribution,
 )
-from spd_ds.train.data import loop_positions
+from spd_ds.train.batching import loop_positions
 from spd_ds.train.split import split_held_out
 from spd_ds.train.validate import agreement_table, evaluate, held_out_batches
 from tests.tiny_models import make_tiny_model

@@ -1,4 +1,4 @@
-"""spd_ds.train.data / chat: sources, ShareGPT parsing, chat templates and assistant masks, packing, batches.
+"""spd_ds.train.data / batching / chat: sources, ShareGPT parsing, chat templates and assistant masks, packing, batches.
 
 Also home of :func:`make_chat_model`, the tiny random llama with a character-level tokenizer and a ChatML template
 that the other ``test_train_*`` files train on.
@@ -17,9 +17,9 @@ import torch
 from spd_ds.train.chat import (
     ChatTemplateError, EmptyMaskError, encode_conversation, has_generation_markers, set_chat_template,
 )
+from spd_ds.train.batching import BatchPlanner, loop_positions, pack_rows
 from spd_ds.train.data import (
-    BatchPlanner, DataError, TokenizedData, iter_json_records, load_records, loop_positions, normalize_record,
-    pack_rows, tokenize_records, write_jsonl_gz,
+    DataError, TokenizedData, iter_json_records, load_records, normalize_record, tokenize_records, write_jsonl_gz,
 )
 from tests.tiny_models import make_tiny_model
 

@@ -19,7 +19,8 @@ import torch
 
 from spd_ds.train import selfdistill as sd
 from spd_ds.train.chat import encode_conversation, prompt_ids
-from spd_ds.train.data import BatchPlanner, load_records, tokenize_records
+from spd_ds.train.batching import BatchPlanner
+from spd_ds.train.data import load_records, tokenize_records
 from spd_ds.train.selfdistill.generation import _signed64
 from spd_ds.train.selfdistill.prompts import _encode_texts, _render
 from spd_ds.train.split import conversation_key, split_held_out
@@ -402,6 +403,13 @@ def test_data_folder_reads_its_self_distillation_sub_folder(reference_run, chats
     shutil.copy(chats_file, folder / "other" / "train.jsonl")
     got = load_records([str(folder)])
     assert len(got) == 2 * len(chats) + len(recs)
+    # linked sub-folders are read (a self-distillation one too), each real folder once: a link back up is not a loop
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "data").symlink_to(folder, target_is_directory=True)
+    (folder / "up").symlink_to(linked, target_is_directory=True)
+    assert len(load_records([str(linked)])) == len(got)
+    (folder / "up").unlink()
     # data files put inside a self-distillation directory itself are not read: said, not silent
     shutil.copy(chats_file, folder / "selfdistill" / "extra.jsonl")
     with caplog.at_level(logging.WARNING, logger="spd_ds.train.data"):

@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     from spd_ds.config import load_config
     from spd_ds.head import SpeculationHead
     from spd_ds.train.chat import set_chat_template
-    from spd_ds.train.data import BatchPlanner, load_records, tokenize_records
+    from spd_ds.train.batching import BatchPlanner
+    from spd_ds.train.data import load_records, tokenize_records
     from spd_ds.train.loss import TeacherTargets
     from spd_ds.train.split import split_held_out
     from spd_ds.train.student import HeadTrainModule

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     after any other error (one rank-tagged line, traceback in a log file; ``SPD_DEBUG=1`` prints it)."""
     from spd_ds.cli import data_user_errors, run_cli
 
-    return run_cli(_main, argv, user_errors=data_user_errors, prefix="train.py", prog="train")
+    return run_cli(_main, argv, user_errors=data_user_errors, prog="train")
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -114,7 +114,7 @@ def metric_block(items: Sequence[SPDMetrics], spd: bool, num_stages: int, weight
 
 def repeat_flags(tokens: Sequence[int], n: int = REPEAT_NGRAM) -> list[bool]:
     """The loop test behind :func:`repeated_ngram_share` and the training's loop positions
-    (:func:`spd_ds.train.data.loop_positions`).
+    (:func:`spd_ds.train.batching.loop_positions`).
 
     Args:
         tokens: one answer's token ids.

@@ -225,7 +225,8 @@ class SPDSession:
         self.engine.setup_spd(self.plan, self.sampling, self.eos, self.max_len,
                               timeout_s=cfg.deepspeed.timeout_s, static_cache=bool(static),
                               cuda_graphs=bool(cfg.deepspeed.cuda_graphs and cuda and static),
-                              head_overlap=bool(cfg.head.overlap), stop_strings=stop)
+                              head_overlap=bool(cfg.head.overlap), stop_strings=stop,
+                              model_max=self.arch.max_positions)
         self.device = device
 
     # ------------------------------------------------------------------ roles

@@ -34,7 +34,8 @@ import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig, read_json_object, to_yaml
 from spd_ds.train.chat import EmptyMaskError, set_chat_template
-from spd_ds.train.data import BatchPlanner, check_selfdistill_target, iterate, load_records, tokenize_records
+from spd_ds.train.batching import BatchPlanner, iterate
+from spd_ds.train.data import check_selfdistill_target, load_records, tokenize_records
 from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
@@ -151,7 +152,7 @@ class Meter:
 
 
 def batches_on_device(planner, epoch: int, index: int, prefetch: int):
-    """``(epoch, index, batch)`` from :func:`~spd_ds.train.data.iterate`, each batch with its ``loss_index``
+    """``(epoch, index, batch)`` from :func:`~spd_ds.train.batching.iterate`, each batch with its ``loss_index``
     (:func:`~spd_ds.train.teacher.with_loss_index`), collated ``prefetch`` micro-batches ahead in a DataLoader worker
     process into pinned memory (``prefetch = 0``: in this process). The order is the plan's, so resume is exact."""
     from spd_ds.train.teacher import with_loss_index

@@ -34,7 +34,7 @@ import torch
 from spd_ds.eval.report import REPEAT_NGRAM
 from spd_ds.train.acceptance import agreement_from_counts, predict_acceptance
 from spd_ds.train.chat import EmptyMaskError
-from spd_ds.train.data import loop_positions
+from spd_ds.train.batching import loop_positions
 from spd_ds.train.loss import TeacherTargets, draft_overlap, top1_agreement
 from spd_ds.train.teacher import with_loss_index
 
@@ -58,7 +58,7 @@ def held_out_batches(lengths: Sequence[int], seq_len: int, rows_per_batch: int, 
     Raises:
         ValueError: no example, or ``max_batches < 1``.
     """
-    from spd_ds.train.data import pack_rows
+    from spd_ds.train.batching import pack_rows
 
     if not lengths:
         raise ValueError("the held-out split has no example to evaluate on")
@@ -241,7 +241,7 @@ class Validator:
     loops (``BEST_KEY``; the overall one when a resumed run's best predates the loop-free figures).
 
     Args:
-        planner: a :class:`~spd_ds.train.data.BatchPlanner` over the held-out examples (only its ``collate`` and
+        planner: a :class:`~spd_ds.train.batching.BatchPlanner` over the held-out examples (only its ``collate`` and
             ``lengths`` are used).
         batches: this rank's :func:`held_out_batches`.
         num_stages: ``n``.
@@ -275,7 +275,8 @@ class Validator:
             EmptyMaskError: no held-out record has an assistant token (one line; on every rank: the data is the same).
         """
         from spd_ds.models.adapter import resolve_dtype
-        from spd_ds.train.data import BatchPlanner, tokenize_records
+        from spd_ds.train.batching import BatchPlanner
+        from spd_ds.train.data import tokenize_records
 
         dc, tc = cfg.data, cfg.train
         try:
