@@ -14,7 +14,7 @@ def run_stages(target, caches, ids, pos0):
     return target.ends.logits(h)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text",
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text",
                                         "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_stages_in_turn_reproduce_hf_logits(tiny_root, model_type, n):
@@ -72,6 +72,31 @@ def test_stage_captures_raw_anchor_states(tiny_root):
             torch.testing.assert_close(t, hs[j], atol=1e-5, rtol=1e-5)
     # anchor L is the raw last-layer output, not HF's normed hidden_states[L]
     torch.testing.assert_close(target.ends.norm(got[6]), hs[6], atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_caps_the_context(tiny_root):
+    """A window over every layer (Mistral's ``sliding_window``): the stages attend to the whole context, equal to the
+    window's attention while the context fits it, so the window caps the context spd-ds decodes (it used to decode past
+    it with full attention: other tokens than the model's own)."""
+    from transformers import AutoModelForCausalLM
+
+    from spd_ds.decoding.ar import ARDecoder
+    from spd_ds.decoding.reference import PromptError
+
+    path = make_tiny_model(tiny_root, "mistral", 4, sliding_window=16)
+    arch = TargetArch(path)
+    assert arch.sliding_window == 16 and arch.max_positions == 16
+    assert TargetArch(make_tiny_model(tiny_root, "mistral", 4)).max_positions == 512  # no window
+    target = Target(arch, StagePartition.build(4, 2), torch.float32, "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, arch.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine = run_stages(target, target.new_caches(32), ids, 0)[0]
+        ref = hf(ids).logits[0]
+    torch.testing.assert_close(mine[:16], ref[:16], atol=1e-4, rtol=1e-4)  # within the window: the same
+    assert not torch.allclose(mine[16:], ref[16:], atol=1e-2)  # past it the window matters
+    with pytest.raises(PromptError, match="exceeds the model's maximum context of 16 positions"):
+        ARDecoder(target, max_len=512).generate(list(range(1, 11)), 6)
 
 
 def test_unsupported_model_is_refused(tmp_path):

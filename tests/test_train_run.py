@@ -318,3 +318,21 @@ def test_bad_config_fails_fast_with_one_line(tmp_path):
 
     assert train_launcher.main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert train_launcher.main(["train.no_such_key=1"]) == 2
+
+
+def test_rows_longer_than_the_targets_context_are_refused(tmp_path):
+    """A document may fill a row: rows longer than the target's context (here a Mistral sliding window of 16, which
+    caps it) are refused in one line before training (the teacher's full attention would differ from the window's)."""
+    from tests.test_train_data import make_tokenizer
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path, "mistral", 4, sliding_window=16, vocab_size=128, eos_token_id=2, bos_token_id=1)
+    make_tokenizer().save_pretrained(model)
+    config = _experiment(tmp_path, model, make_chats(tmp_path / "chats.jsonl", 20))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "launch/train.py", "--config", str(config), "--deepspeed_config",
+                           "ds_configs/zero2.json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("error: data.max_seq_length=128 exceeds the target's context of 16 positions; set data.max_seq_length "
+            "<= 16") in proc.stderr, proc.stderr[-3000:]

@@ -9,6 +9,8 @@ import torch
 TINY = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=96, max_position_embeddings=512, tie_word_embeddings=True),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=96, max_position_embeddings=512, sliding_window=None),
     "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=96, max_position_embeddings=512, use_sliding_window=False),
     "qwen3": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

@@ -108,6 +108,11 @@ class TargetArch:
             )
         cfg._attn_implementation = attn_implementation
         self.config = cfg
+        # a window over every layer (Mistral's ``sliding_window``; the families with ``layer_types`` name theirs there,
+        # refused above): the stages attend to the whole context, which equals the window's attention only while the
+        # context fits the window, so the window caps :attr:`max_positions`
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        self.sliding_window = int(window) if window and not hasattr(cfg, "layer_types") else None
         # a composite checkpoint ties (or not) as its top-level model does; a missing lm_head.weight always ties
         self._tie = bool(getattr(top, "tie_word_embeddings", False))
         self.max_rollback = DEFAULT_MAX_ROLLBACK if max_rollback is None else int(max_rollback)
@@ -156,8 +161,10 @@ class TargetArch:
 
     @property
     def max_positions(self) -> int:
-        """Context length in positions (``max_position_embeddings``)."""
-        return int(getattr(self.config, "max_position_embeddings", 1 << 20))
+        """Context length in positions: ``max_position_embeddings``, or the sliding window when it is shorter (a
+        Mistral-style window over every layer: exact full attention up to its length, and spd-ds goes no further)."""
+        positions = int(getattr(self.config, "max_position_embeddings", 1 << 20))
+        return min(positions, self.sliding_window) if self.sliding_window else positions
 
     @property
     def random_weights(self) -> bool:
