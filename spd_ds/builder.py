@@ -19,6 +19,7 @@ from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.decoding.stopping import StopStrings
 from spd_ds.head import HeadMismatchError, SpeculationHead, load_draft_vocab
 from spd_ds.models.adapter import Target, TargetArch, resolve_dtype
+from spd_ds.models.errors import ModelFileError
 from spd_ds.partition import PartitionError, StagePartition
 
 log = logging.getLogger(__name__)
@@ -230,10 +231,8 @@ def eos_token_ids(cfg: ExperimentConfig, arch: TargetArch, tokenizer=None) -> li
             raise ConfigError(f"decoding.eos_token_ids {bad} are outside the target's vocabulary of {arch.vocab_size} "
                               "ids; give ids from its tokenizer, or null for the model's own")
         return list(cfg.decoding.eos_token_ids)
-    ids: set[int] = set()
-    gen = arch.model_dir / "generation_config.json"
-    sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen.exists() else []
-    sources.append(getattr(arch.config, "eos_token_id", None))
+    ids: set[int] = set(generation_eos_ids(arch.model_dir))
+    sources = [getattr(arch.config, "eos_token_id", None)]
     if tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
     for s in sources:
@@ -258,6 +257,25 @@ def stop_strings(cfg: ExperimentConfig, tokenizer) -> StopStrings | None:
     return StopStrings.from_tokenizer(list(cfg.decoding.stop), tokenizer)
 
 
+def generation_eos_ids(model_dir: str | os.PathLike) -> list[int]:
+    """The ``eos_token_id`` ids of ``model_dir/generation_config.json`` (``[]`` without the file or the key).
+
+    Raises:
+        ModelFileError: the file is not a JSON object, or its ``eos_token_id`` is not an id or a list of ids.
+    """
+    gen = Path(model_dir) / "generation_config.json"
+    if not gen.exists():
+        return []
+    try:
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids = [] if e is None else [e] if isinstance(e, int) else list(e)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise TypeError(f"eos_token_id {e!r} is not an id or a list of ids")
+    except (ValueError, TypeError, AttributeError, OSError) as err:
+        raise ModelFileError(f"{gen} cannot be read ({' '.join(str(err).split())[:200]}); fix or delete it") from None
+    return ids
+
+
 def load_tokenizer(arch: TargetArch | str | os.PathLike):
     """The target's tokenizer, from its local directory (``arch`` or the directory itself).
 
@@ -268,15 +286,20 @@ def load_tokenizer(arch: TargetArch | str | os.PathLike):
     Raises:
         ConfigError: the directory holds no ``tokenizer*`` file (a random-weight shape): transformers would build an
             empty tokenizer that encodes every text to no token.
+        ModelFileError: its tokenizer files cannot be loaded.
     """
     from transformers import AutoTokenizer
 
     model_dir = Path(getattr(arch, "model_dir", arch))
     if not any(model_dir.glob("tokenizer*")):
         raise ConfigError(f"the model in {model_dir} has no tokenizer (random-weight shapes have none), so it cannot "
-                          "read text: use a model with one, or random token prompts (launch/eval.py "
-                          "eval.prompt_sets=[random], launch/benchmark.py --suite b)")
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+                          "read text (prompts, training data): use a model with one; speed runs without text take random token "
+                          "prompts (launch/eval.py eval.prompt_sets=[random], launch/benchmark.py --suite b)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged file
+        raise ModelFileError(f"the tokenizer in {model_dir} cannot be loaded ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]}); fix or re-download its tokenizer files") from None
     tok.model_max_length = int(1e30)
     return tok
 

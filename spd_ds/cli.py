@@ -203,12 +203,14 @@ def data_user_errors(*extra: type[BaseException]) -> tuple[type[BaseException], 
     """The exceptions that are the user's to fix in the data programs (training, data preparation, draft
     vocabularies): bad settings, data (self-distilled folders included), chat templates, models; plus ``extra``."""
     from spd_ds.config import ConfigError
+    from spd_ds.models.errors import ModelError
     from spd_ds.train.chat import ChatTemplateError, EmptyMaskError
     from spd_ds.train.data import DataError
     from spd_ds.train.selfdistill.config import SelfDistillError
     from spd_ds.zoo import ModelUnavailableError
 
-    return (ConfigError, DataError, EmptyMaskError, ChatTemplateError, ModelUnavailableError, SelfDistillError, *extra)
+    return (ConfigError, DataError, EmptyMaskError, ChatTemplateError, ModelUnavailableError, ModelError,
+            SelfDistillError, *extra)
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

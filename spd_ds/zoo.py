@@ -458,7 +458,13 @@ def _resolve_gguf_file(path: Path, root: Path) -> Path:
         if _is_converted(out):
             return out
         print(f"spd_ds: converting {path} once into {out}", file=sys.stderr, flush=True)
-        return convert_gguf(path, out, source=str(path.resolve()))
+        try:
+            return convert_gguf(path, out, source=str(path.resolve()))
+        except (ValueError, KeyError, OSError) as e:  # not GGUF, or a GGUF transformers cannot convert
+            from spd_ds.models.errors import ModelFileError
+
+            raise ModelFileError(f"{path} cannot be converted from GGUF ({type(e).__name__}: {_one_line(e, 200)}); "
+                                 "give a GGUF file of a supported model, or a HF model directory") from None
 
 
 def _resolve_hub(repo_id: str) -> Path:

@@ -168,3 +168,78 @@ def test_composite_checkpoint_ties_the_lm_head_as_its_own_model(tmp_path, top_ti
     with torch.no_grad():
         want = vlm(input_ids=ids).logits[0]
         torch.testing.assert_close(run_stages(target, target.new_caches(16), ids, 0)[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_damaged_or_mismatched_model_files_are_one_line_user_errors(tiny_root, tmp_path, capsys):
+    """A model directory that cannot be read, or whose tensors are not its config's, is a ModelFileError (one line,
+    exit status 2 in every command) instead of a traceback from safetensors, transformers or a KeyError."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from spd_ds.builder import generation_eos_ids, load_tokenizer
+    from spd_ds.commands import infer
+    from spd_ds.models.adapter import ModelFileError
+    from spd_ds.zoo import resolve_model
+    from tests.test_train_data import make_chat_model
+
+    good = make_chat_model(tiny_root, 4)
+
+    def copy(name):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        return d
+
+    bad = copy("json")
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ModelFileError, match=r"config.json cannot be read as a transformers config .*re-download"):
+        TargetArch(bad)
+    bad = copy("no_type")
+    cfg = json.loads((bad / "config.json").read_text())
+    del cfg["model_type"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFileError, match="cannot be read as a transformers config"):
+        TargetArch(bad)
+    bad = copy("truncated")
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:100])
+    with pytest.raises(ModelFileError, match=r"model.safetensors is not a readable safetensors file"):
+        TargetArch(bad)
+    bad = copy("bin")
+    (bad / "model.safetensors").rename(bad / "pytorch_model.bin")
+    with pytest.raises(ModelFileError, match=r"holds PyTorch .bin/.pt weights and no \*.safetensors; convert them"):
+        TargetArch(bad)
+    tensors = load_file(str(good / "model.safetensors"))
+    bad = copy("missing")
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.3.mlp.down_proj.weight"},
+              str(bad / "model.safetensors"))
+    with pytest.raises(ModelFileError, match="tensor 'model.layers.3.mlp.down_proj.weight' is not in the checkpoint"):
+        Target(TargetArch(bad), StagePartition.build(4, 2), torch.float32, "cpu")
+    bad = copy("shape")
+    save_file({k: (v[:, :32].contiguous() if k == "model.layers.0.mlp.down_proj.weight" else v)
+               for k, v in tensors.items()}, str(bad / "model.safetensors"))
+    with pytest.raises(ModelFileError, match=r"down_proj.weight has shape \(64, 32\) in the checkpoint but \(64, 128\)"):
+        Target(TargetArch(bad), StagePartition.build(4, 2), torch.float32, "cpu")
+    bad = copy("tokenizer")
+    (bad / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ModelFileError, match="the tokenizer in .* cannot be loaded"):
+        load_tokenizer(bad)
+    (bad / "generation_config.json").write_text('{"eos_token_id": "two"}')
+    with pytest.raises(ModelFileError, match="generation_config.json cannot be read"):
+        generation_eos_ids(bad)
+    (bad / "generation_config.json").write_text('{"eos_token_id": [2, 5]}')
+    assert generation_eos_ids(bad) == [2, 5] and generation_eos_ids(tmp_path) == []
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelFileError, match="fake.gguf cannot be converted from GGUF"):
+        resolve_model(str(fake), cache_dir=tmp_path / "cache")
+    # the commands: one line, exit status 2 (an unsupported architecture too)
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=50).save_pretrained(tmp_path / "gpt2")
+    for model in (tmp_path / "gpt2", tmp_path / "json"):
+        capsys.readouterr()
+        assert infer.main([f"model.name={model}", "head.checkpoint=null", "model.device=cpu"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err

@@ -45,7 +45,7 @@ def _main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     check_output_file(args.out, "--out")  # before the corpus is read and tokenised
 
-    from spd_ds.builder import load_tokenizer
+    from spd_ds.builder import generation_eos_ids, load_tokenizer
     from spd_ds.config import ConfigError
     from spd_ds.train.chat import set_chat_template
     from spd_ds.train.data import check_selfdistill_target, load_records, tokenize_records
@@ -68,10 +68,7 @@ def _main(argv: list[str] | None = None) -> int:
     print(f"build_draft_vocab: {data.summary()}", file=sys.stderr)
     counts = count_assistant_tokens(data.input_ids, data.assistant_mask, V)
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.exists():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        eos |= set([e] if isinstance(e, int) else (e or []))
+    eos |= set(generation_eos_ids(model_dir))
     try:
         ids = select_draft_vocab(counts, args.size, sorted(eos))
     except ValueError as e:  # fewer ids than the EOS ids that are always kept

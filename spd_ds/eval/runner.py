@@ -43,10 +43,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from spd_ds.decoding.cycle import PromptError
     from spd_ds.eval.prompts import PromptSetUnavailableError
     from spd_ds.head import HeadMismatchError
+    from spd_ds.models.errors import ModelError
     from spd_ds.zoo import ModelUnavailableError
 
     errors = (ConfigError, PromptError, PromptSetUnavailableError, HeadMismatchError, ModelUnavailableError,
-              EngineUnavailableError, FileNotFoundError)
+              ModelError, EngineUnavailableError, FileNotFoundError)
     try:  # the pipeline engine's own (wrong world size for the partition and placement)
         from spd_ds.pipe.topology import WorldSizeError
 

@@ -29,6 +29,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from spd_ds.models.errors import ModelFileError, UnsupportedModelError
 from spd_ds.models.kv_cache import StageKVCache
 from spd_ds.models.linear_cache import HybridStageCache, LinearStateShape
 from spd_ds.models.weights import (
@@ -51,10 +52,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture is not one spd-ds can split into stages."""
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -83,6 +80,7 @@ class TargetArch:
     Raises:
         UnsupportedModelError: unsupported ``model_type``, sliding-window layers, or a Qwen3.5 checkpoint with a
             transformers too old to know it.
+        ModelFileError: a ``config.json`` transformers cannot read, or safetensors that are missing or damaged.
     """
 
     def __init__(self, model_dir: str | os.PathLike, attn_implementation: str = "sdpa",
@@ -230,13 +228,15 @@ class TargetArch:
         """Fill ``module``'s parameters from checkpoint tensors named ``prefix + <param name>``.
 
         Raises:
-            KeyError: a parameter has no tensor in the checkpoint.
+            ModelFileError: a parameter has no tensor in the checkpoint, or one of another shape.
         """
         with torch.no_grad():
             for name, p in module.named_parameters():
                 t = self._get_param(prefix + name, p.shape[0] if p.dim() == 3 else 0)
                 if t.shape != p.shape:
-                    raise ValueError(f"{prefix + name}: checkpoint shape {tuple(t.shape)} != module {tuple(p.shape)}")
+                    raise ModelFileError(f"{self.model_dir}: tensor {prefix + name} has shape {tuple(t.shape)} in the "
+                                         f"checkpoint but {tuple(p.shape)} by config.json; the weights and the config "
+                                         "are of different models")
                 p.copy_(t.to(p.dtype))
 
     def _get_param(self, name: str, num_experts: int) -> torch.Tensor:
@@ -331,15 +331,20 @@ def _load_config(model_dir: Path):
 
     try:
         return AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError):
+    except (OSError, ValueError, KeyError) as e:
         p = Path(model_dir) / "config.json"
-        mt = json.loads(p.read_text()).get("model_type", "") if p.is_file() else ""
-        if mt.startswith("qwen3_5"):
+        try:
+            mt = json.loads(p.read_text()).get("model_type", "") if p.is_file() else ""
+        except (OSError, ValueError, AttributeError):
+            mt = ""
+        if isinstance(mt, str) and mt.startswith("qwen3_5"):
             import transformers
 
             raise UnsupportedModelError(f"{model_dir}: model_type {mt!r} needs transformers >= 5.2 "
                                         f"(installed {transformers.__version__})") from None
-        raise
+        why = " ".join(str(e).split())[:300]
+        raise ModelFileError(f"{p} cannot be read as a transformers config ({why}); fix or re-download the "
+                             "model") from None
 
 
 class TextPositionRotary(nn.Module):

@@ -17,6 +17,8 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from spd_ds.models.errors import ModelFileError
+
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 class SafetensorsIndex:
@@ -27,9 +29,20 @@ class SafetensorsIndex:
 
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"no *.safetensors in {model_dir}; save the model with save_pretrained first")
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
+            if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+                raise ModelFileError(f"{model_dir} holds PyTorch .bin/.pt weights and no *.safetensors; convert them "
+                                     "(load the model with transformers and save_pretrained(dir, "
+                                     "safe_serialization=True))")
+            raise ModelFileError(f"no *.safetensors in {model_dir}; save the model with save_pretrained first")
+        self._handles = []
+        for f in files:
+            try:
+                self._handles.append(safe_open(str(f), framework="pt"))
+            except Exception as e:  # noqa: BLE001 - safetensors' own error type: a damaged or truncated file
+                raise ModelFileError(f"{f} is not a readable safetensors file ({' '.join(str(e).split())[:200]}); "
+                                     "re-save or re-download the model") from None
         self._where = {k: h for h in self._handles for k in h.keys()}
+        self.model_dir = model_dir
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -38,15 +51,19 @@ class SafetensorsIndex:
         try:
             return self._where[name].get_tensor(name)
         except KeyError:
-            raise KeyError(f"tensor {name!r} not found in the checkpoint") from None
+            raise self._missing(name) from None
 
     def rows(self, name: str, idx: Sequence[int]) -> torch.Tensor:
         """Rows ``idx`` of the 2-D tensor ``name``, read one by one (not the whole tensor)."""
         try:
             sl = self._where[name].get_slice(name)
         except KeyError:
-            raise KeyError(f"tensor {name!r} not found in the checkpoint") from None
+            raise self._missing(name) from None
         return torch.cat([sl[i:i + 1] for i in idx])
+
+    def _missing(self, name: str) -> ModelFileError:
+        return ModelFileError(f"tensor {name!r} is not in the checkpoint of {self.model_dir}; the weights and "
+                              "config.json are of different models, or a file is missing")
 
 
 class PrefixedWeights:
