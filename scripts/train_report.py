@@ -109,7 +109,7 @@ def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_ac
         ValueError: no run; ``fraction`` outside (0, 1); a run without validations of ``key`` or whose logged steps
             do not ascend (a resumed log: pass the run directory's final log); a later run whose ``init_steps`` is not
             within the run before (0 < init_steps <= the steps before it: runs out of order, or a fresh run); no best
-            head in the last run's summary.
+            head in the last run's summary; no validation at or before the start of a span (nothing to compare with).
     """
     if not runs or not 0.0 < fraction < 1.0:
         raise ValueError(f"convergence needs at least one run and 0 < fraction < 1 (got {len(runs)} runs, {fraction})")
@@ -138,6 +138,11 @@ def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_ac
     start = total * (1.0 - fraction)
     local = [(s - base, v) for s, v in points if s >= base]
     last_start = steps * (1.0 - fraction)
+    for curve, at in ((points, start), (local, last_start)):
+        if not any(s <= at for s, _ in curve):  # the curve would be extrapolated flat from a later validation
+            raise ValueError(f"{last}: no validation at or before step {at:,.0f}, where the last {fraction:.0%} of the "
+                             "steps begin, so the rise over them cannot be read; validate more often "
+                             "(train.eval_every) or train longer")
     v_all, v_last = _at(points, start), _at(local, last_start)
     low = min([v_all] + [v for s, v in points if s > start])
     return {"total_steps": total, "start_step": start, "value_at_start": v_all, "best": best[key],

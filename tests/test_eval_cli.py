@@ -105,6 +105,7 @@ def test_benchmark_cli_tiny_suite_b(tmp_path, family):
         assert word in table
     speed_table = table.split("\n\n")[1]
     assert "GB/s" not in speed_table and "% HBM" not in speed_table  # no bandwidth columns on CPU
+    assert "the x columns pooled over the prompts both methods ran" in speed_table
     assert "not reported on cpu (GPU runs only)" in table
     rows = json.loads((tmp_path / "bench" / "benchmark.json").read_text())["speed"]
     assert rows[0][2] == "spd_oracle_1" and rows[0][6] == pytest.approx(2.0)  # eq. accept length at alpha 1, n=2

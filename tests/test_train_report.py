@@ -244,6 +244,9 @@ def test_convergence_refuses_what_it_cannot_order(tmp_path):
     (b / "train_log.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match="no validation logged"):
         tr.convergence([a, b])
+    early = _chain_run(tmp_path, "early", 0, {20: 0.06}, 20)  # one validation, after the span's start (step 16)
+    with pytest.raises(ValueError, match="no validation at or before step 16, where the last 20% of the steps begin"):
+        tr.convergence([early])
     (a / "train_summary.json").write_text(json.dumps({"steps": 200, "init_steps": 0}))
     with pytest.raises(ValueError, match="no best head"):
         tr.convergence([a])

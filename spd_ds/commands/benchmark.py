@@ -28,7 +28,7 @@ machine with 2 GPUs::
 ``section.key=value`` overrides apply to every suite (e.g. ``data.eval_dir=/data/eval``); put them before options
 that take several values (``--suite``, ``--alphas``, ``--stages``), which would take them as values (after
 ``--prompt-sets`` they are recognised as overrides). Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json`` (rows + stage forward times) and each
-evaluation's reports under ``--out``/``<suite>``.
+evaluation's reports under ``--out``/``<suite>`` (suite c: ``--out``/``c<n>``, one folder per n).
 """
 
 from __future__ import annotations

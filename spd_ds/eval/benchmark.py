@@ -252,7 +252,8 @@ def render(runs: Sequence[SuiteRun]) -> str:
     parts = []
     speed = [r for sr in runs if sr.suite in ("a", "b") and sr.summary for r in speed_rows(sr, with_tp(runs))]
     if speed:
-        parts.append(format_table(speed_headers(runs), speed))
+        parts.append(format_table(speed_headers(runs), speed) + "\n(tok/s over each method's prompts; the x columns "
+                     "pooled over the prompts both methods ran: --baseline-prompts per set for the baselines)")
     acc = [r for sr in runs if sr.suite == "c" and sr.summary for r in accept_rows(sr)]
     if acc:
         parts.append(format_table(ACCEPT_HEADERS, acc))
