@@ -28,7 +28,7 @@ from torch import nn
 from spd_ds.config import ConfigError
 from spd_ds.models.adapter import FINGERPRINT_VERSION, TargetArch, causal_mask, head_layer_config
 from spd_ds.models.kv_cache import StageKVCache
-from spd_ds.partition import StagePartition
+from spd_ds.partition import PartitionError, StagePartition
 
 HEAD_FORMAT_VERSION = 1
 HEAD_WEIGHTS = "head.safetensors"
@@ -59,6 +59,60 @@ def _draft_id_tensor(draft_token_ids: Sequence[int] | None, vocab_size: int) -> 
         raise ValueError(f"draft vocabulary must be sorted, unique ids in [0, {vocab_size}); "
                          "check the draft-vocab file")
     return ids
+
+
+_RETRAIN = "was it written by launch/train.py? retrain or restore it"
+
+
+def _pos_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+_INT, _STR = ("an integer >= 1", _pos_int), ("a string", lambda v: isinstance(v, str))
+_INTS = ("a list of integers >= 0", lambda v: isinstance(v, list) and all(_pos_int(x) or x == 0 for x in v))
+# head_config.json keys: (what is expected, its test), required ones first
+_CONFIG_REQUIRED = {"partition": ("an object with num_layers, stage_layers and anchors", lambda v: isinstance(v, dict)),
+                    "partition.num_layers": _INT, "partition.stage_layers": _INTS, "partition.anchors": _INTS,
+                    "num_layers": _INT, "hidden_size": _INT, "vocab_size": _INT, "draft_vocab_size": _INT,
+                    "base_model_fingerprint": _STR}
+_CONFIG_OPTIONAL = {"intermediate_size": ("an integer >= 1 or null", lambda v: v is None or _pos_int(v)),
+                    "lm_head_from_target": ("true or false", lambda v: isinstance(v, bool)),
+                    "base_model_type": _STR, "fingerprint_version": _INT}
+
+
+def _check_config_fields(p: Path, meta: dict) -> None:
+    """Raise :class:`HeadCheckpointError` naming ``p`` and the first key of ``meta`` (``head_config.json``) that is
+    missing (a required one) or of the wrong type, and what it should be."""
+    for key, (want, ok) in {**_CONFIG_REQUIRED, **_CONFIG_OPTIONAL}.items():
+        parent, _, leaf = key.rpartition(".")
+        d = meta[parent] if parent else meta
+        if leaf not in d and key in _CONFIG_REQUIRED:
+            raise HeadCheckpointError(f"{p} has no {key!r} ({want}); {_RETRAIN}")
+        if leaf in d and not ok(d[leaf]):
+            got = json.dumps(d[leaf])
+            raise HeadCheckpointError(f"{p}: {key!r} is {got if len(got) <= 40 else got[:37] + '...'}, expected "
+                                      f"{want}; {_RETRAIN}")
+
+
+def _head_dir_hint(d: Path) -> str:
+    """For a folder without ``head_config.json``: the heads of the training run it belongs to, if any."""
+    for base in [d] + [d.parent] * (d.name == "checkpoints") + [d.parent.parent] * (d.parent.name == "checkpoints"):
+        found = [str(base / s) for s in ("best_head", "head") if (base / s / HEAD_CONFIG).is_file()]
+        if found:
+            what = "" if base == d else f"{d} is a training checkpoint, not a head; "
+            return f"{what}did you mean {' or '.join(found)}?"
+    return f"{d} holds no head"
+
+
+def _file_mode() -> int:
+    """The mode a new file gets under the process's umask (``0o666 & ~umask``)."""
+    try:  # Linux: read without changing it (os.umask sets the process-wide mask, which other threads may use)
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)  # read by setting it, and put back at once
+        os.umask(umask)
+    return 0o666 & ~umask
 
 
 class SpeculationHead(nn.Module):
@@ -270,7 +324,8 @@ class SpeculationHead(nn.Module):
         """Write ``head.safetensors`` + ``head_config.json`` into directory ``path`` and return it.
 
         ``dtype``: store floating-point tensors in this dtype (the module itself is left as it is; ``None`` = as they
-        are), e.g. a best-so-far head saved in bf16 in the middle of training.
+        are), e.g. a best-so-far head saved in bf16 in the middle of training. Both files get the mode of a new file
+        under the umask (``0o666 & ~umask``: readable by others with the usual 022), so heads can be shared.
         """
         from safetensors.torch import save_file
 
@@ -283,7 +338,7 @@ class SpeculationHead(nn.Module):
         mask = torch.zeros(self.arch.vocab_size, dtype=torch.bool)  # sorted unique ids <=> a vocabulary mask
         mask[state.pop("draft_ids")] = True
         state["draft_mask"] = mask
-        save_file(state, str(path / HEAD_WEIGHTS))
+        save_file(state, str(path / HEAD_WEIGHTS))  # safetensors creates it 0600
         meta = {
             "format_version": HEAD_FORMAT_VERSION,
             "semantics": "spd-v11",
@@ -299,75 +354,155 @@ class SpeculationHead(nn.Module):
             "fingerprint_version": FINGERPRINT_VERSION,
         }
         (path / HEAD_CONFIG).write_text(json.dumps(meta, indent=2))
+        mode = _file_mode()
+        for name in (HEAD_WEIGHTS, HEAD_CONFIG):
+            os.chmod(path / name, mode)
         return path
 
     @classmethod
     def read_config(cls, path: str | os.PathLike) -> dict:
-        """The JSON half of a checkpoint.
+        """The JSON half of a checkpoint, checked: every key :meth:`save` writes that loading needs is there with
+        its type (integers >= 1 for the sizes, a string fingerprint, a valid partition), so the rest of the code can
+        index it. Cheap: every rank runs it before any collective.
 
+        Args:
+            path: the head folder (holding ``head_config.json`` and ``head.safetensors``).
+        Returns:
+            The parsed ``head_config.json`` (a dict).
         Raises:
-            FileNotFoundError: no ``head_config.json``.
-            HeadCheckpointError: it is not a JSON object.
-            HeadMismatchError: another head format version.
+            FileNotFoundError: ``path`` is a file, does not exist or holds no ``head_config.json`` (the message names
+                the run's ``best_head`` / ``head`` folders when ``path`` is a training output_dir or checkpoint).
+            HeadCheckpointError: not a JSON object, a key missing or of the wrong type, a bad partition.
+            HeadMismatchError: another head format version (a newer one: upgrade spd-ds).
         """
-        p = Path(path) / HEAD_CONFIG
-        if not p.exists():
-            raise FileNotFoundError(f"{p} not found: head.checkpoint must be a directory written by SpeculationHead.save")
+        d = Path(path)
+        p = d / HEAD_CONFIG
+        if d.is_file():
+            raise FileNotFoundError(f"head.checkpoint {d} is a file; give the folder that holds it ({d.parent})")
+        if not d.exists():
+            raise FileNotFoundError(f"head.checkpoint {d} does not exist; give a head folder (head_config.json + "
+                                    "head.safetensors) written by launch/train.py")
+        if not p.is_file():
+            raise FileNotFoundError(f"{p} not found: {_head_dir_hint(d)} (head.checkpoint is a head folder, with "
+                                    "head_config.json and head.safetensors, written by launch/train.py)")
         try:
             meta = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
             raise HeadCheckpointError(f"head {path}: {HEAD_CONFIG} is damaged ({e}); copy the checkpoint again or "
                                       "re-save it") from None
         if not isinstance(meta, dict):
             raise HeadCheckpointError(f"head {path}: {HEAD_CONFIG} is not a JSON object; copy the checkpoint again")
-        if meta.get("format_version") != HEAD_FORMAT_VERSION:
-            raise HeadMismatchError(
-                f"{path}: head format version {meta.get('format_version')} is not {HEAD_FORMAT_VERSION}; retrain or convert it"
-            )
+        v = meta.get("format_version")
+        if not isinstance(v, int) or isinstance(v, bool):
+            got = "no 'format_version'" if v is None else f"'format_version' {json.dumps(v)[:40]}, not an integer"
+            raise HeadCheckpointError(f"{p} has {got}; {_RETRAIN}")
+        if v > HEAD_FORMAT_VERSION:
+            raise HeadMismatchError(f"{path}: head format version {v} was written by a newer spd-ds (this one reads "
+                                    f"version {HEAD_FORMAT_VERSION}); upgrade spd-ds to load it")
+        if v != HEAD_FORMAT_VERSION:
+            raise HeadMismatchError(f"{path}: head format version {v} is older than {HEAD_FORMAT_VERSION}; retrain or "
+                                    "convert it")
+        _check_config_fields(p, meta)
+        try:
+            StagePartition.from_dict(meta["partition"])
+        except PartitionError as e:
+            raise HeadCheckpointError(f"{p}: bad 'partition' ({e}); {_RETRAIN}") from None
+        if meta["draft_vocab_size"] > meta["vocab_size"]:
+            raise HeadCheckpointError(f"{p}: 'draft_vocab_size' {meta['draft_vocab_size']} exceeds 'vocab_size' "
+                                      f"{meta['vocab_size']}; {_RETRAIN}")
         return meta
 
     @classmethod
-    def check_weights_file(cls, path: str | os.PathLike, meta: dict) -> None:
-        """Check that ``head.safetensors`` can be read and holds tensors of the shapes ``meta`` (the checkpoint's
-        ``head_config.json``) describes. Reads only the file's header (safetensors checks that the header is valid and
-        that its tensors cover the file exactly, so truncation is found); cheap enough for every rank before any
-        collective. Corruption inside the tensor bytes is not detectable without a checksum.
+    def expected_tensors(cls, meta: dict, arch: TargetArch | None = None) -> dict[str, tuple[int, ...]]:
+        """Tensor names and shapes :meth:`save` writes for a head described by ``meta`` (checked by
+        :meth:`read_config`): with ``arch``, every tensor (the head is built on the meta device: no memory, no
+        weights read); without it, only those ``meta`` alone fixes (aggregation, LM head, draft mask). An LM head
+        taken from the target (``lm_head_from_target``) is not stored; the draft vocabulary is a ``[vocab_size]``
+        bool ``draft_mask``.
+
+        Returns:
+            ``{name: shape}``, e.g. ``aggr.k.weight: (H, (k + 1) H)``, ``lm_head.weight: (V_d, H)``.
+        """
+        H, Vd = meta["hidden_size"], meta["draft_vocab_size"]
+        if arch is None:
+            want = {f"aggr.{k}.weight": (H, (k + 1) * H) for k in range(len(meta["partition"]["anchors"]))}
+        else:
+            with torch.device("meta"):
+                head = cls(arch, StagePartition.from_dict(meta["partition"]), meta["num_layers"], None,
+                           meta.get("intermediate_size"), init_from_target=False)
+            want = {k: tuple(t.shape) for k, t in head.state_dict().items() if k != "draft_ids"}
+            H = arch.hidden_size
+        want["lm_head.weight"] = (Vd, H)
+        if meta.get("lm_head_from_target"):
+            del want["lm_head.weight"]
+        want["draft_mask"] = (meta["vocab_size"],)
+        return want
+
+    @classmethod
+    def check_weights_file(cls, path: str | os.PathLike, meta: dict, arch: TargetArch | None = None) -> None:
+        """Check that ``head.safetensors`` can be read and holds exactly the tensors (names and shapes) that ``meta``
+        (the checkpoint's ``head_config.json``, from :meth:`read_config`) and ``arch`` imply
+        (:meth:`expected_tensors`; without ``arch`` the tower's tensors are not checked), and that its draft
+        vocabulary (the ``[vocab_size]`` bool ``draft_mask``, or an older file's int64 ``draft_ids``) selects
+        ``draft_vocab_size`` ids. Reads the file's header and the draft vocabulary only (safetensors checks that the
+        header is valid and that its tensors cover the file exactly, so truncation is found); cheap enough for every
+        rank before any collective. Corruption inside the other tensors' bytes is not detectable without a checksum.
 
         Raises:
             FileNotFoundError: no ``head.safetensors``.
-            HeadCheckpointError: truncated or corrupted file, or tensors of other shapes than ``meta`` says.
+            HeadCheckpointError: truncated or corrupted file; tensors missing, unexpected or of other shapes (the
+                first few of each named); an empty or damaged draft vocabulary.
         """
         from safetensors import SafetensorError, safe_open
 
         f = Path(path) / HEAD_WEIGHTS
         if not f.is_file():
-            raise FileNotFoundError(f"{f} not found: head.checkpoint must be a directory written by SpeculationHead.save")
+            raise FileNotFoundError(f"{f} not found: a head folder holds head_config.json and head.safetensors, "
+                                    "written by launch/train.py; copy the whole folder")
+        want = cls.expected_tensors(meta, arch)
         try:
             with safe_open(str(f), framework="pt") as h:
                 shapes = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
+                if "draft_mask" not in shapes and "draft_ids" in shapes:  # an older head: its ids
+                    del want["draft_mask"]
+                    want["draft_ids"] = (meta["draft_vocab_size"],)
+                have = shapes if arch is not None else {k: s for k, s in shapes.items() if not k.startswith(
+                    ("layers.", "norm."))}
+                missing = [k for k in want if k not in have]
+                extra = [k for k in have if k not in want]
+                other = [f"{k} {list(have[k])} (expected {list(want[k])})" for k in want if k in have and
+                         have[k] != want[k]]
+                if missing or extra or other:
+                    bad = [f"{what} {', '.join(names[:3])}{f' (+{len(names) - 3} more)' if len(names) > 3 else ''}"
+                           for what, names in (("missing", missing), ("unexpected", extra), ("shape of", other))
+                           if names]
+                    raise HeadCheckpointError(f"head {path}: {HEAD_WEIGHTS} does not match {HEAD_CONFIG}: "
+                                              f"{'; '.join(bad)}; copy the checkpoint again or retrain it")
+                name = "draft_mask" if "draft_mask" in want else "draft_ids"
+                ids = h.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise HeadCheckpointError(
                 f"head {path}: {HEAD_WEIGHTS} is damaged ({' '.join(str(e).split())}); copy the checkpoint again or "
                 "re-save it") from None
-        try:
-            H, m = int(meta["hidden_size"]), len(meta["partition"]["anchors"])
-            want = {} if meta.get("lm_head_from_target") else {"lm_head.weight": (int(meta["draft_vocab_size"]), H)}
-            want.update({f"aggr.{k}.weight": (H, (k + 1) * H) for k in range(m)})
-        except (KeyError, TypeError, ValueError) as e:
-            raise HeadCheckpointError(f"head {path}: {HEAD_CONFIG} lacks {e}; copy the checkpoint again") from None
-        if "draft_mask" in shapes:
-            want["draft_mask"] = (int(meta.get("vocab_size", 0)),)
-        bad = [f"{k} {shapes.get(k, 'missing')} (expected {v})" for k, v in want.items() if shapes.get(k) != v]
-        bad += [f"unexpected {k}" for k in sorted(shapes) if k.startswith("aggr.") and k not in want]
-        if bad:
-            raise HeadCheckpointError(f"head {path}: {HEAD_WEIGHTS} does not match {HEAD_CONFIG}: {'; '.join(bad)}; "
-                                      "copy the checkpoint again or re-save it")
+        n, V = meta["draft_vocab_size"], meta["vocab_size"]
+        if name == "draft_mask":
+            k = int(ids.count_nonzero())
+            problem = None if k == n else "is empty (selects no token)" if k == 0 else f"selects {k} tokens"
+        else:
+            ids = ids.long()
+            sound = ids.numel() and (ids[1:] > ids[:-1]).all() and ids.min() >= 0 and ids.max() < V
+            problem = None if sound else f"are not sorted unique ids in [0, {V})"
+        if problem:
+            raise HeadCheckpointError(f"head {path}: the head's {name} in {HEAD_WEIGHTS} {problem} but {HEAD_CONFIG} "
+                                      f"says draft_vocab_size {n}: it is damaged; copy the checkpoint again or "
+                                      "retrain it")
 
     @classmethod
     def check_base_model(cls, path: str | os.PathLike, arch: TargetArch) -> dict:
-        """Read the checkpoint's ``head_config.json`` (:meth:`read_config`), check that its ``head.safetensors`` is
-        readable (:meth:`check_weights_file`) and that it was trained for ``arch`` (fingerprint and hidden size).
-        Cheap (a header and a few hundred rows), so every rank runs it before any collective. Returns the metadata.
+        """Read the checkpoint's ``head_config.json`` (:meth:`read_config`), check that it was trained for ``arch``
+        (model type, fingerprint and hidden size) and that its ``head.safetensors`` is readable and holds the tensors
+        a head of that config for ``arch`` has (:meth:`check_weights_file`). Cheap (a header, the draft mask and a
+        few hundred target rows), so every rank runs it before any collective. Returns the metadata.
 
         A checkpoint saved before fingerprint version 2 is checked against
         :meth:`~spd_ds.models.adapter.TargetArch.legacy_fingerprint` and loads with a warning (once per process) to
@@ -375,11 +510,10 @@ class SpeculationHead(nn.Module):
 
         Raises:
             FileNotFoundError: no checkpoint at ``path``.
-            HeadCheckpointError: a damaged file (one line saying which).
+            HeadCheckpointError: a damaged or inconsistent file (one line saying which).
             HeadMismatchError: another base model, or another head format version.
         """
         meta = cls.read_config(path)
-        cls.check_weights_file(path, meta)
         saved_type, this_type = meta.get("base_model_type"), arch.config.model_type
         if saved_type is not None and saved_type != this_type:
             raise HeadMismatchError(
@@ -388,11 +522,15 @@ class SpeculationHead(nn.Module):
             )
         legacy = meta.get("fingerprint_version", 1) < FINGERPRINT_VERSION
         mine = arch.legacy_fingerprint() if legacy else arch.fingerprint()
-        if meta.get("base_model_fingerprint") != mine or meta.get("hidden_size") != arch.hidden_size:
+        if meta["base_model_fingerprint"] != mine:
             raise HeadMismatchError(
-                f"head {path} was trained for another base model (fingerprint {meta.get('base_model_fingerprint')}, "
+                f"head {path} was trained for another base model (fingerprint {meta['base_model_fingerprint']}, "
                 f"this model {mine}); use a head trained for {arch.model_dir}"
             )
+        if meta["hidden_size"] != arch.hidden_size:
+            raise HeadMismatchError(f"head {path}: {HEAD_CONFIG} says hidden_size {meta['hidden_size']} but "
+                                    f"{arch.model_dir} has {arch.hidden_size}; {_RETRAIN}")
+        cls.check_weights_file(path, meta, arch)
         if legacy and str(path) not in _warned_legacy:
             _warned_legacy.add(str(path))
             log.warning("head %s carries a version-1 base-model fingerprint (architecture and the first 8 embedding "
@@ -402,13 +540,17 @@ class SpeculationHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | os.PathLike, arch: TargetArch, partition: StagePartition | None = None) -> "SpeculationHead":
-        """Load a head saved by :meth:`save` for base model ``arch``.
+        """Load a head saved by :meth:`save` for base model ``arch`` (after :meth:`check_base_model`).
 
         Args:
-            partition: the partition the caller runs; must equal the checkpoint's (``None`` = take the checkpoint's).
+            path: the head folder; arch: the target; partition: the partition the caller runs; must equal the
+                checkpoint's (``None`` = take the checkpoint's).
+        Returns:
+            The head, tensors in their stored dtypes on the CPU (``draft_ids`` int64 ``[V_d]``).
         Raises:
-            HeadMismatchError: other base model (fingerprint / dims) or other partition.
-            HeadCheckpointError: damaged files (see :meth:`check_base_model`).
+            FileNotFoundError: no checkpoint at ``path``.
+            HeadMismatchError: other base model (fingerprint / dims), head format version or partition.
+            HeadCheckpointError: damaged or inconsistent files (see :meth:`check_base_model`).
         """
         from safetensors import SafetensorError
         from safetensors.torch import load_file

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -360,3 +361,224 @@ def test_tower_init_on_a_hybrid_target(tiny_root, family):
     assert "self_attn.q_proj.weight" in copied and "input_layernorm.weight" in copied
     assert ("mlp.gate_proj.weight" in copied) == (family == "qwen3_5_text")
     assert torch.equal(head.layers[0].self_attn.o_proj.weight, arch.load_tensor(f"model.layers.{full}.self_attn.o_proj.weight"))
+
+
+# ---------------------------------------------------------------------------------------------------- bad checkpoints
+def _saved_head(arch, tmp_path, **kw):
+    """A one-layer 2-stage head saved at ``tmp_path / "h"``; returns the folder."""
+    return SpeculationHead(arch, StagePartition.build(6, 2), draft_token_ids=list(range(10, 60)), **kw).save(
+        tmp_path / "h")
+
+
+def _edit_config(head_dir, change):
+    f = head_dir / "head_config.json"
+    meta = json.loads(f.read_text())
+    change(meta)
+    f.write_text(json.dumps(meta))
+
+
+def _edit_weights(head_dir, change):
+    from safetensors.torch import load_file, save_file
+
+    f = head_dir / "head.safetensors"
+    state = load_file(str(f))
+    change(state)
+    save_file(state, str(f))
+
+
+def _one_line_error(exc, fn, *args):
+    """The error ``fn(*args)`` raises: of type ``exc``, one line; returns its message."""
+    with pytest.raises(exc) as ei:
+        fn(*args)
+    msg = str(ei.value)
+    assert "\n" not in msg and "Traceback" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda m: m.pop("num_layers"), r"has no 'num_layers' \(an integer >= 1\)"),
+    (lambda m: m.pop("partition"), r"has no 'partition' \(an object with num_layers, stage_layers and anchors\)"),
+    (lambda m: m["partition"].pop("anchors"), r"has no 'partition.anchors' \(a list of integers"),
+    (lambda m: m.update(partition="2 stages"), r"'partition' is \"2 stages\", expected an object"),
+    (lambda m: m["partition"].update(anchors=[0, 6, 3]), r"bad 'partition' \(partition.anchors must be strictly "
+                                                         r"increasing, got \[0, 6, 3\]\)"),
+    (lambda m: m.update(hidden_size="64"), r"'hidden_size' is \"64\", expected an integer >= 1"),
+    (lambda m: m.update(draft_vocab_size=None), r"'draft_vocab_size' is null, expected an integer >= 1"),
+    (lambda m: m.update(lm_head_from_target="yes"), r"'lm_head_from_target' is \"yes\", expected true or false"),
+    (lambda m: m.pop("base_model_fingerprint"), r"has no 'base_model_fingerprint' \(a string\)"),
+], ids=["no_num_layers", "no_partition", "no_anchors", "partition_str", "bad_anchors", "hidden_size_str",
+        "draft_vocab_null", "lm_head_flag_str", "no_fingerprint"])
+def test_head_config_with_missing_or_mistyped_keys_is_a_one_line_error(arch, tmp_path, edit, match):
+    """Missing keys or keys of the wrong type in head_config.json: a HeadCheckpointError naming the file, the key and
+    what is expected, from read_config (every rank, before any collective), not a KeyError / TypeError /
+    PartitionError traceback or a fingerprint message with the same fingerprint twice."""
+    from spd_ds.head import HeadCheckpointError
+
+    h = _saved_head(arch, tmp_path)
+    _edit_config(h, edit)
+    for fn, args in ((SpeculationHead.read_config, (h,)), (SpeculationHead.check_base_model, (h, arch)),
+                     (SpeculationHead.load, (h, arch))):
+        msg = _one_line_error(HeadCheckpointError, fn, *args)
+        assert str(h / "head_config.json") in msg and "launch/train.py? retrain or restore it" in msg, msg
+        assert re.search(match, msg), msg
+        assert "fingerprint" not in msg or "base_model_fingerprint" in msg
+
+
+def _two_layer_weights(arch, tmp_path):
+    def change(state):
+        from safetensors.torch import load_file
+
+        two = SpeculationHead(arch, StagePartition.build(6, 2), 2, list(range(10, 60))).save(tmp_path / "two")
+        state.update({k: v for k, v in load_file(str(two / "head.safetensors")).items() if k.startswith("layers.1.")})
+    return change
+
+
+@pytest.mark.parametrize("case,match", [
+    ("missing_tensor", r"missing layers\.0\.mlp\.down_proj\.weight"),
+    ("wrong_shape", r"shape of layers\.0\.self_attn\.o_proj\.weight \[\d+, \d+\] \(expected \[\d+, \d+\]\)"),
+    ("extra_layer", r"unexpected layers\.1\.\S+, layers\.1\.\S+, layers\.1\.\S+ \(\+\d+ more\)"),
+    ("intermediate_size", r"shape of layers\.0\.mlp\.\w+_proj\.weight \[\d+, \d+\] \(expected"),
+    ("num_layers", r"missing layers\.1\."),
+    ("lm_head_stored", r"unexpected lm_head\.weight"),
+], ids=["missing_tensor", "wrong_shape", "extra_layer", "intermediate_size", "num_layers", "lm_head_stored"])
+def test_tower_weights_that_do_not_match_the_config_fail_the_precheck(arch, tmp_path, case, match):
+    """head.safetensors whose tensors (names and shapes) differ from what head_config.json implies for this target
+    fails check_base_model, the check every rank runs before torch.distributed starts, in one line naming the
+    tensors; not load_state_dict's multi-line RuntimeError on the head rank only, after the process group exists."""
+    from spd_ds.config import load_config
+    from spd_ds.head import HeadCheckpointError
+    from spd_ds.pipe.runner import _precheck_head
+
+    h = _saved_head(arch, tmp_path, lm_head_from_target=case == "lm_head_stored")
+    if case == "missing_tensor":
+        _edit_weights(h, lambda s: s.pop("layers.0.mlp.down_proj.weight"))
+    elif case == "wrong_shape":
+        _edit_weights(h, lambda s: s.update({"layers.0.self_attn.o_proj.weight": torch.zeros(3, 5)}))
+    elif case == "extra_layer":
+        _edit_weights(h, _two_layer_weights(arch, tmp_path))
+    elif case == "intermediate_size":
+        _edit_config(h, lambda m: m.update(intermediate_size=2 * arch.config.intermediate_size))
+    elif case == "num_layers":
+        _edit_config(h, lambda m: m.update(num_layers=2))
+    else:  # a from-target head's file holding an LM head
+        _edit_weights(h, lambda s: s.update({"lm_head.weight": torch.zeros(50, arch.hidden_size)}))
+    for fn, args in ((SpeculationHead.check_base_model, (h, arch)), (SpeculationHead.load, (h, arch))):
+        msg = _one_line_error(HeadCheckpointError, fn, *args)
+        assert "head.safetensors does not match head_config.json" in msg and re.search(match, msg), msg
+    with pytest.raises(HeadCheckpointError, match=match):
+        _precheck_head(load_config(None, [f"model.name={arch.model_dir}", f"head.checkpoint={h}"]), arch)
+
+
+def test_expected_tensors_are_what_save_writes(tiny_root, tmp_path):
+    """The meta-device expectation equals the saved file's names and shapes for each family, with and without a
+    stored LM head (and, without the target, for the aggregation / LM head / draft mask)."""
+    from safetensors import safe_open
+
+    for family, L in (("qwen3", 6), ("qwen3_5_text", 8), ("qwen3_5_moe_text", 8)):
+        a = TargetArch(make_tiny_model(tiny_root, family, L))
+        for tied in (False, True):
+            h = SpeculationHead(a, StagePartition.build(L, 3), 2, list(range(0, 90, 3)), lm_head_from_target=tied)
+            d = h.save(tmp_path / f"{family}{tied}")
+            with safe_open(str(d / "head.safetensors"), "pt") as f:
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            meta = SpeculationHead.read_config(d)
+            assert SpeculationHead.expected_tensors(meta, a) == shapes
+            assert SpeculationHead.expected_tensors(meta).items() <= shapes.items()
+
+
+@pytest.mark.parametrize("case,match", [
+    ("no_mask", r"does not match head_config.json: missing draft_mask"),
+    ("empty_mask", r"the head's draft_mask in head.safetensors is empty \(selects no token\) but head_config.json "
+                   r"says draft_vocab_size 50: it is damaged"),
+    ("short_mask", r"the head's draft_mask in head.safetensors selects 49 tokens but head_config.json says "
+                   r"draft_vocab_size 50"),
+], ids=["no_mask", "empty_mask", "short_mask"])
+def test_damaged_draft_mask_is_named(arch, tmp_path, case, match):
+    """A missing or damaged draft_mask is a one-line HeadCheckpointError saying so (not KeyError 'draft_ids', nor
+    advice about a draft-vocab file nobody gave); an older head storing draft_ids still loads."""
+    from spd_ds.head import HeadCheckpointError
+
+    h = _saved_head(arch, tmp_path)
+
+    def change(state):
+        if case == "no_mask":
+            del state["draft_mask"]
+        else:
+            state["draft_mask"][:] = False
+            if case == "short_mask":
+                state["draft_mask"][11:60] = True
+
+    _edit_weights(h, change)
+    for fn in (SpeculationHead.check_base_model, SpeculationHead.load):
+        msg = _one_line_error(HeadCheckpointError, fn, h, arch)
+        assert re.search(match, msg) and "draft-vocab file" not in msg, msg
+    old = _saved_head(arch, tmp_path / "old")  # the draft vocabulary as an id list (heads before the mask)
+    _edit_weights(old, lambda s: s.update(draft_ids=s.pop("draft_mask").nonzero().flatten()))
+    assert SpeculationHead.load(old, arch).draft_ids.tolist() == list(range(10, 60))
+
+
+@pytest.mark.parametrize("version,exc,match", [
+    (2, HeadMismatchError, r"head format version 2 was written by a newer spd-ds \(this one reads version 1\); "
+                           r"upgrade spd-ds"),
+    (0, HeadMismatchError, r"head format version 0 is older than 1; retrain or convert it"),
+    ("1", ValueError, r"'format_version' \"1\", not an integer; was it written by launch/train.py"),
+    (None, ValueError, r"has no 'format_version'; was it written by launch/train.py"),
+], ids=["newer", "older", "string", "missing"])
+def test_head_format_version_messages(arch, tmp_path, version, exc, match):
+    h = _saved_head(arch, tmp_path)
+    _edit_config(h, lambda m: m.update(format_version=version) if version is not None else m.pop("format_version"))
+    msg = _one_line_error(exc, SpeculationHead.read_config, h)
+    assert re.search(match, msg), msg
+    assert version == 0 or "retrain or convert" not in msg
+
+
+def test_head_path_messages_point_at_the_head_folders(arch, tmp_path):
+    """head.checkpoint=<a training output_dir>, one of its DeepSpeed checkpoints/stepN folders, or the
+    head.safetensors file: the message names the run's best_head / head folders (or the folder holding the file)
+    and launch/train.py, not an internal method."""
+    part = StagePartition.build(6, 2)
+    run = tmp_path / "run"
+    for name in ("head", "best_head"):
+        SpeculationHead(arch, part).save(run / name)
+    (run / "checkpoints" / "step5").mkdir(parents=True)
+    (run / "checkpoints" / "step5" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    both = f"did you mean {run / 'best_head'} or {run / 'head'}?"
+    for where, extra in ((run, ""), (run / "checkpoints" / "step5", "is a training checkpoint, not a head"),
+                         (run / "checkpoints", "is a training checkpoint, not a head")):
+        for fn, args in ((SpeculationHead.read_config, (where,)), (SpeculationHead.load, (where, arch))):
+            msg = _one_line_error(FileNotFoundError, fn, *args)
+            assert both in msg and extra in msg and "launch/train.py" in msg, msg
+            assert "SpeculationHead.save" not in msg
+    only_best = tmp_path / "run2"
+    SpeculationHead(arch, part).save(only_best / "best_head")
+    assert f"did you mean {only_best / 'best_head'}?" in _one_line_error(FileNotFoundError,
+                                                                          SpeculationHead.read_config, only_best)
+    msg = _one_line_error(FileNotFoundError, SpeculationHead.read_config, run / "head" / "head.safetensors")
+    assert msg == (f"head.checkpoint {run / 'head' / 'head.safetensors'} is a file; give the folder that holds it "
+                   f"({run / 'head'})")
+    assert "head_config.json/" not in msg
+    msg = _one_line_error(FileNotFoundError, SpeculationHead.read_config, tmp_path / "nowhere")
+    assert "does not exist" in msg and "launch/train.py" in msg
+    (run / "head" / "head.safetensors").unlink()
+    msg = _one_line_error(FileNotFoundError, SpeculationHead.check_base_model, run / "head", arch)
+    assert "head.safetensors not found" in msg and "launch/train.py" in msg and "SpeculationHead.save" not in msg
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077], ids=oct)
+def test_saved_head_files_get_the_umask_mode(arch, tmp_path, umask):
+    """head.safetensors and head_config.json get 0o666 & ~umask (0644 with the usual 022, so a head can be shared),
+    not the 0600 safetensors creates; re-saving over a 0600 file fixes it too."""
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        h = SpeculationHead(arch, StagePartition.build(6, 2))
+        d = h.save(tmp_path / "h")
+        os.chmod(d / "head.safetensors", 0o600)
+        h.save(d)
+    finally:
+        os.umask(old)
+    for name in ("head.safetensors", "head_config.json"):
+        assert stat.S_IMODE((d / name).stat().st_mode) == 0o666 & ~umask, name
+    assert os.umask(old) == old  # the test's umask is back
