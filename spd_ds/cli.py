@@ -199,6 +199,14 @@ UserErrors = Union[tuple[type[BaseException], ...], Callable[[], tuple[type[Base
 """What ``run_cli`` takes as the user's errors: the exception types, or a function that returns them."""
 
 
+def decoding_user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that are the user's to fix in the decoding programs (infer, eval, benchmark, pipe_bench):
+    :data:`spd_ds.eval.runner.USER_ERRORS`, imported only when an error needs sorting (``--help`` stays light)."""
+    from spd_ds.eval.runner import USER_ERRORS
+
+    return USER_ERRORS
+
+
 def data_user_errors(*extra: type[BaseException]) -> tuple[type[BaseException], ...]:
     """The exceptions that are the user's to fix in the data programs (training, data preparation, draft
     vocabularies): bad settings, data (self-distilled folders included), chat templates, models; plus ``extra``."""

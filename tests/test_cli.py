@@ -139,8 +139,8 @@ def test_user_errors_may_be_a_function_called_only_after_an_exception(monkeypatc
         cli.run_cli(lambda argv: {}["a bug"], [], user_errors=errors)
 
 
-@pytest.mark.parametrize("program", ["build_draft_vocab", "prepare_train_data", "train"])
-def test_data_program_help_does_not_import_torch(program):
+@pytest.mark.parametrize("program", ["build_draft_vocab", "prepare_train_data", "train", "infer", "eval", "benchmark"])
+def test_program_help_does_not_import_torch(program):
     code = (f"import sys; from spd_ds.commands.{program} import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
             "assert 'torch' not in sys.modules, 'torch imported'")

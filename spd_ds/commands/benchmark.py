@@ -45,8 +45,8 @@ import time
 from pathlib import Path
 
 
-from spd_ds.cli import (checks_outputs, chosen_engine, ensure_output_dir, experiment_parser, int_at_least, run_cli,
-                        setup_process)
+from spd_ds.cli import (checks_outputs, chosen_engine, decoding_user_errors, ensure_output_dir, experiment_parser,
+                        int_at_least, run_cli, setup_process)
 from spd_ds.pipe.topology import detect_world_size
 
 
@@ -111,9 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     """Run the suites. Exit status 0; 2 after a user error (one line); under a launcher 1 after any other error (one
     rank-tagged line, traceback in a log file; ``SPD_DEBUG=1`` prints it)."""
-    from spd_ds.eval.runner import USER_ERRORS
-
-    return run_cli(_main, argv, user_errors=USER_ERRORS, prog="benchmark")
+    return run_cli(_main, argv, user_errors=decoding_user_errors, prog="benchmark")
 
 
 def tp_skip_reason(cfg) -> str | None:

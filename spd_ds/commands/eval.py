@@ -28,7 +28,8 @@ import os
 import sys
 
 
-from spd_ds.cli import checks_outputs, ensure_output_dir, experiment_parser, run_cli, setup_process
+from spd_ds.cli import (checks_outputs, decoding_user_errors, ensure_output_dir, experiment_parser, run_cli,
+                        setup_process)
 from spd_ds.config import ConfigError, load_config
 
 log = logging.getLogger("spd_ds.eval")
@@ -47,9 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     """Run the evaluation. Exit status 0; 1 with ``--strict-exact`` and a divergence; 2 after a user error (one line);
     under a launcher 1 after any other error (one rank-tagged line, traceback in a log file; ``SPD_DEBUG=1``)."""
-    from spd_ds.eval.runner import USER_ERRORS
-
-    return run_cli(_main, argv, user_errors=USER_ERRORS, prog="eval")
+    return run_cli(_main, argv, user_errors=decoding_user_errors, prog="eval")
 
 
 def _check_strict_exact(cfg) -> None:

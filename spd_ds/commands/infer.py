@@ -26,10 +26,9 @@ import sys
 from pathlib import Path
 
 
-from spd_ds import builder
-from spd_ds.cli import check_output_file, checks_outputs, chosen_engine, experiment_parser, run_cli, setup_process
+from spd_ds.cli import (check_output_file, checks_outputs, chosen_engine, decoding_user_errors, experiment_parser,
+                        run_cli, setup_process)
 from spd_ds.config import ConfigError, load_config, validate
-from spd_ds.decoding.cycle import PromptError, check_prompt
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_accept_length, pooled_decode_tok_s
 from spd_ds.pipe.topology import detect_world_size
 
@@ -66,6 +65,7 @@ def load_prompt_texts(cfg, args) -> list[tuple[str, str]]:
     """
     if args.prompt:
         return [(f"prompt{i}", p) for i, p in enumerate(args.prompt)]
+    from spd_ds import builder
     from spd_ds.eval.prompts import load_prompts
 
     try:
@@ -81,9 +81,7 @@ def load_prompt_texts(cfg, args) -> list[tuple[str, str]]:
 def main(argv=None) -> int:
     """Run the job (see the module docstring). Exit status 0; 2 after a user error (one line); under a launcher 1
     after any other error (one rank-tagged line, traceback in a log file; ``SPD_DEBUG=1`` prints it)."""
-    from spd_ds.eval.runner import USER_ERRORS
-
-    return run_cli(_main, argv, user_errors=USER_ERRORS, prog="infer")
+    return run_cli(_main, argv, user_errors=decoding_user_errors, prog="infer")
 
 
 class _Progress:
@@ -217,6 +215,9 @@ class _Streamer:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
+    from spd_ds import builder  # after the arguments: --help imports no torch
+    from spd_ds.decoding.cycle import PromptError, check_prompt
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     setup_process()
     cfg = load_config(args.config, args.overrides)
@@ -287,6 +288,7 @@ def run_reference(cfg, arch, tok, ids, with_ar: bool = False, on_generation=None
     Returns:
         ``(spd results, ar results or None)``, lists of :class:`~spd_ds.decoding.reference.GenerationResult`.
     """
+    from spd_ds import builder
     from spd_ds.decoding.ar import ARDecoder
     from spd_ds.decoding.drafters import oracle_reference
     from spd_ds.decoding.reference import SPDReferenceDecoder
@@ -376,6 +378,8 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
     ``ar_results``: AR generations of the same prompts in the same run (under DeepSpeed through the same pipeline),
     or ``None``.
     """
+    from spd_ds import builder
+
     greedy = cfg.decoding.temperature == 0
     ar_tokens = [r.tokens for r in ar_results] if ar_results is not None and greedy else None
     total = SPDMetrics.pooled([r.metrics for r in results])

@@ -28,10 +28,9 @@ from spd_ds.eval.runner import first_divergence
 def main(argv=None) -> int:
     """Run on every rank: SPD and AR through the same pipeline, compared token for token; writes the timings. A user
     error (config, prompts, head, world size) is one line and exit status 2 (``spd_ds.cli.run_cli``)."""
-    from spd_ds.cli import run_cli
-    from spd_ds.eval.runner import USER_ERRORS
+    from spd_ds.cli import decoding_user_errors, run_cli
 
-    return run_cli(_main, argv, user_errors=USER_ERRORS, prog="pipe_bench")
+    return run_cli(_main, argv, user_errors=decoding_user_errors, prog="pipe_bench")
 
 
 def _main(argv=None) -> int:
