@@ -477,6 +477,7 @@ def _resolve_hub(repo_id: str) -> Path:
             repo_id,
             local_files_only=offline,
             allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"],
+            ignore_patterns=["consolidated*"],  # Mistral repos' second copy of the weights (other tensor names)
         )
     except Exception as e:  # noqa: BLE001 - any hub failure becomes one actionable line
         mode = "offline (HF_HUB_OFFLINE is set and it is not in the local HF cache)" if offline else \

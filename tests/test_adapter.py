@@ -221,6 +221,20 @@ def test_damaged_or_mismatched_model_files_are_one_line_user_errors(tiny_root, t
                for k, v in tensors.items()}, str(bad / "model.safetensors"))
     with pytest.raises(ModelFileError, match=r"down_proj.weight has shape \(64, 32\) in the checkpoint but \(64, 128\)"):
         Target(TargetArch(bad), StagePartition.build(4, 2), torch.float32, "cpu")
+    # sharded: the shards the index names are read, another safetensors beside them is not; a missing shard is named
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(good).save_pretrained(sharded, max_shard_size="100KB")
+    shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, str(sharded / "consolidated.safetensors"))
+    arch = TargetArch(sharded)
+    assert not arch.has_tensor("layers.0.attention.wq.weight")
+    torch.testing.assert_close(arch.load_tensor("model.norm.weight"), tensors["model.norm.weight"])
+    (sharded / shards[-1]).unlink()
+    with pytest.raises(ModelFileError, match=f"lacks 1 of the {len(shards)} weight shards .*{shards[-1]}"):
+        TargetArch(sharded)
     bad = copy("tokenizer")
     (bad / "tokenizer.json").write_text("{broken")
     with pytest.raises(ModelFileError, match="the tokenizer in .* cannot be loaded"):

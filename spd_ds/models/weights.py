@@ -22,12 +22,31 @@ from spd_ds.models.errors import ModelFileError
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 class SafetensorsIndex:
-    """Lazy name -> tensor access over one or several ``*.safetensors`` files."""
+    """Lazy name -> tensor access over one or several ``*.safetensors`` files: the shards that
+    ``model.safetensors.index.json`` names when the folder has one (other files, e.g. Mistral's
+    ``consolidated.safetensors``, are not read), else every ``*.safetensors``.
+
+    Raises:
+        ModelFileError: no safetensors, a shard the index names is missing, or a file is damaged.
+    """
 
     def __init__(self, model_dir: Path) -> None:
         from safetensors import safe_open
 
         files = sorted(model_dir.glob("*.safetensors"))
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ModelFileError(f"{index} cannot be read ({type(e).__name__}: {e}); re-download the "
+                                     "model") from None
+            missing = [s for s in shards if not (model_dir / s).is_file()]
+            if missing:
+                raise ModelFileError(f"{model_dir} lacks {len(missing)} of the {len(shards)} weight shards its "
+                                     f"model.safetensors.index.json names ({', '.join(missing[:3])}); finish or redo "
+                                     "the download")
+            files = [model_dir / s for s in shards]
         if not files:
             if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
                 raise ModelFileError(f"{model_dir} holds PyTorch .bin/.pt weights and no *.safetensors; convert them "
