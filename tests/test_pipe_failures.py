@@ -93,3 +93,27 @@ def test_stalled_stage_ends_the_run_within_the_timeout(faults):
     fault = stamp(out2, "SPD-FAULT")
     assert stamp(out0, "SPD-ERROR") - fault < TIMEOUT_S + 3
     assert stamp(out1, "SPD-ERROR") - fault < TIMEOUT_S + 5
+
+
+def test_a_rank_that_fails_while_building_names_the_cause_and_the_others_say_so(tmp_path, tiny_root):
+    """Stage 1's own layers lack a tensor: that rank fails with the one-line model error; the rank that was waiting for
+    it in DeepSpeed's set-up says another rank failed (not a bare gloo 'Connection closed by peer')."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_models import make_tiny_model
+
+    good = make_tiny_model(tiny_root, "qwen3", 6)
+    bad = tmp_path / "model"
+    shutil.copytree(good, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["model.layers.5.mlp.down_proj.weight"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    job = {"name": "missing", "model": {"path": str(bad)}, "prompts": [[1, 2, 3]], "max_new_tokens": 4,
+           "reference": False, "overrides": ["partition.num_stages=2", f"deepspeed.timeout_s={TIMEOUT_S}"]}
+    (rc0, out0), (rc1, out1) = spawn_wait(spawn_start(2, {"tiny_root": str(tiny_root), "jobs": [job]}, tmp_path),
+                                          tmp_path, timeout=240)
+    assert rc1 not in (0, None) and "tensor 'model.layers.5.mlp.down_proj.weight' is not in the checkpoint" in out1
+    assert rc0 not in (0, None), out0[-3000:]
+    assert "another rank failed while the pipeline was being built" in out0, out0[-3000:]

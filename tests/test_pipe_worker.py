@@ -36,6 +36,8 @@ def model_dir(spec, root: Path) -> str:
         from spd_ds.zoo import resolve_model
 
         return str(resolve_model("smollm2-135m-instruct"))
+    if "path" in spec:  # a model folder the test made itself
+        return spec["path"]
     from tests.tiny_models import make_tiny_model
 
     return str(make_tiny_model(root, spec.get("type", "qwen3"), spec.get("layers", 6), seed=spec.get("seed", 0)))

@@ -68,7 +68,17 @@ class PipeProtocolError(RuntimeError):
     """A message arrived that the protocol does not allow (a bug, or ranks running different configs)."""
 
 
-def _first_line(e: BaseException) -> str:
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+
+
+def peer_gone(e: BaseException) -> bool:
+    """Whether the error of a collective or a send/receive says that the peer rank's process went away (gloo's and
+    NCCL's wording)."""
+    return any(s in str(e) for s in _PEER_GONE)
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, without gloo's source-location prefix and its generic advice."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if msg.startswith("[") and "] " in msg:  # drop gloo's source location prefix
         msg = msg.split("] ", 1)[1]
@@ -108,7 +118,7 @@ class Link:
         deadline = (f"deepspeed.timeout_s={self.timeout_s:g}s" if timeout_s is None
                     else f"{timeout_s:g}s between generations")
         return PipeCommError(
-            f"{self.me_name}: {what} {self.peer_name} failed: {_first_line(e)}; a rank died or stalled "
+            f"{self.me_name}: {what} {self.peer_name} failed: {first_line(e)}; a rank died or stalled "
             f"(deadline {deadline})"
         )
 

@@ -27,6 +27,7 @@ from spd_ds.config import ConfigError, ExperimentConfig, read_json_object
 from spd_ds.decoding.drafters import Drafter
 from spd_ds.decoding.cycle import GenerationResult, check_prompt
 from spd_ds.dist import init_process_group, init_timeout_s
+from spd_ds.pipe.comm import PipeCommError, first_line, peer_gone
 from spd_ds.pipe.topology import PipePlan, WorldSizeError, detect_world_size
 
 logger = logging.getLogger(__name__)
@@ -189,8 +190,11 @@ class SPDSession:
         self._head_drafter = None
         try:
             self._build()
-        except BaseException:
+        except BaseException as e:
             self.close()
+            if isinstance(e, RuntimeError) and peer_gone(e):  # in one of DeepSpeed's collectives: a peer failed
+                raise PipeCommError(f"another rank failed while the pipeline was being built (its own error line "
+                                    f"says why); here: {first_line(e)}") from None
             raise
 
     def _build(self) -> None:
