@@ -138,10 +138,11 @@ def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_ac
     start = total * (1.0 - fraction)
     local = [(s - base, v) for s, v in points if s >= base]
     last_start = steps * (1.0 - fraction)
-    for curve, at in ((points, start), (local, last_start)):
+    whole = f"{len(runs)} runs' history" if len(runs) > 1 else str(last)
+    for curve, at, where in ((points, start, whole), (local, last_start, f"{last} (its own steps)")):
         if not any(s <= at for s, _ in curve):  # the curve would be extrapolated flat from a later validation
-            raise ValueError(f"{last}: no validation at or before step {at:,.0f}, where the last {fraction:.0%} of the "
-                             "steps begin, so the rise over them cannot be read; validate more often "
+            raise ValueError(f"{where}: no validation at or before step {at:,.0f}, where the last {fraction:.0%} of "
+                             "the steps begin, so the rise over them cannot be read; validate more often "
                              "(train.eval_every) or train longer")
     v_all, v_last = _at(points, start), _at(local, last_start)
     low = min([v_all] + [v for s, v in points if s > start])

@@ -117,8 +117,10 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
     must be the one the head was trained for.
 
     Raises:
-        ConfigError: invalid partition, or one that disagrees with the head checkpoint (a head of another target
-            depth: the base-model check's message, which says to use a head trained for this target).
+        ConfigError: invalid partition, one that disagrees with the head checkpoint (a head of another target
+            depth: the base-model check's message, which says to use a head trained for this target), or a
+            ``head.checkpoint`` that is no head folder.
+        HeadCheckpointError: a damaged ``head_config.json``.
     """
     p = cfg.partition
     cfg.head.checkpoint = resolve_path(cfg.head.checkpoint)
@@ -129,7 +131,10 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
     except PartitionError as e:
         raise ConfigError(str(e)) from None
     if cfg.head.checkpoint:
-        saved = StagePartition.from_dict(SpeculationHead.read_config(cfg.head.checkpoint)["partition"])
+        try:
+            saved = StagePartition.from_dict(SpeculationHead.read_config(cfg.head.checkpoint)["partition"])
+        except FileNotFoundError as e:  # a path that is no head folder: the user's to fix in every program
+            raise ConfigError(str(e)) from None
         if saved != part and saved.num_layers != part.num_layers:  # a head of another target: no partition fits
             try:
                 SpeculationHead.check_base_model(cfg.head.checkpoint, arch)
@@ -224,6 +229,7 @@ def eos_token_ids(cfg: ExperimentConfig, arch: TargetArch, tokenizer=None) -> li
 
     Raises:
         ConfigError: a ``decoding.eos_token_ids`` id outside the target's vocabulary.
+        ModelFileError: a ``generation_config.json`` that cannot be read (:func:`generation_eos_ids`).
     """
     if cfg.decoding.eos_token_ids is not None:
         bad = [i for i in cfg.decoding.eos_token_ids if not 0 <= i < arch.vocab_size]
@@ -298,8 +304,10 @@ def load_tokenizer(arch: TargetArch | str | os.PathLike):
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged file
+        fix = "install the package it names" if isinstance(e, ImportError) else \
+            "fix or re-download its tokenizer files"
         raise ModelFileError(f"the tokenizer in {model_dir} cannot be loaded ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:200]}); fix or re-download its tokenizer files") from None
+                             f"{' '.join(str(e).split())[:200]}); {fix}") from None
     tok.model_max_length = int(1e30)
     return tok
 

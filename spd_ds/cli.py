@@ -168,8 +168,8 @@ def ensure_output_dir(path: str | os.PathLike, what: str) -> str:
     try:  # a real write, not os.access alone: root passes access() on file systems that refuse files (/sys)
         with tempfile.TemporaryFile(dir=path):
             pass
-    except OSError:
-        raise ConfigError(f"{what} {path} is not writable; give another path") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path} is not writable ({e.strerror or e}); give another path") from None
     return str(path)
 
 
@@ -209,8 +209,10 @@ def decoding_user_errors() -> tuple[type[BaseException], ...]:
 
 def data_user_errors(*extra: type[BaseException]) -> tuple[type[BaseException], ...]:
     """The exceptions that are the user's to fix in the data programs (training, data preparation, draft
-    vocabularies): bad settings, data (self-distilled folders included), chat templates, models; plus ``extra``."""
+    vocabularies): bad settings, data (self-distilled folders included), chat templates, models, head checkpoints (a
+    warm start); plus ``extra``."""
     from spd_ds.config import ConfigError
+    from spd_ds.head import HeadMismatchError
     from spd_ds.models.errors import ModelError
     from spd_ds.train.chat import ChatTemplateError, EmptyMaskError
     from spd_ds.train.data import DataError
@@ -218,7 +220,7 @@ def data_user_errors(*extra: type[BaseException]) -> tuple[type[BaseException], 
     from spd_ds.zoo import ModelUnavailableError
 
     return (ConfigError, DataError, EmptyMaskError, ChatTemplateError, ModelUnavailableError, ModelError,
-            SelfDistillError, *extra)
+            HeadMismatchError, SelfDistillError, *extra)
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

@@ -69,7 +69,8 @@ def _pos_int(v) -> bool:
 
 
 _INT, _STR = ("an integer >= 1", _pos_int), ("a string", lambda v: isinstance(v, str))
-_INTS = ("a list of integers >= 0", lambda v: isinstance(v, list) and all(_pos_int(x) or x == 0 for x in v))
+_INTS = ("a list of integers >= 0", lambda v: isinstance(v, list) and all(
+    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
 # head_config.json keys: (what is expected, its test), required ones first
 _CONFIG_REQUIRED = {"partition": ("an object with num_layers, stage_layers and anchors", lambda v: isinstance(v, dict)),
                     "partition.num_layers": _INT, "partition.stage_layers": _INTS, "partition.anchors": _INTS,
@@ -356,7 +357,10 @@ class SpeculationHead(nn.Module):
         (path / HEAD_CONFIG).write_text(json.dumps(meta, indent=2))
         mode = _file_mode()
         for name in (HEAD_WEIGHTS, HEAD_CONFIG):
-            os.chmod(path / name, mode)
+            try:
+                os.chmod(path / name, mode)
+            except OSError:  # a file system without modes (vfat, some FUSE/NFS): the head is saved all the same
+                log.debug("could not set the mode of %s", path / name)
         return path
 
     @classmethod
@@ -527,9 +531,10 @@ class SpeculationHead(nn.Module):
                 f"head {path} was trained for another base model (fingerprint {meta['base_model_fingerprint']}, "
                 f"this model {mine}); use a head trained for {arch.model_dir}"
             )
-        if meta["hidden_size"] != arch.hidden_size:
-            raise HeadMismatchError(f"head {path}: {HEAD_CONFIG} says hidden_size {meta['hidden_size']} but "
-                                    f"{arch.model_dir} has {arch.hidden_size}; {_RETRAIN}")
+        for key, mine in (("hidden_size", arch.hidden_size), ("vocab_size", arch.vocab_size)):
+            if meta[key] != mine:
+                raise HeadCheckpointError(f"head {path}: {HEAD_CONFIG} says {key} {meta[key]} but {arch.model_dir} "
+                                          f"has {mine}; {_RETRAIN}")
         cls.check_weights_file(path, meta, arch)
         if legacy and str(path) not in _warned_legacy:
             _warned_legacy.add(str(path))

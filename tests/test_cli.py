@@ -300,7 +300,7 @@ def test_output_folder_is_made_or_refused_in_one_line_before_the_run(tmp_path):
     if unwritable is None or os.access(unwritable, os.W_OK) is False:  # not root on Linux: a folder made read-only
         unwritable = tmp_path / "ro"
         unwritable.mkdir(mode=0o555)
-    with pytest.raises(ConfigError, match=r"^--output's folder .* is not writable; give another path"):
+    with pytest.raises(ConfigError, match=r"^--output's folder .* is not writable \(.+\); give another path"):
         cli.check_output_file(os.path.join(unwritable, "out.jsonl"), "--output")
     code = ("from spd_ds.cli import settle_accelerator; settle_accelerator(); "
             "from deepspeed.utils import logger; logger.warning('a-later-deepspeed-warning')")

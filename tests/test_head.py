@@ -577,8 +577,21 @@ def test_saved_head_files_get_the_umask_mode(arch, tmp_path, umask):
         d = h.save(tmp_path / "h")
         os.chmod(d / "head.safetensors", 0o600)
         h.save(d)
+        assert os.umask(umask) == umask  # save read the umask without changing it
     finally:
         os.umask(old)
     for name in ("head.safetensors", "head_config.json"):
         assert stat.S_IMODE((d / name).stat().st_mode) == 0o666 & ~umask, name
-    assert os.umask(old) == old  # the test's umask is back
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "vocab_size"])
+def test_head_config_sizes_of_another_target_are_named(arch, tmp_path, key):
+    """A head_config.json whose sizes are not the target's (with the target's fingerprint): one line naming the key,
+    from the precheck every rank runs (a vocabulary of another size failed in load, on the head rank, after the
+    collectives had started)."""
+    from spd_ds.head import HeadCheckpointError
+
+    h = _saved_head(arch, tmp_path)
+    _edit_config(h, lambda m: m.update({key: m[key] * 2}))
+    msg = _one_line_error(HeadCheckpointError, SpeculationHead.check_base_model, h, arch)
+    assert f"says {key} {2 * getattr(arch, key)} but" in msg and f"has {getattr(arch, key)}" in msg, msg

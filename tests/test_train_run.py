@@ -320,6 +320,25 @@ def test_bad_config_fails_fast_with_one_line(tmp_path):
     assert train_launcher.main(["train.no_such_key=1"]) == 2
 
 
+def test_a_warm_start_that_is_no_head_is_one_line(tmp_path):
+    """head.checkpoint naming a training run's output_dir (not its head folder) is the user's to fix: one line that
+    names the head folders meant, exit status 2 (it was a traceback)."""
+    model = make_chat_model(tmp_path, 4)
+    run = tmp_path / "earlier"
+    (run / "best_head").mkdir(parents=True)
+    (run / "best_head" / "head_config.json").write_text("{}")
+    config = _experiment(tmp_path, model, make_chats(tmp_path / "chats.jsonl", 20))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               MASTER_PORT=str(free_port()))
+    for head, said in ((run, f"did you mean {run / 'best_head'}?"),
+                       (run / "best_head", "has no 'format_version'; was it written by launch/train.py?")):
+        proc = subprocess.run([sys.executable, "launch/train.py", "--config", str(config), "--deepspeed_config",
+                               "ds_configs/zero2.json", f"head.checkpoint={head}"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_rows_longer_than_the_targets_context_are_refused(tmp_path):
     """A document may fill a row: rows longer than the target's context (here a Mistral sliding window of 16, which
     caps it) are refused in one line before training (the teacher's full attention would differ from the window's)."""

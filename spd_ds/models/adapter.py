@@ -325,8 +325,13 @@ def fingerprint_rows(num_rows: int, count: int = FINGERPRINT_ROWS) -> list[int]:
 
 
 def _load_config(model_dir: Path):
-    """``AutoConfig`` of ``model_dir``; a Qwen3.5 checkpoint with a transformers that does not know it is an
-    :class:`UnsupportedModelError` naming the version needed."""
+    """``AutoConfig`` of ``model_dir``.
+
+    Raises:
+        UnsupportedModelError: a ``model_type`` this transformers does not know (a Qwen3.5 checkpoint: the version
+            needed; another: the supported types).
+        ModelFileError: a ``config.json`` that cannot be read or parsed.
+    """
     from transformers import AutoConfig
 
     try:
@@ -342,6 +347,9 @@ def _load_config(model_dir: Path):
 
             raise UnsupportedModelError(f"{model_dir}: model_type {mt!r} needs transformers >= 5.2 "
                                         f"(installed {transformers.__version__})") from None
+        if isinstance(mt, str) and mt and mt not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(f"model_type {mt!r} is not supported; spd-ds splits "
+                                        f"{', '.join(SUPPORTED_MODEL_TYPES)}") from None
         why = " ".join(str(e).split())[:300]
         raise ModelFileError(f"{p} cannot be read as a transformers config ({why}); fix or re-download the "
                              "model") from None

@@ -209,6 +209,7 @@ def _tree(src: Path) -> tuple[list[Path], list[Path]]:
             subdirs[:] = []
             continue
         seen.add(real)
+        subdirs.sort()  # the same walk (which path of a folder reached twice is kept) on every machine
         dirs.append(Path(root))
         files += [Path(root, n) for n in names if os.path.isfile(os.path.join(root, n))]
     return dirs, files

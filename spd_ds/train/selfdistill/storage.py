@@ -179,11 +179,11 @@ def iter_records(path: str | os.PathLike) -> Iterator[dict]:
 # ---------------------------------------------------------------------------------------------------- output directory
 def model_fingerprint(model_dir: str | os.PathLike) -> str:
     """Short id of the target's weights (:meth:`TargetArch.fingerprint`, else a hash of ``config.json``)."""
-    try:
-        from spd_ds.models.adapter import TargetArch
+    from spd_ds.models.adapter import TargetArch, UnsupportedModelError
 
+    try:
         return TargetArch(model_dir).fingerprint()
-    except Exception:  # noqa: BLE001 - architectures the adapter does not split still generate
+    except UnsupportedModelError:  # architectures the adapter does not split still generate (a damaged model raises)
         return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
 
 
