@@ -298,9 +298,10 @@ def load_tokenizer(arch: TargetArch | str | os.PathLike):
 
     model_dir = Path(getattr(arch, "model_dir", arch))
     if not any(model_dir.glob("tokenizer*")):
-        raise ConfigError(f"the model in {model_dir} has no tokenizer (random-weight shapes have none), so it cannot "
-                          "read text (prompts, training data): use a model with one; speed runs without text take "
-                          "random token prompts (launch/eval.py eval.prompt_sets=[random], launch/benchmark.py --suite b)")
+        raise ConfigError(f"the model in {model_dir} has no tokenizer (random-weight shapes have none), so it "
+                          "cannot read text (prompts, training data): use a model with one; speed runs without "
+                          "text take random token prompts (launch/eval.py eval.prompt_sets=[random], "
+                          "launch/benchmark.py --suite b)")
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged file
