@@ -130,6 +130,9 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
                                     p.stage_layers, p.anchors)
     except PartitionError as e:
         raise ConfigError(str(e)) from None
+    if p.stage_layers is not None and p.num_stages not in (None, len(p.stage_layers)):
+        log.warning("partition.stage_layers gives %d stages; partition.num_stages=%s is ignored",
+                    len(p.stage_layers), p.num_stages)
     if cfg.head.checkpoint:
         try:
             saved = StagePartition.from_dict(SpeculationHead.read_config(cfg.head.checkpoint)["partition"])

@@ -59,7 +59,8 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class PartitionConfig:
-    """Pipeline split: ``num_stages`` uniform stages or explicit ``stage_layers``; ``anchors`` (None = default)."""
+    """Pipeline split: ``num_stages`` uniform stages or explicit ``stage_layers`` (given, they decide the number of
+    stages; a ``num_stages`` that disagrees is ignored with a warning); ``anchors`` (None = default)."""
 
     num_stages: int = 2
     stage_layers: Optional[list[int]] = None

@@ -257,3 +257,22 @@ def test_damaged_or_mismatched_model_files_are_one_line_user_errors(tiny_root, t
         assert infer.main([f"model.name={model}", "head.checkpoint=null", "model.device=cpu"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
+
+
+def test_stage_layers_override_num_stages_with_a_warning(tiny_root, caplog):
+    """``partition.stage_layers`` decides the stages; a ``num_stages`` that disagrees is said to be ignored."""
+    import logging
+
+    from spd_ds.builder import build_partition
+    from spd_ds.config import load_config
+
+    path = make_tiny_model(tiny_root, "llama", 6)
+    cfg = load_config(None, [f"model.name={path}", "partition.num_stages=3", "partition.stage_layers=[3,3]"])
+    with caplog.at_level(logging.WARNING, logger="spd_ds.builder"):
+        assert build_partition(cfg, TargetArch(path)).num_stages == 2
+    assert "partition.stage_layers gives 2 stages; partition.num_stages=3 is ignored" in caplog.text
+    caplog.clear()
+    cfg = load_config(None, [f"model.name={path}", "partition.num_stages=2", "partition.stage_layers=[2,4]"])
+    with caplog.at_level(logging.WARNING, logger="spd_ds.builder"):
+        build_partition(cfg, TargetArch(path))
+    assert "ignored" not in caplog.text
