@@ -144,10 +144,12 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
             except HeadMismatchError as e:
                 raise ConfigError(str(e)) from None
         if saved != part:
-            raise ConfigError(
-                f"head.checkpoint {cfg.head.checkpoint} was trained for partition {saved}, but the config asks for "
-                f"{part}; set partition.num_stages={saved.num_stages} (and stage_layers/anchors) or use another head"
-            )
+            fix = [f"partition.num_stages={saved.num_stages}"] if saved.num_stages != part.num_stages else []
+            if not fix or saved != StagePartition.build(saved.num_layers, saved.num_stages):  # say how it splits
+                fix += [f"partition.{k}=[{','.join(map(str, getattr(saved, k)))}]" for k in ("stage_layers", "anchors")
+                        if list(getattr(saved, k)) != list(getattr(part, k))]
+            raise ConfigError(f"head.checkpoint {cfg.head.checkpoint} was trained for partition {saved}, but the "
+                              f"config asks for {part}; set {' '.join(fix)} or use another head")
     return part
 
 
@@ -264,6 +266,42 @@ def stop_strings(cfg: ExperimentConfig, tokenizer) -> StopStrings | None:
         raise ConfigError(f"decoding.stop needs the model's tokenizer and {cfg.model.name} has none; remove "
                           "decoding.stop or use a model with a tokenizer")
     return StopStrings.from_tokenizer(list(cfg.decoding.stop), tokenizer)
+
+
+def load_generation_model(model_dir: str | os.PathLike, dtype: torch.dtype, **kwargs):
+    """The target as a transformers ``AutoModelForCausalLM`` for generating training data (regenerate,
+    selfdistill), after the checks every command makes: its ``config.json`` and weights files
+    (:class:`~spd_ds.models.adapter.TargetArch`; an architecture spd-ds does not split still generates), its
+    ``generation_config.json``, and every weight present with its shape (transformers would initialise a missing one
+    at random, and the data would be another model's answers).
+
+    Args:
+        model_dir: the local model folder; dtype: the weights' dtype; kwargs: more ``from_pretrained`` arguments.
+    Returns:
+        The model (on the CPU, in ``dtype``, not in eval mode).
+    Raises:
+        ModelFileError: a file that cannot be read, or weights missing or of other shapes than the config's.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from spd_ds.models.adapter import UnsupportedModelError
+
+    try:
+        TargetArch(model_dir)
+    except UnsupportedModelError:
+        pass
+    generation_eos_ids(model_dir)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, output_loading_info=True,
+                                                           **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise ModelFileError(f"{model_dir} cannot be loaded by transformers ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]}); fix or re-download the model") from None
+    bad = sorted(info.get("missing_keys") or []) + sorted(str(k) for k in info.get("mismatched_keys") or [])
+    if bad:
+        raise ModelFileError(f"{model_dir}: {len(bad)} weight(s) missing or of another shape than config.json says "
+                             f"({', '.join(bad[:3])}); the weights and the config are of different models")
+    return model
 
 
 def generation_eos_ids(model_dir: str | os.PathLike) -> list[int]:

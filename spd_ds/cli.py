@@ -186,6 +186,9 @@ def check_output_file(path: str, what: str) -> None:
     """
     from spd_ds.config import ConfigError
 
+    if path == "-":
+        raise ConfigError(f"{what} - is not supported; give a file path (/dev/stdout writes to the terminal)")
+    path = os.path.realpath(path) if os.path.islink(path) else path  # a link's target, even a dangling one's
     if os.path.isdir(path):
         raise ConfigError(f"{what} {path} is a folder; give a file path inside it")
     if os.path.exists(path):

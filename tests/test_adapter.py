@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -276,3 +278,23 @@ def test_stage_layers_override_num_stages_with_a_warning(tiny_root, caplog):
     with caplog.at_level(logging.WARNING, logger="spd_ds.builder"):
         build_partition(cfg, TargetArch(path))
     assert "ignored" not in caplog.text
+
+
+def test_a_head_of_another_partition_names_the_settings_that_differ(tiny_root, tmp_path):
+    """The message says which partition settings to change: num_stages for a default split, the anchors of a PPSD
+    head (it said 'set partition.num_stages=2' when that was already 2)."""
+    from spd_ds.builder import build_partition
+    from spd_ds.config import ConfigError, load_config
+    from spd_ds.head import SpeculationHead
+
+    path = make_tiny_model(tiny_root, "llama", 6)
+    arch = TargetArch(path)
+    SpeculationHead(arch, StagePartition.build(6, 2, anchors=[0, 3])).save(tmp_path / "ppsd")
+    SpeculationHead(arch, StagePartition.build(6, 2)).save(tmp_path / "spd")
+    for head, over, fix in (("ppsd", [], "set partition.anchors=[0,3] or"),
+                            ("spd", ["partition.num_stages=3"], "set partition.num_stages=2 or"),
+                            ("spd", ["partition.stage_layers=[2,4]"],
+                             "set partition.stage_layers=[3,3] partition.anchors=[0,3,6] or")):
+        cfg = load_config(None, [f"model.name={path}", f"head.checkpoint={tmp_path / head}", *over])
+        with pytest.raises(ConfigError, match=re.escape(fix)):
+            build_partition(cfg, arch)

@@ -302,6 +302,16 @@ def test_output_folder_is_made_or_refused_in_one_line_before_the_run(tmp_path):
         unwritable.mkdir(mode=0o555)
     with pytest.raises(ConfigError, match=r"^--output's folder .* is not writable \(.+\); give another path"):
         cli.check_output_file(os.path.join(unwritable, "out.jsonl"), "--output")
+    with pytest.raises(ConfigError, match=r"^--output - is not supported; give a file path"):
+        cli.check_output_file("-", "--output")
+    dangling = tmp_path / "dangling.jsonl"  # a link to a file not made yet: its target's folder is checked (made)
+    dangling.symlink_to(tmp_path / "later" / "out.jsonl")
+    cli.check_output_file(str(dangling), "--output")
+    assert (tmp_path / "later").is_dir()
+    (tmp_path / "later").rmdir()
+    (tmp_path / "later").write_text("a file where the link's folder should be")
+    with pytest.raises(ConfigError, match=r"cannot be created as a folder \(a file stands at it"):
+        cli.check_output_file(str(dangling), "--output")
     code = ("from spd_ds.cli import settle_accelerator; settle_accelerator(); "
             "from deepspeed.utils import logger; logger.warning('a-later-deepspeed-warning')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

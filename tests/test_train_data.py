@@ -404,3 +404,28 @@ def test_json_reading_edges_of_cut_and_damaged_files(tmp_path):
         list(iter_json_records(gz))
     with pytest.raises(ChatTemplateError, match="neither a file nor Jinja text"):
         set_chat_template(make_tokenizer(), "You are a helpful assistant. " * 20)
+
+
+def test_regenerate_refuses_a_model_with_missing_weights(tmp_path, capsys):
+    """Answers from a model whose checkpoint lacks a weight would be another model's (transformers initialises it at
+    random): regenerate refuses it in one line, exit status 2, as every other command does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from spd_ds.commands import prepare_train_data
+
+    model = make_chat_model(tmp_path)
+    bad = tmp_path / "bad"
+    shutil.copytree(model, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["model.layers.3.mlp.down_proj.weight"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    data = make_chats(tmp_path / "chats.jsonl", 4)
+    out = tmp_path / "r.jsonl.gz"
+    capsys.readouterr()
+    assert prepare_train_data.main(["regenerate", "--model", str(bad), "--data", str(data), "--max-new-tokens", "2",
+                                    "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "model.layers.3.mlp.down_proj.weight" in err and "different models" in err
+    assert not out.exists()

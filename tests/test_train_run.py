@@ -353,5 +353,5 @@ def test_rows_longer_than_the_targets_context_are_refused(tmp_path):
     proc = subprocess.run([sys.executable, "launch/train.py", "--config", str(config), "--deepspeed_config",
                            "ds_configs/zero2.json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert ("error: data.max_seq_length=128 exceeds the target's context of 16 positions; set data.max_seq_length "
-            "<= 16") in proc.stderr, proc.stderr[-3000:]
+    assert ("error: data.max_seq_length=128 exceeds the target's context of 16 positions (its sliding window); set "
+            "data.max_seq_length <= 16") in proc.stderr, proc.stderr[-3000:]

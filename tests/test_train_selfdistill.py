@@ -410,6 +410,9 @@ def test_data_folder_reads_its_self_distillation_sub_folder(reference_run, chats
     (folder / "up").symlink_to(linked, target_is_directory=True)
     assert len(load_records([str(linked)])) == len(got)
     (folder / "up").unlink()
+    (folder / "again.jsonl").symlink_to(folder / "chats.jsonl")  # a linked file is the same data: read once
+    assert len(load_records([str(folder)])) == len(got)
+    (folder / "again.jsonl").unlink()
     # data files put inside a self-distillation directory itself are not read: said, not silent
     shutil.copy(chats_file, folder / "selfdistill" / "extra.jsonl")
     with caplog.at_level(logging.WARNING, logger="spd_ds.train.data"):

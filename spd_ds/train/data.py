@@ -200,9 +200,9 @@ def _files_of(src: Path) -> list[Path]:
 
 
 def _tree(src: Path) -> tuple[list[Path], list[Path]]:
-    """``(folders, files)`` under the directory ``src`` (itself among the folders), following links to folders, each
-    real folder once (a link back up the tree is not followed again)."""
-    dirs, files, seen = [], [], set()
+    """``(folders, files)`` under the directory ``src`` (itself among the folders), following links, each real folder
+    and file once (a link back up the tree is not followed again)."""
+    dirs, files, seen, seen_files = [], [], set(), set()
     for root, subdirs, names in os.walk(src, followlinks=True):
         real = os.path.realpath(root)
         if real in seen:
@@ -211,7 +211,11 @@ def _tree(src: Path) -> tuple[list[Path], list[Path]]:
         seen.add(real)
         subdirs.sort()  # the same walk (which path of a folder reached twice is kept) on every machine
         dirs.append(Path(root))
-        files += [Path(root, n) for n in names if os.path.isfile(os.path.join(root, n))]
+        for n in sorted(names):  # a file reached by a link too is read once
+            f = os.path.join(root, n)
+            if os.path.isfile(f) and os.path.realpath(f) not in seen_files:
+                seen_files.add(os.path.realpath(f))
+                files.append(Path(f))
     return dirs, files
 
 

@@ -59,11 +59,11 @@ def regenerate_records(records: Sequence[dict], model_dir, tokenizer, *, max_new
     Returns:
         Pre-tokenised records in the order they were generated.
     """
-    from transformers import AutoModelForCausalLM
+    from spd_ds.builder import load_generation_model
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    model = load_generation_model(model_dir, dtype).to(device).eval()
     eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     prompts, conv_ids = [], []  # conv_ids: the source's id, so that the held-out split keeps an answer with its

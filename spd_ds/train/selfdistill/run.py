@@ -58,14 +58,13 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
     if not convs:
         raise SelfDistillError("no conversation to answer; check --data")
     out_dir = Path(out_dir)
-    from transformers import AutoModelForCausalLM
-
     if model is None:
+        from spd_ds.builder import load_generation_model
+
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         attn = register_gqa_decode_attention() if cfg.attention == "gqa-decode" else "sdpa"
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=attn)
-        model = model.to(device).eval()
+        model = load_generation_model(model_dir, dtype, attn_implementation=attn).to(device).eval()
     eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if not eos_token_ids and gen_eos is not None:
