@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from spd_ds.cli import one_line
 from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.decoding.stopping import StopStrings
@@ -296,7 +297,7 @@ def load_generation_model(model_dir: str | os.PathLike, dtype: torch.dtype, **kw
                                                            **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise ModelFileError(f"{model_dir} cannot be loaded by transformers ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:200]}); fix or re-download the model") from None
+                             f"{one_line(e, 200)}); fix or re-download the model") from None
     bad = sorted(info.get("missing_keys") or []) + sorted(str(k) for k in info.get("mismatched_keys") or [])
     if bad:
         raise ModelFileError(f"{model_dir}: {len(bad)} weight(s) missing or of another shape than config.json says "
@@ -319,7 +320,7 @@ def generation_eos_ids(model_dir: str | os.PathLike) -> list[int]:
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise TypeError(f"eos_token_id {e!r} is not an id or a list of ids")
     except (ValueError, TypeError, AttributeError, OSError) as err:
-        raise ModelFileError(f"{gen} cannot be read ({' '.join(str(err).split())[:200]}); fix or delete it") from None
+        raise ModelFileError(f"{gen} cannot be read ({one_line(err, 200)}); fix or delete it") from None
     return ids
 
 
@@ -349,7 +350,7 @@ def load_tokenizer(arch: TargetArch | str | os.PathLike):
         fix = "install the package it names" if isinstance(e, ImportError) else \
             "fix or re-download its tokenizer files"
         raise ModelFileError(f"the tokenizer in {model_dir} cannot be loaded ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:200]}); {fix}") from None
+                             f"{one_line(e, 200)}); {fix}") from None
     tok.model_max_length = int(1e30)
     return tok
 

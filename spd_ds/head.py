@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from spd_ds.cli import one_line
 from spd_ds.config import ConfigError
 from spd_ds.models.adapter import FINGERPRINT_VERSION, TargetArch, causal_mask, head_layer_config
 from spd_ds.models.kv_cache import StageKVCache
@@ -443,14 +444,14 @@ class SpeculationHead(nn.Module):
         return want
 
     @classmethod
-    def check_weights_file(cls, path: str | os.PathLike, meta: dict, arch: TargetArch | None = None) -> None:
+    def check_weights_file(cls, path: str | os.PathLike, meta: dict, arch: TargetArch) -> None:
         """Check that ``head.safetensors`` can be read and holds exactly the tensors (names and shapes) that ``meta``
-        (the checkpoint's ``head_config.json``, from :meth:`read_config`) and ``arch`` imply
-        (:meth:`expected_tensors`; without ``arch`` the tower's tensors are not checked), and that its draft
-        vocabulary (the ``[vocab_size]`` bool ``draft_mask``, or an older file's int64 ``draft_ids``) selects
-        ``draft_vocab_size`` ids. Reads the file's header and the draft vocabulary only (safetensors checks that the
-        header is valid and that its tensors cover the file exactly, so truncation is found); cheap enough for every
-        rank before any collective. Corruption inside the other tensors' bytes is not detectable without a checksum.
+        (the checkpoint's ``head_config.json``, from :meth:`read_config`) and the target ``arch`` imply
+        (:meth:`expected_tensors`), and that its draft vocabulary (the ``[vocab_size]`` bool ``draft_mask``, or an
+        older file's int64 ``draft_ids``) selects ``draft_vocab_size`` ids. Reads the file's header and the draft
+        vocabulary only (safetensors checks that the header is valid and that its tensors cover the file exactly, so
+        truncation is found); cheap enough for every rank before any collective. Corruption inside the other
+        tensors' bytes is not detectable without a checksum.
 
         Raises:
             FileNotFoundError: no ``head.safetensors``.
@@ -470,12 +471,10 @@ class SpeculationHead(nn.Module):
                 if "draft_mask" not in shapes and "draft_ids" in shapes:  # an older head: its ids
                     del want["draft_mask"]
                     want["draft_ids"] = (meta["draft_vocab_size"],)
-                have = shapes if arch is not None else {k: s for k, s in shapes.items() if not k.startswith(
-                    ("layers.", "norm."))}
-                missing = [k for k in want if k not in have]
-                extra = [k for k in have if k not in want]
-                other = [f"{k} {list(have[k])} (expected {list(want[k])})" for k in want if k in have and
-                         have[k] != want[k]]
+                missing = [k for k in want if k not in shapes]
+                extra = [k for k in shapes if k not in want]
+                other = [f"{k} {list(shapes[k])} (expected {list(want[k])})" for k in want if k in shapes and
+                         shapes[k] != want[k]]
                 if missing or extra or other:
                     bad = [f"{what} {', '.join(names[:3])}{f' (+{len(names) - 3} more)' if len(names) > 3 else ''}"
                            for what, names in (("missing", missing), ("unexpected", extra), ("shape of", other))
@@ -486,16 +485,17 @@ class SpeculationHead(nn.Module):
                 ids = h.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise HeadCheckpointError(
-                f"head {path}: {HEAD_WEIGHTS} is damaged ({' '.join(str(e).split())}); copy the checkpoint again or "
+                f"head {path}: {HEAD_WEIGHTS} is damaged ({one_line(e)}); copy the checkpoint again or "
                 "re-save it") from None
-        n, V = meta["draft_vocab_size"], meta["vocab_size"]
+        n, V, problem = meta["draft_vocab_size"], meta["vocab_size"], None
         if name == "draft_mask":
             k = int(ids.count_nonzero())
             problem = None if k == n else "is empty (selects no token)" if k == 0 else f"selects {k} tokens"
         else:
-            ids = ids.long()
-            sound = ids.numel() and (ids[1:] > ids[:-1]).all() and ids.min() >= 0 and ids.max() < V
-            problem = None if sound else f"are not sorted unique ids in [0, {V})"
+            try:
+                _draft_id_tensor(ids.tolist(), V)
+            except ValueError:
+                problem = f"are not sorted unique ids in [0, {V})"
         if problem:
             raise HeadCheckpointError(f"head {path}: the head's {name} in {HEAD_WEIGHTS} {problem} but {HEAD_CONFIG} "
                                       f"says draft_vocab_size {n}: it is damaged; copy the checkpoint again or "
@@ -570,7 +570,7 @@ class SpeculationHead(nn.Module):
         try:
             state = load_file(str(Path(path) / HEAD_WEIGHTS))
         except (SafetensorError, OSError) as e:  # changed since check_base_model read its header
-            raise HeadCheckpointError(f"head {path}: {HEAD_WEIGHTS} is damaged ({' '.join(str(e).split())}); copy the "
+            raise HeadCheckpointError(f"head {path}: {HEAD_WEIGHTS} is damaged ({one_line(e)}); copy the "
                                       "checkpoint again or re-save it") from None
         if "draft_mask" in state:
             state["draft_ids"] = state.pop("draft_mask").nonzero().flatten()

@@ -29,6 +29,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from spd_ds.cli import one_line
 from spd_ds.models.errors import ModelFileError, UnsupportedModelError
 from spd_ds.models.kv_cache import StageKVCache
 from spd_ds.models.linear_cache import HybridStageCache, LinearStateShape
@@ -350,8 +351,7 @@ def _load_config(model_dir: Path):
         if isinstance(mt, str) and mt and mt not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(f"model_type {mt!r} is not supported; spd-ds splits "
                                         f"{', '.join(SUPPORTED_MODEL_TYPES)}") from None
-        why = " ".join(str(e).split())[:300]
-        raise ModelFileError(f"{p} cannot be read as a transformers config ({why}); fix or re-download the "
+        raise ModelFileError(f"{p} cannot be read as a transformers config ({one_line(e, 300)}); fix or re-download the "
                              "model") from None
 
 

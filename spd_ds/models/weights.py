@@ -17,6 +17,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from spd_ds.cli import one_line
 from spd_ds.models.errors import ModelFileError
 
 
@@ -58,7 +59,7 @@ class SafetensorsIndex:
             try:
                 self._handles.append(safe_open(str(f), framework="pt"))
             except Exception as e:  # noqa: BLE001 - safetensors' own error type: a damaged or truncated file
-                raise ModelFileError(f"{f} is not a readable safetensors file ({' '.join(str(e).split())[:200]}); "
+                raise ModelFileError(f"{f} is not a readable safetensors file ({one_line(e, 200)}); "
                                      "re-save or re-download the model") from None
         self._where = {k: h for h in self._handles for k in h.keys()}
         self.model_dir = model_dir

@@ -185,11 +185,12 @@ def _files_of(src: Path) -> list[Path]:
         DataError: a directory with no data file and no shards, or a file of an unknown type.
     """
     if src.is_dir():
-        sd_dirs, empty = _selfdistill_dirs(src)
+        dirs, found = _tree(src)  # one walk for the folders and the files
+        sd_dirs, empty = _selfdistill_dirs(src, dirs)
         for d in empty:
             log.warning("%s: a self-distillation folder without shards yet; skipped", d)
         skip = sd_dirs + empty
-        files = sorted([*sd_dirs, *(p for p in _tree(src)[1] if p.name.endswith(_DATA_SUFFIXES)
+        files = sorted([*sd_dirs, *(p for p in found if p.name.endswith(_DATA_SUFFIXES)
                                     and not any(d in p.parents for d in skip))])
         if not files:
             raise DataError(f"{src} holds no {'/'.join(_DATA_SUFFIXES)} files and no self-distillation shards")
@@ -219,12 +220,12 @@ def _tree(src: Path) -> tuple[list[Path], list[Path]]:
     return dirs, files
 
 
-def _selfdistill_dirs(src: Path) -> tuple[list[Path], list[Path]]:
-    """The self-distillation directories under the directory ``src`` (itself included): those with shards, and
-    those with only a self-distillation manifest so far."""
+def _selfdistill_dirs(src: Path, dirs: list[Path] | None = None) -> tuple[list[Path], list[Path]]:
+    """The self-distillation directories under the directory ``src`` (itself included; ``dirs``: its folders from
+    :func:`_tree`, when already walked): those with shards, and those with only a self-distillation manifest so far."""
     from spd_ds.train import selfdistill
 
-    dirs = _tree(src)[0]
+    dirs = _tree(src)[0] if dirs is None else dirs
     with_shards = [d for d in dirs if selfdistill.shard_files(d)]
     return with_shards, [d for d in dirs if d not in with_shards and selfdistill.read_manifest(d) is not None]
 
