@@ -429,3 +429,48 @@ def test_regenerate_refuses_a_model_with_missing_weights(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ") and "model.layers.3.mlp.down_proj.weight" in err and "different models" in err
     assert not out.exists()
+
+
+_WORKER_SCRIPT = """
+import multiprocessing, sys, time
+sys.path.insert(0, {root!r})
+from tests.test_train_data import _tokenized
+from spd_ds.train.batching import BatchPlanner, batches_on_device
+batches = batches_on_device(BatchPlanner(_tokenized(), 128, 2), 0, 0, prefetch=2)
+next(batches)
+print(*[c.pid for c in multiprocessing.active_children()], flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_prefetch_worker_dies_with_its_training_process():
+    """A rank killed by the launcher takes its DataLoader worker with it at once (prctl PR_SET_PDEATHSIG), not after
+    PyTorch's 5-s watchdog."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER_SCRIPT.format(root=root)], stdout=subprocess.PIPE,
+                            text=True, cwd=root)
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 1 and _alive(workers[0])
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 1.5
+        while _alive(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(workers[0]), "the prefetch worker outlived its training process"
+    finally:
+        proc.kill()

@@ -8,7 +8,12 @@ run continues from a saved micro-batch index on the same plan.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
+import os
+import signal
+import sys
 from typing import Iterable, Sequence
 
 import torch
@@ -180,3 +185,51 @@ def iterate(planner: BatchPlanner, start_epoch: int = 0, start_index: int = 0) -
             yield epoch, idx, planner.collate(plan.micro_batches[idx])
             idx += 1
         epoch, idx = epoch + 1, 0
+
+
+def batches_on_device(planner: BatchPlanner, epoch: int, index: int, prefetch: int) -> Iterable[tuple[int, int, dict]]:
+    """``(epoch, index, batch)`` from :func:`iterate`, each batch with its ``loss_index``
+    (:func:`~spd_ds.train.teacher.with_loss_index`), collated ``prefetch`` micro-batches ahead in a DataLoader worker
+    process into pinned memory (``prefetch = 0``: in this process). The order is the plan's, so resume is exact.
+    The worker ends with the training process (:func:`die_with_parent`)."""
+    from spd_ds.train.teacher import with_loss_index
+
+    def gen():
+        for e, i, b in iterate(planner, epoch, index):
+            yield e, i, with_loss_index(b)
+
+    if prefetch <= 0:
+        return gen()
+
+    class _Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return gen()
+
+    loader = torch.utils.data.DataLoader(_Stream(), batch_size=None, num_workers=1, prefetch_factor=prefetch,
+                                         pin_memory=torch.cuda.is_available(), persistent_workers=False,
+                                         worker_init_fn=functools.partial(die_with_parent, os.getpid()))
+    return iter(loader)
+
+
+def die_with_parent(parent_pid: int, worker_id: int = 0) -> None:
+    """A DataLoader ``worker_init_fn``: on Linux the worker is killed (``SIGKILL``, ``prctl(PR_SET_PDEATHSIG)``) as
+    soon as the process that started it dies, e.g. a rank killed by the launcher; PyTorch's own watchdog notices a
+    dead parent only every 5 s, so a worker used to outlive its rank by seconds, holding its memory. Elsewhere, or
+    without libc's ``prctl``, nothing changes.
+
+    Args:
+        parent_pid: the training process's pid (a parent already gone before ``prctl`` ends the worker at once).
+        worker_id: the DataLoader's worker index (unused).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

@@ -34,7 +34,7 @@ import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig, read_json_object, to_yaml
 from spd_ds.train.chat import EmptyMaskError, set_chat_template
-from spd_ds.train.batching import BatchPlanner, iterate
+from spd_ds.train.batching import BatchPlanner, batches_on_device
 from spd_ds.train.data import check_selfdistill_target, load_records, tokenize_records
 from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.profiling import start_profiler, write_profile
@@ -149,28 +149,6 @@ class Meter:
         return Meter(loss=v[0], micro=int(h[0]), weight=v[1], positions=int(h[1]), tokens=int(h[2]),
                      agree=[int(round(x)) for x in v[3:3 + k]], count=[int(x) for x in h[4:4 + k]],
                      empty=int(h[3]), zero_weight=v[2])
-
-
-def batches_on_device(planner, epoch: int, index: int, prefetch: int):
-    """``(epoch, index, batch)`` from :func:`~spd_ds.train.batching.iterate`, each batch with its ``loss_index``
-    (:func:`~spd_ds.train.teacher.with_loss_index`), collated ``prefetch`` micro-batches ahead in a DataLoader worker
-    process into pinned memory (``prefetch = 0``: in this process). The order is the plan's, so resume is exact."""
-    from spd_ds.train.teacher import with_loss_index
-
-    def gen():
-        for e, i, b in iterate(planner, epoch, index):
-            yield e, i, with_loss_index(b)
-
-    if prefetch <= 0:
-        return gen()
-
-    class _Stream(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            return gen()
-
-    loader = torch.utils.data.DataLoader(_Stream(), batch_size=None, num_workers=1, prefetch_factor=prefetch,
-                                         pin_memory=torch.cuda.is_available(), persistent_workers=False)
-    return iter(loader)
 
 
 def _autocast_dtype(mode: str, device: torch.device) -> torch.dtype | None:
