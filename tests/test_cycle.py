@@ -126,6 +126,23 @@ def test_token_output_stop_conditions():
     assert not out.emit(5) and out.emit(2) and out.finish_reason == "eos" and out.tokens == [5, 2]
 
 
+def test_prompt_check_names_a_sliding_window_that_sets_the_context():
+    """A Mistral window shorter than max_position_embeddings caps the context: the message says it is the window (and
+    that full attention is exact only within it), not the model's maximum context; it never says to raise
+    decoding.max_length, which is already capped there."""
+    from spd_ds.decoding.cycle import PromptError, check_prompt
+
+    with pytest.raises(PromptError) as e:
+        check_prompt(list(range(10)), 6, 16, 2, model_max=16, model_max_source="sliding_window")
+    assert str(e.value) == ("prompt of 10 tokens + max_new_tokens=6 (+2 in flight) exceeds the model's sliding-window "
+                            "context of 16 positions (config.json sliding_window; full attention is exact only within "
+                            "it); shorten the prompt or lower decoding.max_new_tokens")
+    with pytest.raises(PromptError, match="exceeds the model's maximum context of 16 positions; shorten"):
+        check_prompt(list(range(10)), 6, 16, 2, model_max=16)
+    with pytest.raises(PromptError, match="raise decoding.max_length"):  # decoding.max_length sets it, not the window
+        check_prompt(list(range(10)), 6, 16, 2, model_max=4096, model_max_source="sliding_window")
+
+
 def test_anchors_rows_and_store():
     part = StagePartition.build(6, 3, anchors=[0, 3, 6])
     a = Anchors(part)

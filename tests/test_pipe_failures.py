@@ -95,9 +95,9 @@ def test_stalled_stage_ends_the_run_within_the_timeout(faults):
     assert stamp(out1, "SPD-ERROR") - fault < TIMEOUT_S + 5
 
 
-def test_a_rank_that_fails_while_building_names_the_cause_and_the_others_say_so(tmp_path, tiny_root):
-    """Stage 1's own layers lack a tensor: that rank fails with the one-line model error; the rank that was waiting for
-    it in DeepSpeed's set-up says another rank failed (not a bare gloo 'Connection closed by peer')."""
+def test_a_damaged_checkpoint_is_named_by_every_rank_before_the_process_group(tmp_path, tiny_root):
+    """Stage 1's own layers lack a tensor: every rank finds it from the safetensors headers before the process group
+    and prints the one-line model error (only stage 1's rank used to, after it; the others said another rank failed)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -112,8 +112,38 @@ def test_a_rank_that_fails_while_building_names_the_cause_and_the_others_say_so(
     save_file(tensors, str(bad / "model.safetensors"))
     job = {"name": "missing", "model": {"path": str(bad)}, "prompts": [[1, 2, 3]], "max_new_tokens": 4,
            "reference": False, "overrides": ["partition.num_stages=2", f"deepspeed.timeout_s={TIMEOUT_S}"]}
+    ranks = spawn_wait(spawn_start(2, {"tiny_root": str(tiny_root), "jobs": [job]}, tmp_path), tmp_path, timeout=240)
+    for rank, (rc, out) in enumerate(ranks):
+        assert rc not in (0, None), (rank, out[-3000:])
+        line = "ModelFileError: tensor 'model.layers.5.mlp.down_proj.weight' is not in the checkpoint of " + str(bad)
+        assert line in out, (rank, out[-3000:])
+        assert "another rank failed" not in out and "init_process_group" not in out, (rank, out[-3000:])
+
+
+def test_a_rank_that_fails_while_building_names_the_cause_and_the_others_say_so(tmp_path, tiny_root, monkeypatch):
+    """Stage 1's rank fails while it builds its stage (out of memory: nothing a check before the process group can
+    see); that rank names the cause, and the rank that was waiting for it in DeepSpeed's set-up says another rank
+    failed (not a bare gloo 'Connection closed by peer'). The fault is put in rank 1 by a sitecustomize module."""
+    import os
+
+    from tests.tiny_models import make_tiny_model
+
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import torch\n"
+        "    from spd_ds.models import adapter\n"
+        "    def _fail(self, *args, **kwargs):\n"
+        "        raise torch.OutOfMemoryError('simulated: out of memory while building the stage')\n"
+        "    adapter.TargetStage.__init__ = _fail\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(inject), os.environ.get("PYTHONPATH")) if p))
+    path = make_tiny_model(tiny_root, "qwen3", 6)
+    job = {"name": "oom", "model": {"path": str(path)}, "prompts": [[1, 2, 3]], "max_new_tokens": 4,
+           "reference": False, "overrides": ["partition.num_stages=2", f"deepspeed.timeout_s={TIMEOUT_S}"]}
     (rc0, out0), (rc1, out1) = spawn_wait(spawn_start(2, {"tiny_root": str(tiny_root), "jobs": [job]}, tmp_path),
                                           tmp_path, timeout=240)
-    assert rc1 not in (0, None) and "tensor 'model.layers.5.mlp.down_proj.weight' is not in the checkpoint" in out1
+    assert rc1 not in (0, None) and "simulated: out of memory while building the stage" in out1, out1[-3000:]
     assert rc0 not in (0, None), out0[-3000:]
     assert "another rank failed while the pipeline was being built" in out0, out0[-3000:]

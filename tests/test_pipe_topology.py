@@ -126,7 +126,8 @@ def test_head_rank_prompt_check_names_the_model_maximum():
     from spd_ds.pipe.head_rank import HeadDriver
 
     def load(max_len, model_max):
-        rank = SimpleNamespace(n=2, max_len=max_len, model_max=model_max, eos=frozenset({0}), stop=None)
+        rank = SimpleNamespace(n=2, max_len=max_len, model_max=model_max, model_max_source="max_position_embeddings",
+                               eos=frozenset({0}), stop=None)
         driver = HeadDriver(rank)
         driver.request(list(range(1, 61)), 10, None, driver.sampling)
         driver.load_prompt()

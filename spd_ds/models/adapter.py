@@ -46,6 +46,7 @@ COMPOSITE_MODEL_TYPES = {"qwen3_5": "model.language_model.", "qwen3_5_moe": "mod
 DENSE_SIBLING = {"qwen3_5_moe_text": "qwen3_5_text"}
 _MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
              "output_router_logits", "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
+_FUSED_EXPERTS = ("gate_up_proj", "down_proj")  # fused MoE expert parameters [E, ..] (per-expert in HF checkpoints)
 DEFAULT_MAX_ROLLBACK = 7  # linear-attention rewind when the pipeline depth is not given (n <= 8)
 
 _DTYPES = {
@@ -166,6 +167,13 @@ class TargetArch:
         return min(positions, self.sliding_window) if self.sliding_window else positions
 
     @property
+    def max_positions_source(self) -> str:
+        """The config.json key that sets :attr:`max_positions`: ``"sliding_window"`` (shorter than the model's
+        ``max_position_embeddings``) or ``"max_position_embeddings"``."""
+        window, positions = self.sliding_window or 0, int(getattr(self.config, "max_position_embeddings", 1 << 20))
+        return "sliding_window" if 0 < window < positions else "max_position_embeddings"
+
+    @property
     def random_weights(self) -> bool:
         """Whether the weights are generated (:class:`RandomWeights`) rather than read from a checkpoint."""
         return isinstance(self._weights, RandomWeights)
@@ -226,25 +234,64 @@ class TargetArch:
         return self._weights.get(name)
 
     def load_into(self, module: nn.Module, prefix: str) -> None:
-        """Fill ``module``'s parameters from checkpoint tensors named ``prefix + <param name>``.
+        """Fill ``module``'s parameters from checkpoint tensors named ``prefix + <param name>`` (a fused MoE expert
+        parameter the checkpoint lacks: from its per-expert tensors), each checked against its header first.
 
         Raises:
             ModelFileError: a parameter has no tensor in the checkpoint, or one of another shape.
         """
         with torch.no_grad():
             for name, p in module.named_parameters():
-                t = self._get_param(prefix + name, p.shape[0] if p.dim() == 3 else 0)
-                if t.shape != p.shape:
-                    raise ModelFileError(f"{self.model_dir}: tensor {prefix + name} has shape {tuple(t.shape)} in the "
-                                         f"checkpoint but {tuple(p.shape)} by config.json; the weights and the config "
-                                         "are of different models")
-                p.copy_(t.to(p.dtype))
+                self._check_shapes(self._stored_shapes(prefix + name, tuple(p.shape)))
+                p.copy_(self._get_param(prefix + name, p.shape[0] if p.dim() == 3 else 0).to(p.dtype))
+
+    def check_weights(self) -> None:
+        """Check from the safetensors headers alone (no tensor data read) that the checkpoint holds every tensor the
+        stages and ends load, of config.json's shape: each decoder layer's parameters as :meth:`make_layer` builds them
+        (meta device; a fused MoE expert parameter the checkpoint lacks as its per-expert tensors), the final norm, the
+        embedding and the LM head. Cheap, so every rank runs it before any collective and a damaged checkpoint fails
+        everywhere with the line of the rank that loads the tensor. Random weights: nothing to check.
+
+        Raises:
+            ModelFileError: a tensor is missing or of another shape (the messages of :meth:`load_into`).
+        """
+        if self.random_weights:
+            return
+        want = {name: (self.vocab_size, self.hidden_size) for name in
+                ["model.embed_tokens.weight"] + ([] if self.tied_embeddings else ["lm_head.weight"])}
+        with torch.device("meta"):
+            modules = [(f"model.layers.{i}.", self.make_layer(i)) for i in range(self.num_layers)]
+            modules.append(("model.norm.", self.make_norm()))
+        for prefix, module in modules:
+            for name, p in module.named_parameters():
+                want.update(self._stored_shapes(prefix + name, tuple(p.shape)))
+        self._check_shapes(want)
+
+    def _check_shapes(self, want: dict[str, tuple[int, ...]]) -> None:
+        """ModelFileError for the first tensor of ``want`` (name -> shape by config.json) that the checkpoint lacks or
+        holds in another shape (read from the file headers)."""
+        for name, shape in want.items():
+            if tuple(self._weights.shape(name)) != shape:
+                raise ModelFileError(f"{self.model_dir}: tensor {name} has shape {tuple(self._weights.shape(name))} in "
+                                     f"the checkpoint but {shape} by config.json; the weights and the config are of "
+                                     "different models")
+
+    def _stored_shapes(self, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """The checkpoint tensors that parameter ``name`` of ``shape`` is read from, with their shapes: itself, or for
+        a fused MoE expert parameter the checkpoint lacks, the per-expert tensors :meth:`_get_param` assembles."""
+        base, _, kind = name.rpartition(".")
+        if self._weights.has(name) or len(shape) != 3 or kind not in _FUSED_EXPERTS:
+            return {name: shape}
+        if kind == "gate_up_proj":  # [E, 2I, H] = per expert cat(gate_proj [I, H], up_proj [I, H])
+            half = (shape[1] // 2, *shape[2:])
+            return {f"{base}.{e}.{proj}.weight": half for e in range(shape[0]) for proj in ("gate_proj", "up_proj")}
+        return {f"{base}.{e}.{kind}.weight": shape[1:] for e in range(shape[0])}
 
     def _get_param(self, name: str, num_experts: int) -> torch.Tensor:
         """A tensor by name; fused MoE expert tensors are assembled from per-expert HF checkpoint tensors."""
-        if self._weights.has(name) or not num_experts:
+        base, _, kind = name.rpartition(".")  # ``...mlp.experts`` + ``gate_up_proj`` | ``down_proj``
+        if self._weights.has(name) or not num_experts or kind not in _FUSED_EXPERTS:
             return self._weights.get(name)
-        base, kind = name.rsplit(".", 1)  # ``...mlp.experts`` + ``gate_up_proj`` | ``down_proj``
         if kind == "gate_up_proj":
             parts = [torch.cat([self._weights.get(f"{base}.{e}.gate_proj.weight"),
                                 self._weights.get(f"{base}.{e}.up_proj.weight")], 0) for e in range(num_experts)]
@@ -479,11 +526,10 @@ class TargetEnds(nn.Module):
         self.lm_head = nn.Linear(H, V, bias=False) if with_lm_head else None
         with torch.no_grad():
             if self.embedding is not None:
-                self.embedding.weight.copy_(arch.load_tensor("model.embed_tokens.weight"))
+                arch.load_into(self.embedding, "model.embed_tokens.")  # shapes checked: a one-line ModelFileError
             if self.lm_head is not None:
                 arch.load_into(self.norm, "model.norm.")
-                name = "model.embed_tokens.weight" if arch.tied_embeddings else "lm_head.weight"
-                self.lm_head.weight.copy_(arch.load_tensor(name))
+                arch.load_into(self.lm_head, "model.embed_tokens." if arch.tied_embeddings else "lm_head.")
         self.to(device=device, dtype=dtype)
         self.eval().requires_grad_(False)
 

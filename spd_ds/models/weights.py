@@ -2,8 +2,8 @@
 composite checkpoint's language model under the text model's names (:class:`PrefixedWeights`), or seeded random
 weights of a real architecture (:class:`RandomWeights`, for systems benchmarks; shapes in ``spd_ds/models/shapes/``).
 
-Each source answers ``has(name)``, ``get(name)`` and ``rows(name, idx)``; :class:`spd_ds.models.adapter.TargetArch`
-picks one.
+Each source answers ``has(name)``, ``get(name)``, ``rows(name, idx)`` and ``shape(name)``;
+:class:`spd_ds.models.adapter.TargetArch` picks one.
 """
 
 from __future__ import annotations
@@ -81,6 +81,17 @@ class SafetensorsIndex:
             raise self._missing(name) from None
         return torch.cat([sl[i:i + 1] for i in idx])
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name`` from its file's header (no tensor data is read).
+
+        Raises:
+            ModelFileError: no tensor of that name in the checkpoint.
+        """
+        try:
+            return tuple(self._where[name].get_slice(name).get_shape())
+        except KeyError:
+            raise self._missing(name) from None
+
     def _missing(self, name: str) -> ModelFileError:
         return ModelFileError(f"tensor {name!r} is not in the checkpoint of {self.model_dir}; the weights and "
                               "config.json are of different models, or a file is missing")
@@ -106,6 +117,9 @@ class PrefixedWeights:
 
     def rows(self, name: str, idx: Sequence[int]) -> torch.Tensor:
         return self._inner.rows(self._name(name), idx)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._inner.shape(self._name(name))
 
 
 # ---- random weights of real shapes (systems benchmarks; no checkpoint, no tokenizer) ----------------------------
@@ -199,6 +213,12 @@ class RandomWeights:
     def rows(self, name: str, idx: Sequence[int]) -> torch.Tensor:
         """Rows ``idx`` of tensor ``name`` (the whole tensor is generated)."""
         return self.get(name)[list(idx)]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name`` (nothing is generated). Raises KeyError as :meth:`get` does."""
+        if name not in self.shapes:
+            raise KeyError(f"tensor {name!r} is not a parameter of this random-weight model")
+        return self.shapes[name]
 
     def identity(self) -> bytes:
         """What the weights are a function of (for :meth:`TargetArch.fingerprint`)."""

@@ -67,7 +67,8 @@ class SPDPipelineEngine(PipelineEngine):
     # ------------------------------------------------------------------ setup
     def setup_spd(self, plan: PipePlan, sampling: SamplingParams, eos_token_ids: Sequence[int], max_len: int, *,
                   timeout_s: float, static_cache: bool, cuda_graphs: bool, head_overlap: bool = True,
-                  stop_strings: StopStrings | None = None, model_max: int | None = None) -> None:
+                  stop_strings: StopStrings | None = None, model_max: int | None = None,
+                  model_max_source: str = "max_position_embeddings") -> None:
         """Create links, buffers, stage runners and this rank's role; every rank calls it (it creates process groups).
 
         Args:
@@ -82,7 +83,8 @@ class SPDPipelineEngine(PipelineEngine):
             stop_strings: the head rank's stop strings (:class:`~spd_ds.decoding.stopping.StopStrings`); the head
                 rank alone decides where a generation ends, the other ranks follow its messages.
             model_max: the target's own maximum context in positions (``None``: unknown); a prompt that needs more is
-                told so, not told to raise ``decoding.max_length``.
+                told so, not told to raise ``decoding.max_length``. model_max_source: the config.json key that sets it
+                (``TargetArch.max_positions_source``: a sliding window is named as such).
         Raises:
             RuntimeError: the plan's world size is not the engine's pipe degree.
         """
@@ -111,7 +113,8 @@ class SPDPipelineEngine(PipelineEngine):
         self.pipe_ar: PipeAR | None = None
         if self.is_head:
             self.head_rank = HeadRank(links, runners, mod.head_ends.ends, eos_set(list(eos_token_ids)), max_len, H,
-                                      dtype, device, stop=stop_strings, model_max=model_max)
+                                      dtype, device, stop=stop_strings, model_max=model_max,
+                                      model_max_source=model_max_source)
             self.spd_head, self.pipe_ar = SPDHead(self.head_rank, head_overlap), PipeAR(self.head_rank)
             self.role = self.head_rank
             warmup = [sch.Warmup()]  # send, and collect every stage's answer

@@ -39,16 +39,19 @@ class HeadRank:
         hidden_size, dtype, device: of the hidden states on this rank.
         stop: stop strings (:class:`~spd_ds.decoding.stopping.StopStrings`) or ``None``; with ``eos`` and the limit,
             where every generation on this engine ends.
-        model_max: the target's maximum context in positions (``None``: unknown), for the prompt check's message.
+        model_max: the target's maximum context in positions (``None``: unknown), and model_max_source the
+            config.json key that sets it (``"sliding_window"`` or ``"max_position_embeddings"``), for the prompt
+            check's message.
     """
 
     def __init__(self, links: PipeLinks, runners: dict[int, StageRunner], ends, eos: frozenset[int], max_len: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, *, stop: StopStrings | None = None,
-                 model_max: int | None = None) -> None:
+                 model_max: int | None = None, model_max_source: str = "max_position_embeddings") -> None:
         self.links, self.plan = links, links.plan
         self.n, self.L = links.n, links.L
         self.runners, self.ends = runners, ends
         self.eos, self.max_len, self.stop, self.model_max = eos, int(max_len), stop, model_max
+        self.model_max_source = model_max_source
         self.H, self.dtype, self.device = hidden_size, dtype, device
         self.cuda = device.type == "cuda"
         self.next_seq = itertools.count(1).__next__  # numbers every message the head sends
@@ -232,7 +235,8 @@ class HeadDriver:
     def load_prompt(self) -> None:
         """Instruction LoadPrompt: check the prompt (:class:`~spd_ds.decoding.cycle.PromptError` before any message)
         and start the generation's state."""
-        check_prompt(self.prompt, self.max_new, self.rank.max_len, self.rank.n, self.rank.model_max)
+        check_prompt(self.prompt, self.max_new, self.rank.max_len, self.rank.n, self.rank.model_max,
+                     self.rank.model_max_source)
         self.metrics = SPDMetrics(num_stages=self.rank.n)
         self.out = TokenOutput(self.rank.eos, self.max_new, self.rank.stop, self.on_token)
         self.result, self._t_decode = None, None

@@ -6,7 +6,8 @@ Launch (every rank runs the same program)::
     deepspeed --hostfile hosts --launcher openmpi ... launch/infer.py   # several nodes (docs/distributed.md)
 
 Order of work on every rank, chosen so that a bad configuration fails *before* any collective can hang:
-architecture and partition (local files only) -> world size against the plan -> prompts against the context ->
+architecture and partition (local files only) -> every stage's tensors against the config (safetensors headers, so
+every rank prints a damaged checkpoint's own line) -> world size against the plan -> prompts against the context ->
 DeepSpeed config -> ``deepspeed.init_distributed`` -> :class:`~spd_ds.pipe.module.SPDPipelineModule` (each rank
 builds its own stages) -> ``deepspeed.initialize`` with :class:`~spd_ds.pipe.engine.SPDPipelineEngine` -> links
 and a warm-up message through every link -> generations (head) / serving (stages) -> SHUTDOWN -> process groups
@@ -158,7 +159,8 @@ class SPDSession:
         max_new_tokens: generation limit used for that validation.
 
     Raises:
-        ConfigError / WorldSizeError / PromptError: before ``torch.distributed`` is touched.
+        ConfigError / WorldSizeError / PromptError / ModelError: before ``torch.distributed`` is touched (a tensor of
+            any stage missing from the checkpoint or of another shape: :meth:`TargetArch.check_weights`).
     """
 
     def __init__(self, cfg: ExperimentConfig, drafter_factory: DrafterFactory | None = None,
@@ -173,11 +175,13 @@ class SPDSession:
             raise ConfigError(f"deepspeed.timeout_s must be > 0, got {cfg.deepspeed.timeout_s}")
         self.arch = build_arch(cfg)
         self.partition = build_partition(cfg, self.arch)
+        self.arch.check_weights()  # every stage's tensors, on every rank: the loading rank's error line everywhere
         self.plan = PipePlan.build(self.partition, cfg.head.placement, detect_world_size())
         self.max_len = min(cfg.decoding.max_length, self.arch.max_positions)
         self.max_new_tokens = max_new_tokens or cfg.decoding.max_new_tokens
         for p in prompts or ():
-            check_prompt(p, self.max_new_tokens, self.max_len, self.partition.num_stages, self.arch.max_positions)
+            check_prompt(p, self.max_new_tokens, self.max_len, self.partition.num_stages, self.arch.max_positions,
+                         self.arch.max_positions_source)
         self.stop = _stop_strings(cfg, self.arch)  # every rank, before any collective: a bad list fails everywhere
         if cfg.decoding.drafter == "head" or drafter_factory is not None:
             _precheck_head(cfg, self.arch)
@@ -230,7 +234,7 @@ class SPDSession:
                               timeout_s=cfg.deepspeed.timeout_s, static_cache=bool(static),
                               cuda_graphs=bool(cfg.deepspeed.cuda_graphs and cuda and static),
                               head_overlap=bool(cfg.head.overlap), stop_strings=stop,
-                              model_max=self.arch.max_positions)
+                              model_max=self.arch.max_positions, model_max_source=self.arch.max_positions_source)
         self.device = device
 
     # ------------------------------------------------------------------ roles

@@ -235,7 +235,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     arch = build_arch(cfg, decoding=False)  # training keeps torch's own attention kernels (model.sdpa_backends)
     part = build_partition(cfg, arch)
     if dc.max_seq_length > arch.max_positions:  # a document may fill a row; the teacher's features end at its context
-        why = " (its sliding window)" if arch.sliding_window == arch.max_positions else ""
+        why = " (its sliding window)" if arch.max_positions_source == "sliding_window" else ""
         raise ConfigError(f"data.max_seq_length={dc.max_seq_length} exceeds the target's context of "
                           f"{arch.max_positions} positions{why}; set data.max_seq_length <= {arch.max_positions}")
     tokenizer = load_tokenizer(arch)

@@ -86,13 +86,12 @@ class TeacherStage(nn.Module):
         self.lm_head = nn.Linear(H, V, bias=False) if self.last else None
         with torch.no_grad():
             if self.first:
-                self.embedding.weight.copy_(arch.load_tensor("model.embed_tokens.weight"))
+                arch.load_into(self.embedding, "model.embed_tokens.")
             for i, layer in zip(self.layer_ids, self.layers):
                 arch.load_into(layer, f"model.layers.{i}.")
             if self.last:
                 arch.load_into(self.norm, "model.norm.")
-                name = "model.embed_tokens.weight" if arch.tied_embeddings else "lm_head.weight"
-                self.lm_head.weight.copy_(arch.load_tensor(name))
+                arch.load_into(self.lm_head, "model.embed_tokens." if arch.tied_embeddings else "lm_head.")
         self.register_buffer("draft_ids", torch.as_tensor(list(draft_ids), dtype=torch.long), persistent=False)
         self._reduce = target_reductions
         self.to(dtype=dtype)
@@ -277,12 +276,16 @@ def build_teacher_module(arch: TargetArch, partition: StagePartition, dtype: tor
 
     Raises:
         ValueError: ``pipe_degree`` is neither 1 nor ``n``.
+        ModelFileError: a tensor of any stage missing from the checkpoint or of another shape, on every rank before
+            the module's collectives (:meth:`TargetArch.check_weights`; with ``pipe_degree = n`` only the stage's own
+            rank would load it).
     """
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     n = partition.num_stages
     if pipe_degree not in (1, n):
         raise ValueError(f"train.teacher_pipe_degree must be 1 or partition.num_stages={n}, got {pipe_degree}")
+    arch.check_weights()
     specs = [LayerSpec(TeacherStage, arch, partition, s, dtype, list(draft_ids), temperature, attention=attention)
              for s in range(n)]
     module = PipelineModule(layers=specs, num_stages=pipe_degree, partition_method="uniform",
