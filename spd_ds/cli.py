@@ -41,11 +41,49 @@ class ExperimentParser(argparse.ArgumentParser):
         return self.parse_intermixed_args(args, namespace)
 
 
+def version_text() -> str:
+    """``spd-ds <version> (torch <v>, deepspeed <v>, transformers <v>)``: the installed distributions' versions, read
+    from their metadata (nothing is imported: torch's import alone takes seconds); ``not installed`` for one that is
+    missing."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import spd_ds
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"spd-ds {spd_ds.__version__} ({', '.join(f'{d} {installed(d)}' for d in VERSION_OF)})"
+
+
+VERSION_OF = ("torch", "deepspeed", "transformers")  # the distributions --version names beside spd-ds
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print :func:`version_text` to stdout and exit 0 (argparse's own ``version`` action takes the
+    text when the parser is built, which would read the metadata on every run)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text(), flush=True)
+        parser.exit()
+
+
+def add_version_argument(ap: argparse.ArgumentParser) -> None:
+    """Give ``ap`` a ``--version`` option (:func:`version_text`; imports no torch)."""
+    ap.add_argument("--version", action=_VersionAction,
+                    help="print the versions of spd-ds, torch, deepspeed and transformers and exit")
+
+
 def experiment_parser(description: str | None, *, overrides_help: str, config_help: str | None = None,
                       engine_help: str | None = None) -> ExperimentParser:
     """An :class:`ExperimentParser` with ``--config``, positional ``section.key=value`` overrides (anywhere on the
-    command line), ``--engine`` (when ``engine_help`` is given) and the DeepSpeed launcher's ``--local_rank``
-    (hidden).
+    command line), ``--engine`` (when ``engine_help`` is given), ``--version`` (:func:`add_version_argument`) and
+    the DeepSpeed launcher's ``--local_rank`` (hidden).
 
     Args:
         description: the program's docstring (shown raw by ``--help``).
@@ -56,6 +94,7 @@ def experiment_parser(description: str | None, *, overrides_help: str, config_he
     ap.add_argument("overrides", nargs="*", help=overrides_help + " (before or after the options)")
     if engine_help is not None:
         ap.add_argument("--engine", choices=ENGINES, default="auto", help=engine_help)
+    add_version_argument(ap)
     ap.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     return ap
 
@@ -173,21 +212,62 @@ def ensure_output_dir(path: str | os.PathLike, what: str) -> str:
     return str(path)
 
 
+_FIFO_WRITERS: dict[str, int] = {}  # FIFO path -> the write end check_output_file holds open until the process ends
+
+
+def _hold_fifo(path: str, what: str) -> None:
+    """Open FIFO ``path``'s write end without blocking and keep it open until the process ends
+    (:func:`check_output_file`).
+
+    Without a reader a plain open for writing blocks until one comes (forever, after the whole run); non-blocking,
+    it fails with ENXIO instead. The write end stays open so that the reader does not see end-of-file between this
+    check and the run's own write (``cat fifo`` would end at once); it closes when the process ends.
+
+    Raises:
+        ConfigError: no reader (ENXIO), or the FIFO cannot be opened for writing.
+    """
+    import errno
+
+    from spd_ds.config import ConfigError
+
+    if path in _FIFO_WRITERS:
+        return
+    try:
+        _FIFO_WRITERS[path] = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise ConfigError(f"{what} {path} is a FIFO with no reader; start the reader first (or write to a "
+                              "regular file)") from None
+        raise ConfigError(f"{what} {path} is a FIFO that cannot be opened for writing ({e.strerror or e}); give "
+                          "another path") from None
+
+
 def check_output_file(path: str, what: str) -> None:
     """Check an output *file* path now, so that a bad one fails in one line before any work rather than after it:
-    an existing file must be writable (``/dev/stdout`` is fine), a new one's folder is created
-    (:func:`ensure_output_dir`); a folder at ``path`` itself is refused.
+    an existing file must be writable (``/dev/stdout`` is fine, a pipe or a terminal included), a new one's folder
+    is created (:func:`ensure_output_dir`); a folder at ``path`` itself is refused. A FIFO (named pipe; also
+    ``/dev/stdout`` when stdout is a pipe) must have a reader already: its write end is opened now and held open
+    until the process ends (:func:`_hold_fifo`).
 
     Args:
         path: the file; what: how the user named it (``--output``, ``--out``), for the message.
     Raises:
-        ConfigError: ``path`` is a folder or a file that cannot be written, or its folder cannot be created or
-            written.
+        ConfigError: ``path`` is a folder or a file that cannot be written, a FIFO with no reader, or its folder
+            cannot be created or written.
     """
+    import stat
+
     from spd_ds.config import ConfigError
 
     if path == "-":
         raise ConfigError(f"{what} - is not supported; give a file path (/dev/stdout writes to the terminal)")
+    try:  # through every link, /proc/self/fd/N's too: a pipe's has no path that realpath could give
+        is_fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        is_fifo = False
+    if is_fifo:
+        _hold_fifo(path, what)
+        return
     path = os.path.realpath(path) if os.path.islink(path) else path  # a link's target, even a dangling one's
     if os.path.isdir(path):
         raise ConfigError(f"{what} {path} is a folder; give a file path inside it")
@@ -358,9 +438,10 @@ def error_prefix(prefix: str = "error", environ=None) -> str:
     return f"{prefix} (rank {rank} of {world})" if world > 1 else prefix
 
 
-def one_line(e: BaseException, limit: int = 600) -> str:
-    """``e``'s message on one line (whitespace collapsed, at most ``limit`` characters)."""
-    text = " ".join(str(e).split()) or type(e).__name__
+def one_line(e: object, limit: int = 600) -> str:
+    """``e``'s text (an exception's message, or any object's ``str``) on one line: whitespace collapsed, at most
+    ``limit`` characters; an exception without a message gives its class name."""
+    text = " ".join(str(e).split()) or (type(e).__name__ if isinstance(e, BaseException) else "")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -11,7 +11,8 @@ over the draft vocabulary ``D`` (rows initialised from the target's LM head).
 
 Checkpoint: a directory with ``head.safetensors`` and ``head_config.json`` (format version, partition,
 dimensions, draft vocabulary size, base-model fingerprint and its version). Heads saved before fingerprint version 2
-(:meth:`~spd_ds.models.adapter.TargetArch.legacy_fingerprint`) still load, with a warning to re-save them.
+(:meth:`~spd_ds.models.adapter.TargetArch.legacy_fingerprint`) still load, with a warning to re-save them. The files
+are checked before any weight loads by :mod:`spd_ds.head_files` (its names are importable from here too).
 """
 
 from __future__ import annotations
@@ -25,85 +26,17 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from spd_ds import head_files
 from spd_ds.cli import one_line
 from spd_ds.config import ConfigError
+from spd_ds.head_files import (HEAD_CONFIG, HEAD_FORMAT_VERSION, HEAD_WEIGHTS, RETRAIN_HINT, HeadCheckpointError,
+                               HeadMismatchError, draft_id_tensor)
 from spd_ds.models.adapter import FINGERPRINT_VERSION, TargetArch, causal_mask, head_layer_config
 from spd_ds.models.kv_cache import StageKVCache
-from spd_ds.partition import PartitionError, StagePartition
-
-HEAD_FORMAT_VERSION = 1
-HEAD_WEIGHTS = "head.safetensors"
-HEAD_CONFIG = "head_config.json"
+from spd_ds.partition import StagePartition
 
 log = logging.getLogger(__name__)
 _warned_legacy: set[str] = set()  # checkpoints already warned about (once per process)
-
-
-class HeadMismatchError(ValueError):
-    """A head checkpoint that does not belong to this base model / partition."""
-
-
-class HeadCheckpointError(HeadMismatchError):
-    """A head checkpoint whose files cannot be read (a truncated or corrupted ``head.safetensors``, a bad JSON)."""
-
-
-def _draft_id_tensor(draft_token_ids: Sequence[int] | None, vocab_size: int) -> torch.Tensor:
-    """``[V_d]`` int64 draft ids (``None`` = ``arange(vocab_size)``).
-
-    Raises:
-        ValueError: ids not sorted, not unique or outside ``[0, vocab_size)``.
-    """
-    if draft_token_ids is None:
-        return torch.arange(vocab_size)
-    ids = torch.as_tensor(list(draft_token_ids), dtype=torch.long)
-    if ids.numel() == 0 or (ids[1:] <= ids[:-1]).any() or ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"draft vocabulary must be sorted, unique ids in [0, {vocab_size}); "
-                         "check the draft-vocab file")
-    return ids
-
-
-_RETRAIN = "was it written by launch/train.py? retrain or restore it"
-
-
-def _pos_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-_INT, _STR = ("an integer >= 1", _pos_int), ("a string", lambda v: isinstance(v, str))
-_INTS = ("a list of integers >= 0", lambda v: isinstance(v, list) and all(
-    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
-# head_config.json keys: (what is expected, its test), required ones first
-_CONFIG_REQUIRED = {"partition": ("an object with num_layers, stage_layers and anchors", lambda v: isinstance(v, dict)),
-                    "partition.num_layers": _INT, "partition.stage_layers": _INTS, "partition.anchors": _INTS,
-                    "num_layers": _INT, "hidden_size": _INT, "vocab_size": _INT, "draft_vocab_size": _INT,
-                    "base_model_fingerprint": _STR}
-_CONFIG_OPTIONAL = {"intermediate_size": ("an integer >= 1 or null", lambda v: v is None or _pos_int(v)),
-                    "lm_head_from_target": ("true or false", lambda v: isinstance(v, bool)),
-                    "base_model_type": _STR, "fingerprint_version": _INT}
-
-
-def _check_config_fields(p: Path, meta: dict) -> None:
-    """Raise :class:`HeadCheckpointError` naming ``p`` and the first key of ``meta`` (``head_config.json``) that is
-    missing (a required one) or of the wrong type, and what it should be."""
-    for key, (want, ok) in {**_CONFIG_REQUIRED, **_CONFIG_OPTIONAL}.items():
-        parent, _, leaf = key.rpartition(".")
-        d = meta[parent] if parent else meta
-        if leaf not in d and key in _CONFIG_REQUIRED:
-            raise HeadCheckpointError(f"{p} has no {key!r} ({want}); {_RETRAIN}")
-        if leaf in d and not ok(d[leaf]):
-            got = json.dumps(d[leaf])
-            raise HeadCheckpointError(f"{p}: {key!r} is {got if len(got) <= 40 else got[:37] + '...'}, expected "
-                                      f"{want}; {_RETRAIN}")
-
-
-def _head_dir_hint(d: Path) -> str:
-    """For a folder without ``head_config.json``: the heads of the training run it belongs to, if any."""
-    for base in [d] + [d.parent] * (d.name == "checkpoints") + [d.parent.parent] * (d.parent.name == "checkpoints"):
-        found = [str(base / s) for s in ("best_head", "head") if (base / s / HEAD_CONFIG).is_file()]
-        if found:
-            what = "" if base == d else f"{d} is a training checkpoint, not a head; "
-            return f"{what}did you mean {' or '.join(found)}?"
-    return f"{d} holds no head"
 
 
 def _file_mode() -> int:
@@ -153,7 +86,7 @@ class SpeculationHead(nn.Module):
         self.arch, self.partition = arch, partition
         self.num_layers = int(num_layers)
         self.intermediate_size = intermediate_size
-        ids = _draft_id_tensor(draft_token_ids, V)
+        ids = draft_id_tensor(draft_token_ids, V)
         self.register_buffer("draft_ids", ids, persistent=True)
         self.aggr = nn.ModuleList(nn.Linear((k + 1) * H, H, bias=False) for k in range(partition.num_types))
         for lin in self.aggr:
@@ -201,7 +134,7 @@ class SpeculationHead(nn.Module):
             raise ValueError("only a head with lm_head_from_target=true can change its draft vocabulary: this head's "
                              "LM head was trained for its own vocabulary; "
                              "train a head with head.lm_head_from_target=true")
-        ids = _draft_id_tensor(draft_token_ids, self.arch.vocab_size)
+        ids = draft_id_tensor(draft_token_ids, self.arch.vocab_size)
         w = self.lm_head.weight
         lm_head = nn.Linear(w.shape[1], ids.numel(), bias=False, device=w.device, dtype=w.dtype)
         lm_head.weight.copy_(self._target_lm_rows(ids))
@@ -366,140 +299,21 @@ class SpeculationHead(nn.Module):
 
     @classmethod
     def read_config(cls, path: str | os.PathLike) -> dict:
-        """The JSON half of a checkpoint, checked: every key :meth:`save` writes that loading needs is there with
-        its type (integers >= 1 for the sizes, a string fingerprint, a valid partition), so the rest of the code can
-        index it. Cheap: every rank runs it before any collective.
-
-        Args:
-            path: the head folder (holding ``head_config.json`` and ``head.safetensors``).
-        Returns:
-            The parsed ``head_config.json`` (a dict).
-        Raises:
-            FileNotFoundError: ``path`` is a file, does not exist or holds no ``head_config.json`` (the message names
-                the run's ``best_head`` / ``head`` folders when ``path`` is a training output_dir or checkpoint).
-            HeadCheckpointError: not a JSON object, a key missing or of the wrong type, a bad partition.
-            HeadMismatchError: another head format version (a newer one: upgrade spd-ds).
-        """
-        d = Path(path)
-        p = d / HEAD_CONFIG
-        if d.is_file():
-            raise FileNotFoundError(f"head.checkpoint {d} is a file; give the folder that holds it ({d.parent})")
-        if not d.exists():
-            raise FileNotFoundError(f"head.checkpoint {d} does not exist; give a head folder (head_config.json + "
-                                    "head.safetensors) written by launch/train.py")
-        if not p.is_file():
-            raise FileNotFoundError(f"{p} not found: {_head_dir_hint(d)} (head.checkpoint is a head folder, with "
-                                    "head_config.json and head.safetensors, written by launch/train.py)")
-        try:
-            meta = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
-            raise HeadCheckpointError(f"head {path}: {HEAD_CONFIG} is damaged ({e}); copy the checkpoint again or "
-                                      "re-save it") from None
-        if not isinstance(meta, dict):
-            raise HeadCheckpointError(f"head {path}: {HEAD_CONFIG} is not a JSON object; copy the checkpoint again")
-        v = meta.get("format_version")
-        if not isinstance(v, int) or isinstance(v, bool):
-            got = "no 'format_version'" if v is None else f"'format_version' {json.dumps(v)[:40]}, not an integer"
-            raise HeadCheckpointError(f"{p} has {got}; {_RETRAIN}")
-        if v > HEAD_FORMAT_VERSION:
-            raise HeadMismatchError(f"{path}: head format version {v} was written by a newer spd-ds (this one reads "
-                                    f"version {HEAD_FORMAT_VERSION}); upgrade spd-ds to load it")
-        if v != HEAD_FORMAT_VERSION:
-            raise HeadMismatchError(f"{path}: head format version {v} is older than {HEAD_FORMAT_VERSION}; retrain or "
-                                    "convert it")
-        _check_config_fields(p, meta)
-        try:
-            StagePartition.from_dict(meta["partition"])
-        except PartitionError as e:
-            raise HeadCheckpointError(f"{p}: bad 'partition' ({e}); {_RETRAIN}") from None
-        if meta["draft_vocab_size"] > meta["vocab_size"]:
-            raise HeadCheckpointError(f"{p}: 'draft_vocab_size' {meta['draft_vocab_size']} exceeds 'vocab_size' "
-                                      f"{meta['vocab_size']}; {_RETRAIN}")
-        return meta
+        """The checked ``head_config.json`` of the head folder ``path``
+        (:func:`spd_ds.head_files.read_config`: its errors, one line each)."""
+        return head_files.read_config(path)
 
     @classmethod
     def expected_tensors(cls, meta: dict, arch: TargetArch | None = None) -> dict[str, tuple[int, ...]]:
-        """Tensor names and shapes :meth:`save` writes for a head described by ``meta`` (checked by
-        :meth:`read_config`): with ``arch``, every tensor (the head is built on the meta device: no memory, no
-        weights read); without it, only those ``meta`` alone fixes (aggregation, LM head, draft mask). An LM head
-        taken from the target (``lm_head_from_target``) is not stored; the draft vocabulary is a ``[vocab_size]``
-        bool ``draft_mask``.
-
-        Returns:
-            ``{name: shape}``, e.g. ``aggr.k.weight: (H, (k + 1) H)``, ``lm_head.weight: (V_d, H)``.
-        """
-        H, Vd = meta["hidden_size"], meta["draft_vocab_size"]
-        if arch is None:
-            want = {f"aggr.{k}.weight": (H, (k + 1) * H) for k in range(len(meta["partition"]["anchors"]))}
-        else:
-            with torch.device("meta"):
-                head = cls(arch, StagePartition.from_dict(meta["partition"]), meta["num_layers"], None,
-                           meta.get("intermediate_size"), init_from_target=False)
-            want = {k: tuple(t.shape) for k, t in head.state_dict().items() if k != "draft_ids"}
-            H = arch.hidden_size
-        want["lm_head.weight"] = (Vd, H)
-        if meta.get("lm_head_from_target"):
-            del want["lm_head.weight"]
-        want["draft_mask"] = (meta["vocab_size"],)
-        return want
+        """``{name: shape}`` that :meth:`save` writes for a head of config ``meta``
+        (:func:`spd_ds.head_files.expected_tensors`; every tensor with ``arch``, those ``meta`` fixes without)."""
+        return head_files.expected_tensors(meta, arch, cls)
 
     @classmethod
     def check_weights_file(cls, path: str | os.PathLike, meta: dict, arch: TargetArch) -> None:
-        """Check that ``head.safetensors`` can be read and holds exactly the tensors (names and shapes) that ``meta``
-        (the checkpoint's ``head_config.json``, from :meth:`read_config`) and the target ``arch`` imply
-        (:meth:`expected_tensors`), and that its draft vocabulary (the ``[vocab_size]`` bool ``draft_mask``, or an
-        older file's int64 ``draft_ids``) selects ``draft_vocab_size`` ids. Reads the file's header and the draft
-        vocabulary only (safetensors checks that the header is valid and that its tensors cover the file exactly, so
-        truncation is found); cheap enough for every rank before any collective. Corruption inside the other
-        tensors' bytes is not detectable without a checksum.
-
-        Raises:
-            FileNotFoundError: no ``head.safetensors``.
-            HeadCheckpointError: truncated or corrupted file; tensors missing, unexpected or of other shapes (the
-                first few of each named); an empty or damaged draft vocabulary.
-        """
-        from safetensors import SafetensorError, safe_open
-
-        f = Path(path) / HEAD_WEIGHTS
-        if not f.is_file():
-            raise FileNotFoundError(f"{f} not found: a head folder holds head_config.json and head.safetensors, "
-                                    "written by launch/train.py; copy the whole folder")
-        want = cls.expected_tensors(meta, arch)
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                shapes = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
-                if "draft_mask" not in shapes and "draft_ids" in shapes:  # an older head: its ids
-                    del want["draft_mask"]
-                    want["draft_ids"] = (meta["draft_vocab_size"],)
-                missing = [k for k in want if k not in shapes]
-                extra = [k for k in shapes if k not in want]
-                other = [f"{k} {list(shapes[k])} (expected {list(want[k])})" for k in want if k in shapes and
-                         shapes[k] != want[k]]
-                if missing or extra or other:
-                    bad = [f"{what} {', '.join(names[:3])}{f' (+{len(names) - 3} more)' if len(names) > 3 else ''}"
-                           for what, names in (("missing", missing), ("unexpected", extra), ("shape of", other))
-                           if names]
-                    raise HeadCheckpointError(f"head {path}: {HEAD_WEIGHTS} does not match {HEAD_CONFIG}: "
-                                              f"{'; '.join(bad)}; copy the checkpoint again or retrain it")
-                name = "draft_mask" if "draft_mask" in want else "draft_ids"
-                ids = h.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise HeadCheckpointError(
-                f"head {path}: {HEAD_WEIGHTS} is damaged ({one_line(e)}); copy the checkpoint again or "
-                "re-save it") from None
-        n, V, problem = meta["draft_vocab_size"], meta["vocab_size"], None
-        if name == "draft_mask":
-            k = int(ids.count_nonzero())
-            problem = None if k == n else "is empty (selects no token)" if k == 0 else f"selects {k} tokens"
-        else:
-            try:
-                _draft_id_tensor(ids.tolist(), V)
-            except ValueError:
-                problem = f"are not sorted unique ids in [0, {V})"
-        if problem:
-            raise HeadCheckpointError(f"head {path}: the head's {name} in {HEAD_WEIGHTS} {problem} but {HEAD_CONFIG} "
-                                      f"says draft_vocab_size {n}: it is damaged; copy the checkpoint again or "
-                                      "retrain it")
+        """Check ``head.safetensors`` against ``meta`` and ``arch``: readable, the tensors' names, shapes and dtypes,
+        the draft vocabulary (:func:`spd_ds.head_files.check_weights_file`: its errors, one line each)."""
+        head_files.check_weights_file(path, meta, arch, cls)
 
     @classmethod
     def check_base_model(cls, path: str | os.PathLike, arch: TargetArch) -> dict:
@@ -534,7 +348,7 @@ class SpeculationHead(nn.Module):
         for key, mine in (("hidden_size", arch.hidden_size), ("vocab_size", arch.vocab_size)):
             if meta[key] != mine:
                 raise HeadCheckpointError(f"head {path}: {HEAD_CONFIG} says {key} {meta[key]} but {arch.model_dir} "
-                                          f"has {mine}; {_RETRAIN}")
+                                          f"has {mine}; {RETRAIN_HINT}")
         cls.check_weights_file(path, meta, arch)
         if legacy and str(path) not in _warned_legacy:
             _warned_legacy.add(str(path))
@@ -551,7 +365,8 @@ class SpeculationHead(nn.Module):
             path: the head folder; arch: the target; partition: the partition the caller runs; must equal the
                 checkpoint's (``None`` = take the checkpoint's).
         Returns:
-            The head, tensors in their stored dtypes on the CPU (``draft_ids`` int64 ``[V_d]``).
+            The head on the CPU, its parameters in torch's default dtype (the stored values, converted: cast it
+            with ``.to``), ``draft_ids`` int64 ``[V_d]``.
         Raises:
             FileNotFoundError: no checkpoint at ``path``.
             HeadMismatchError: other base model (fingerprint / dims), head format version or partition.

@@ -139,14 +139,53 @@ def test_user_errors_may_be_a_function_called_only_after_an_exception(monkeypatc
         cli.run_cli(lambda argv: {}["a bug"], [], user_errors=errors)
 
 
-@pytest.mark.parametrize("program", ["build_draft_vocab", "prepare_train_data", "train", "infer", "eval", "benchmark"])
-def test_program_help_does_not_import_torch(program):
+EXPERIMENT_PROGRAMS = ("train", "infer", "eval", "benchmark")  # built on cli.experiment_parser: --version too
+
+
+@pytest.mark.parametrize("program,flag", [(p, "--help") for p in ("build_draft_vocab", "prepare_train_data",
+                                                                   *EXPERIMENT_PROGRAMS)]
+                         + [(p, "--version") for p in EXPERIMENT_PROGRAMS])
+def test_program_help_and_version_do_not_import_torch(program, flag):
+    """``--help`` and ``--version`` (the programs built on cli.experiment_parser) exit 0 at once, torch not imported;
+    ``--version`` prints one line: spd-ds's version, then torch's, deepspeed's and transformers' (their metadata)."""
+    from importlib.metadata import version
+
+    import spd_ds
+
     code = (f"import sys; from spd_ds.commands.{program} import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            f"try:\n    main([{flag!r}])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "else:\n    raise AssertionError('no exit')\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "usage:" in r.stdout
+    if flag == "--help":
+        assert "usage:" in r.stdout and ("--version" in r.stdout) == (program in EXPERIMENT_PROGRAMS), r.stdout
+    else:
+        assert r.stdout == (f"spd-ds {spd_ds.__version__} (torch {version('torch')}, deepspeed {version('deepspeed')}, "
+                            f"transformers {version('transformers')})\n") and r.stderr == "", (r.stdout, r.stderr)
+
+
+def test_version_is_the_distributions_and_import_spd_ds_stays_light(monkeypatch):
+    """``spd_ds.__version__``: the installed distribution's (setup.cfg's version, which ``pip show spd-ds`` shows),
+    read on first use (``import spd_ds`` imports neither torch nor importlib.metadata); setup.cfg's when the
+    distribution is not installed (a checkout on PYTHONPATH)."""
+    import configparser
+    import importlib.metadata
+
+    import spd_ds
+
+    cp = configparser.ConfigParser()
+    cp.read(ROOT / "setup.cfg")
+    assert spd_ds.__version__ == importlib.metadata.version("spd-ds") == cp["metadata"]["version"]
+    r = subprocess.run([sys.executable, "-c", "import sys, spd_ds; print(sorted({'torch', 'importlib.metadata'} & "
+                        "set(sys.modules)))"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.stdout == "[]\n", r.stdout + r.stderr
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert spd_ds._read_version() == cp["metadata"]["version"]
 
 
 def test_ctrl_c_is_one_line_and_the_process_dies_of_sigint():
@@ -329,3 +368,53 @@ def test_output_paths_are_checked_by_every_rank_of_one_node_and_by_rank_0_across
     assert cli.checks_outputs({}) and cli.checks_outputs(one_node)
     assert cli.checks_outputs({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_SIZE": "2"})
     assert not cli.checks_outputs({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_SIZE": "2"})
+
+
+# ---------------------------------------------------------------------------------------------- FIFO outputs
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "answers.fifo"
+    os.mkfifo(path)
+    yield str(path)
+    held = cli._FIFO_WRITERS.pop(str(path), None)
+    if held is not None:
+        os.close(held)
+
+
+def test_fifo_output_without_a_reader_is_refused_before_the_run(fifo):
+    """A FIFO with no reader passed the check, and the final open for writing then blocked forever after the whole
+    run: now one line, at the start."""
+    with pytest.raises(ConfigError, match=rf"^--output {fifo} is a FIFO with no reader; start the reader first "
+                                          r"\(or write to a regular file\)$"):
+        cli.check_output_file(fifo, "--output")
+    link = os.path.join(os.path.dirname(fifo), "link.jsonl")
+    os.symlink(fifo, link)
+    with pytest.raises(ConfigError, match="is a FIFO with no reader"):
+        cli.check_output_file(link, "--output")
+
+
+def test_fifo_output_with_a_reader_passes_and_the_reader_sees_no_early_end(fifo):
+    """With a reader the check passes; the write end it opened stays open (held until the process ends), so the
+    reader does not see end-of-file before the run's own write, which then reaches it."""
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        cli.check_output_file(fifo, "--output")
+        cli.check_output_file(fifo, "--output")  # checked twice (two options, two calls): one write end
+        assert list(cli._FIFO_WRITERS) == [fifo]
+        with pytest.raises(BlockingIOError):  # a writer is there, no data yet: not b"" (end-of-file)
+            os.read(reader, 10)
+        with open(fifo, "w") as f:  # the program's final write: a reader is there, so it does not block
+            f.write("answer\n")
+        assert os.read(reader, 10) == b"answer\n"
+        os.close(cli._FIFO_WRITERS.pop(fifo))
+        assert os.read(reader, 10) == b""  # every writer gone: end-of-file
+    finally:
+        os.close(reader)
+
+
+def test_dev_stdout_as_output_file_to_a_pipe_a_file_or_a_fifo():
+    """``--output /dev/stdout`` passes when stdout is a pipe (``| tee``; it was refused naming /proc/<pid>/fd, the
+    pipe having no path) or a file."""
+    code = "from spd_ds.cli import check_output_file; check_output_file('/dev/stdout', '--output'); print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr[-2000:]

@@ -517,9 +517,51 @@ def test_damaged_draft_mask_is_named(arch, tmp_path, case, match):
     assert SpeculationHead.load(old, arch).draft_ids.tolist() == list(range(10, 60))
 
 
+@pytest.mark.parametrize("case,match", [
+    ("int_weight", r"holds tensors of the wrong dtype: aggr\.0\.weight int32 \(expected floating point: float32, "
+                   r"bfloat16 or float16\); it was not written by launch/train.py: copy the checkpoint again"),
+    ("many_int", r"wrong dtype: aggr\.0\.weight int64 \(expected floating point[^)]*\), aggr\.1\.weight int64 "
+                 r"\(expected floating point[^)]*\), \S+ int64 \(expected floating point[^)]*\) \(\+\d+ more\); "),
+    ("int_mask", r"wrong dtype: draft_mask uint8 \(expected bool\)"),
+    ("float_ids", r"wrong dtype: draft_ids float32 \(expected an integer type\)"),
+], ids=["int_weight", "many_int", "int_mask", "float_ids"])
+def test_tensors_of_the_wrong_dtype_are_refused(arch, tmp_path, case, match):
+    """head.safetensors with an integer weight (names and shapes right), a non-bool draft_mask or a legacy
+    draft_ids of floats: a one-line HeadCheckpointError from the precheck naming the tensor, its dtype and what it
+    should be (an int32 aggr weight used to load, converted by load_state_dict; float draft_ids were truncated)."""
+    from spd_ds.head import HeadCheckpointError
+
+    h = _saved_head(arch, tmp_path)
+
+    def change(state):
+        if case == "int_weight":
+            state["aggr.0.weight"] = state["aggr.0.weight"].to(torch.int32)
+        elif case == "many_int":
+            state.update({k: v.long() for k, v in state.items() if k != "draft_mask"})
+        elif case == "int_mask":
+            state["draft_mask"] = state["draft_mask"].to(torch.uint8)
+        else:
+            state["draft_ids"] = state.pop("draft_mask").nonzero().flatten().float()
+
+    _edit_weights(h, change)
+    for fn in (SpeculationHead.check_base_model, SpeculationHead.load):
+        msg = _one_line_error(HeadCheckpointError, fn, h, arch)
+        assert re.search(match, msg) and str(h) in msg, msg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_floating_dtypes_and_legacy_integer_ids_load(arch, tmp_path, dtype):
+    """Heads saved in fp32, bf16 (the shipped ones) or fp16 load, and so does an older head's int32 draft_ids."""
+    head = SpeculationHead(arch, StagePartition.build(6, 2), draft_token_ids=list(range(10, 60)))
+    h = head.save(tmp_path / "h", dtype=dtype)
+    assert torch.equal(SpeculationHead.load(h, arch).aggr[0].weight, head.aggr[0].weight.to(dtype).float())
+    _edit_weights(h, lambda s: s.update(draft_ids=s.pop("draft_mask").nonzero().flatten().int()))
+    assert SpeculationHead.load(h, arch).draft_ids.tolist() == list(range(10, 60))
+
+
 @pytest.mark.parametrize("version,exc,match", [
-    (2, HeadMismatchError, r"head format version 2 was written by a newer spd-ds \(this one reads version 1\); "
-                           r"upgrade spd-ds"),
+    (2, HeadMismatchError, r"head format version 2 was written by a newer spd-ds \(this one, {version}, reads "
+                           r"version 1\); upgrade spd-ds"),
     (0, HeadMismatchError, r"head format version 0 is older than 1; retrain or convert it"),
     ("1", ValueError, r"'format_version' \"1\", not an integer; was it written by launch/train.py"),
     (None, ValueError, r"has no 'format_version'; was it written by launch/train.py"),
@@ -527,8 +569,10 @@ def test_damaged_draft_mask_is_named(arch, tmp_path, case, match):
 def test_head_format_version_messages(arch, tmp_path, version, exc, match):
     h = _saved_head(arch, tmp_path)
     _edit_config(h, lambda m: m.update(format_version=version) if version is not None else m.pop("format_version"))
+    import spd_ds
+
     msg = _one_line_error(exc, SpeculationHead.read_config, h)
-    assert re.search(match, msg), msg
+    assert re.search(match.replace("{version}", re.escape(spd_ds.__version__)), msg), msg
     assert version == 0 or "retrain or convert" not in msg
 
 
@@ -562,6 +606,42 @@ def test_head_path_messages_point_at_the_head_folders(arch, tmp_path):
     (run / "head" / "head.safetensors").unlink()
     msg = _one_line_error(FileNotFoundError, SpeculationHead.check_base_model, run / "head", arch)
     assert "head.safetensors not found" in msg and "launch/train.py" in msg and "SpeculationHead.save" not in msg
+
+
+def test_a_file_of_a_training_run_as_head_checkpoint_names_the_run_heads(arch, tmp_path):
+    """head.checkpoint=<a file>: the folder holding it when that is a head; the run's best_head / head when the file
+    lies in a training output_dir (its train_summary.json) or up to three folders inside it (a DeepSpeed checkpoint's
+    files, the checkpoints' ``latest``), not "give the folder that holds it" naming a folder that is no head; a file
+    elsewhere is said to be no head checkpoint."""
+    part = StagePartition.build(6, 2)
+    run = tmp_path / "run"
+    for name in ("head", "best_head"):
+        SpeculationHead(arch, part).save(run / name)
+    (run / "best_head" / "best.json").write_text("{}")
+    (run / "train_summary.json").write_text("{}")
+    step = run / "checkpoints" / "global_step5"
+    (step / "zero").mkdir(parents=True)
+    for f in (step / "mp_rank_00_model_states.pt", step / "zero" / "optim_states.pt", run / "checkpoints" / "latest"):
+        f.write_bytes(b"")
+    both = f"did you mean {run / 'best_head'} or {run / 'head'}?"
+    for f, where in ((run / "train_summary.json", ""),
+                     (step / "mp_rank_00_model_states.pt", f"{step} is a training checkpoint, not a head; "),
+                     (step / "zero" / "optim_states.pt", f"{step / 'zero'} is a training checkpoint, not a head; "),
+                     (run / "checkpoints" / "latest", f"{run / 'checkpoints'} is a training checkpoint, not a head; ")):
+        for fn, args in ((SpeculationHead.read_config, (f,)), (SpeculationHead.load, (f, arch))):
+            msg = _one_line_error(FileNotFoundError, fn, *args)
+            assert msg.startswith(f"head.checkpoint {f} is a file, not a head: {where}{both}"), msg
+            assert "give the folder that holds it" not in msg and "launch/train.py" in msg, msg
+    msg = _one_line_error(FileNotFoundError, SpeculationHead.read_config, run / "best_head" / "best.json")
+    assert msg == f"head.checkpoint {run / 'best_head' / 'best.json'} is a file; give the folder that holds it " \
+                  f"({run / 'best_head'})"
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "notes.txt").write_text("")
+    msg = _one_line_error(FileNotFoundError, SpeculationHead.read_config, tmp_path / "elsewhere" / "notes.txt")
+    assert msg.startswith(f"head.checkpoint {tmp_path / 'elsewhere' / 'notes.txt'} is a file, not a head checkpoint; "
+                          "give a head folder (head.checkpoint is a head folder, with head_config.json and "
+                          "head.safetensors, written by launch/train.py)"), msg
+    assert "did you mean" not in msg
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o077], ids=oct)

@@ -253,6 +253,19 @@ def test_output_path_under_a_file_is_an_error_before_the_model(tmp_path):
     assert r.returncode == 2 and "no_model_here" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
 
 
+def test_fifo_output_with_no_reader_is_an_error_before_the_model(tmp_path):
+    """``--output`` a FIFO that nobody reads: one line, exit 2, before any model is resolved; it used to pass the
+    check and hang for ever in the final open for writing, after the whole run."""
+    fifo = tmp_path / "answers.fifo"
+    os.mkfifo(fifo)
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi", "--output", str(fifo),
+             f"model.name={tmp_path / 'no_model_here'}"], timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (f"error: --output {fifo} is a FIFO with no reader; start the reader "
+                                                 "first (or write to a regular file)")
+    assert "no_model_here" not in r.stderr
+
+
 @pytest.mark.slow
 def test_bad_inputs_known_before_decoding_are_one_line_errors(smollm2_dir, tmp_path):
     """A prompt too long for the KV capacity fails before the target's weights load; a missing draft vocabulary and

@@ -432,8 +432,7 @@ def test_regenerate_refuses_a_model_with_missing_weights(tmp_path, capsys):
 
 
 _WORKER_SCRIPT = """
-import multiprocessing, sys, time
-sys.path.insert(0, {root!r})
+import multiprocessing, time
 from tests.test_train_data import _tokenized
 from spd_ds.train.batching import BatchPlanner, batches_on_device
 batches = batches_on_device(BatchPlanner(_tokenized(), 128, 2), 0, 0, prefetch=2)
@@ -460,8 +459,8 @@ def test_prefetch_worker_dies_with_its_training_process():
     import sys
     import time
 
-    root = str(Path(__file__).resolve().parents[1])
-    proc = subprocess.Popen([sys.executable, "-c", _WORKER_SCRIPT.format(root=root)], stdout=subprocess.PIPE,
+    root = str(Path(__file__).resolve().parents[1])  # python -c puts the working directory first on sys.path
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER_SCRIPT], stdout=subprocess.PIPE,
                             text=True, cwd=root)
     try:
         workers = [int(p) for p in proc.stdout.readline().split()]
