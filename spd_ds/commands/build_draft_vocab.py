@@ -29,9 +29,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from spd_ds.cli import check_output_file, int_at_least
+    from spd_ds.cli import add_version_argument, check_output_file, int_at_least
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_version_argument(ap)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="zoo name, local HF directory or hub id")
     ap.add_argument("--data", action="append", required=True,
                     help="data source (file, directory, 'sharegpt', hub id); repeatable")

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from spd_ds.cli import add_version_argument
 from spd_ds.eval.prompts import DEMO_PROMPTS as PROMPTS
 from spd_ds.eval.runner import first_divergence
 
@@ -35,6 +36,7 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version_argument(ap)
     ap.add_argument("--config", default=None, help="experiment YAML")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--prompts", default=None, help="prompt set name or EAGLE jsonl (default: 5 built-in prompts)")

@@ -21,7 +21,10 @@ from spd_ds.eval.prompts import PROMPT_SETS, canonical_name, materialize_prompt_
 def main(argv: list[str] | None = None) -> int:
     """Materialise the prompt sets (module docstring). Exit status 0; 1 when a set failed (reported, the others
     go on)."""
+    from spd_ds.cli import add_version_argument
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_version_argument(ap)
     ap.add_argument("names", nargs="*", metavar="NAME",
                     help=f"prompt sets to materialise (default: all of {', '.join(PROMPT_SETS)})")
     ap.add_argument("--out-dir", default="eval_data", help="eval-data directory (default: %(default)s)")

@@ -181,10 +181,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from spd_ds.cli import check_output_file, ensure_output_dir, int_at_least
+    from spd_ds.cli import add_version_argument, check_output_file, ensure_output_dir, int_at_least
 
     pos, nonneg = int_at_least(1), int_at_least(0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_version_argument(ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export", help="normalise conversations into one gzipped JSON-lines file")
     ex.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
