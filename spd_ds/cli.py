@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -321,6 +322,23 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def float_in(low: float, high: float = float("inf"), *, above: bool = False) -> Callable[[str], float]:
+    """An ``argparse`` type: a finite number in ``[low, high]`` (``(low, high]`` with ``above``); argparse refuses other
+    values in one line, exit status 2."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low or (above and value == low) or value > high:
+            bounds = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if math.isfinite(high) else "")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
 def setup_process() -> None:
     """What every ``launch/*.py`` program does first: CPU threads per rank (:func:`configure_cpu_threads`),
     DeepSpeed's accelerator choice (:func:`settle_accelerator`) and, under DeepSpeed's launcher, the watch that ends
@@ -403,13 +421,12 @@ def watch_launcher(poll_s: float = 0.5) -> threading.Thread | None:
             time.sleep(poll_s)
             gone = _watch_step(launcher, runner)
             if gone == "launcher":  # nothing else will end this rank
-                print(f"{error_prefix('error')}: the DeepSpeed launcher (pid {launcher}) has ended; stopping",
-                      file=sys.stderr, flush=True)
+                say_error(f"{error_prefix('error')}: the DeepSpeed launcher (pid {launcher}) has ended; stopping")
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             if gone == "runner":
-                print(f"{error_prefix('error')}: the deepspeed command (pid {runner}) has ended; stopping its "
-                      f"launcher (pid {launcher}) and every rank", file=sys.stderr, flush=True)
+                say_error(f"{error_prefix('error')}: the deepspeed command (pid {runner}) has ended; stopping its "
+                          f"launcher (pid {launcher}) and every rank")
                 with contextlib.suppress(OSError):
                     os.kill(launcher, signal.SIGTERM)
                 return
@@ -436,6 +453,13 @@ def error_prefix(prefix: str = "error", environ=None) -> str:
     """``"error"`` alone, or ``"error (rank r of w)"`` under a multi-process launcher."""
     rank, world = rank_and_world(environ)
     return f"{prefix} (rank {rank} of {world})" if world > 1 else prefix
+
+
+def say_error(line: str) -> None:
+    """Print one error line to stderr in a single write, so that the lines of several ranks sharing the terminal do
+    not run together (``print`` writes the text and its newline separately)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def one_line(e: object, limit: int = 600) -> str:
@@ -489,7 +513,7 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     except KeyboardInterrupt:  # Ctrl-C: the user asked for it, no traceback
         if debug:
             raise
-        print(f"{error_prefix(prefix)}: interrupted", file=sys.stderr, flush=True)
+        say_error(f"{error_prefix(prefix)}: interrupted")
         # die of SIGINT, as an uncaught KeyboardInterrupt does: a calling shell script then stops too
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -502,10 +526,9 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
                 raise
             path = _traceback_file(prog, rank)
             where = f"; traceback in {path}" if path else ""
-            print(f"{error_prefix(prefix)}: {type(e).__name__}: {one_line(e)}{where} ({DEBUG_ENV}=1 prints it)",
-                  file=sys.stderr, flush=True)
+            say_error(f"{error_prefix(prefix)}: {type(e).__name__}: {one_line(e)}{where} ({DEBUG_ENV}=1 prints it)")
             return 1
         if debug:
             traceback.print_exc()
-        print(f"{error_prefix(prefix)}: {one_line(e)}", file=sys.stderr, flush=True)
+        say_error(f"{error_prefix(prefix)}: {one_line(e)}")
         return 2

@@ -42,7 +42,8 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
     Returns:
         Whether this call initialised it.
     Raises:
-        ConfigError: ``nccl`` without a visible CUDA device (raised on every rank before any collective).
+        ConfigError: ``nccl`` without a visible CUDA device (raised on every rank before any collective); the
+            rendezvous port (``MASTER_PORT``) taken by another process (on the rank that serves it).
     """
     import deepspeed
     import deepspeed.comm as ds_comm
@@ -64,8 +65,15 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(_free_port()))
         port = int(os.environ.get("MASTER_PORT", "29500"))  # MPI discovery would otherwise force 29500
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=True, verbose=False,
-                                   distributed_port=port, timeout=timeout)
+        try:
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=True, verbose=False,
+                                       distributed_port=port, timeout=timeout)
+        except dist.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+            raise ConfigError(f"the rendezvous port {port} of {os.environ.get('MASTER_ADDR', 'this host')} is in "
+                              "use (another run?); pass a free one to the launcher: deepspeed --master_port "
+                              "<port> ...") from None
         created = True
     if get_accelerator().device_name() == "cpu":  # the same on every rank, so the barrier cannot hang
         dist.barrier()  # not in a finally: unlinking before a slow peer opened the file would leave it spinning

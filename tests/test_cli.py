@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import subprocess
@@ -418,3 +419,48 @@ def test_dev_stdout_as_output_file_to_a_pipe_a_file_or_a_fifo():
     code = "from spd_ds.cli import check_output_file; check_output_file('/dev/stdout', '--output'); print('ok')"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout == "ok\n", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["regenerate", "--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
+    (["regenerate", "--temperature", "nan"], "argument --temperature: must be >= 0, got nan"),
+    (["regenerate", "--sample-fraction", "1.5"], "argument --sample-fraction: must be >= 0 and <= 1, got 1.5"),
+    (["regenerate", "--time-budget", "0"], "argument --time-budget: must be > 0, got 0"),
+    (["selfdistill", "--time-budget", "-5"], "argument --time-budget: must be > 0, got -5"),
+    (["selfdistill", "--flush-every", "0"], "argument --flush-every: must be > 0, got 0"),
+])
+def test_data_commands_refuse_numbers_out_of_range(argv, message, capsys):
+    """A negative temperature used to decode greedily without a word (regenerate); the parser refuses it, and the
+    other numbers out of range, in one line with exit status 2 before anything loads."""
+    from spd_ds.commands.prepare_train_data import main
+
+    with pytest.raises(SystemExit) as e:
+        main([argv[0], "--data", "x", "--out", "y", *argv[1:]])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().endswith(message)
+
+
+def test_float_in_accepts_its_bounds():
+    assert cli.float_in(0.0)("0") == 0.0 and cli.float_in(0.0, 1.0)("1") == 1.0
+    assert cli.float_in(0.0, above=True)("1e-3") == 1e-3
+    for bad in ("inf", "-0.5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli.float_in(0.0, 1.0)(bad)
+
+
+def test_an_error_line_is_one_write(monkeypatch):
+    """Ranks share the terminal: each error line goes out in one write with its newline (print wrote the newline
+    separately, and two ranks' lines ran together: '...decoding.max_lengtherror (rank 0 of 2): ...')."""
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.run_cli(lambda argv: (_ for _ in ()).throw(ConfigError("bad value")), [], user_errors=(ConfigError,)) == 2
+    assert writes == ["error (rank 1 of 2): bad value\n"]

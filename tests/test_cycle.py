@@ -143,6 +143,19 @@ def test_prompt_check_names_a_sliding_window_that_sets_the_context():
         check_prompt(list(range(10)), 6, 16, 2, model_max=4096, model_max_source="sliding_window")
 
 
+def test_prompt_check_does_not_advise_a_max_length_past_the_model():
+    """decoding.max_length below the model's maximum, but the prompt and generation need more than the model has:
+    raising decoding.max_length cannot help, so the message names the model's maximum (it used to say to raise
+    decoding.max_length, and the next run failed again); within the model it says how far max_length may go."""
+    from spd_ds.decoding.cycle import PromptError, check_prompt
+
+    with pytest.raises(PromptError, match="exceeds the model's maximum context of 64 positions; shorten") as e:
+        check_prompt(list(range(70)), 6, 32, 2, model_max=64)
+    assert "max_length" not in str(e.value)
+    with pytest.raises(PromptError, match=r"raise decoding.max_length \(to at most 64\)$"):
+        check_prompt(list(range(30)), 6, 32, 2, model_max=64)
+
+
 def test_anchors_rows_and_store():
     part = StagePartition.build(6, 3, anchors=[0, 3, 6])
     a = Anchors(part)

@@ -71,6 +71,9 @@ def test_summary_schema_ppsd_and_exactness(heads, tmp_path):
     assert "INCLUDING" in summary["definitions"]["num_new_tokens"]
     tokens = [r["tokens"] for r in rows if r["method"] == "spd"]
     assert spd_o["repeated_ngram_share"] == repeated_ngram_share(tokens) is not None
+    write_reports(run, tmp_path, plots=False)  # a later run into the same folder: no plot of this one stays
+    assert not (tmp_path / "acceptance_by_depth.png").exists() and not (tmp_path / "cycle_time_split.png").exists()
+    assert check_summary_schema(json.loads((tmp_path / "summary.json").read_text())) == []
 
 
 def test_ppsd_head_alone_equals_its_row_beside_spd(heads, tmp_path):
@@ -269,3 +272,16 @@ def test_run_baselines_applies_its_own_runs_sdpa_backends(heads, tmp_path, sdpa_
             c.cudnn_sdp_enabled()) == (True, False, True, False)
     ar, sp = run.methods["ar"].results, run.methods["spd"].results
     assert ar and all(ar[i].tokens == sp[i].tokens for i in ar)
+
+
+def test_benchmark_names_results_of_an_earlier_run_in_its_folder(tmp_path):
+    """benchmark --out into a folder that holds another run's suites: those folders are named (benchmark.md and .json
+    list this run's only)."""
+    from spd_ds.eval.benchmark import earlier_results
+
+    for tag in ("a", "c2", "c3"):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "summary.json").write_text("{}")
+    (tmp_path / "notes").mkdir()
+    assert earlier_results(tmp_path, [tmp_path / "a", str(tmp_path / "c2")]) == ["c3"]
+    assert earlier_results(tmp_path, [tmp_path / t for t in ("a", "c2", "c3")]) == []

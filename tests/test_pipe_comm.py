@@ -104,3 +104,24 @@ def test_nccl_without_cuda_is_a_one_line_error_before_any_collective(monkeypatch
     with pytest.raises(ConfigError, match="deepspeed.backend=gloo"):
         init_process_group("nccl", 10.0)
     assert not tdist.is_initialized()
+
+
+def test_a_busy_rendezvous_port_is_a_one_line_error_that_names_master_port():
+    """Another process holds MASTER_PORT (another run on the machine): the rank that serves the rendezvous says so
+    and how to choose another port (it was a 14-frame DistNetworkError traceback in a one-rank run)."""
+    import socket
+    import subprocess
+    import sys
+
+    code = ("from spd_ds.config import ConfigError\nfrom spd_ds.dist import init_process_group\n"
+            "try:\n    init_process_group('gloo', 30.0)\nexcept ConfigError as e:\n    print(e)\n")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip().splitlines()[-1] == (
+        f"the rendezvous port {port} of 127.0.0.1 is in use (another run?); pass a free one to the launcher: "
+        "deepspeed --master_port <port> ..."), (r.stdout, r.stderr[-2000:])

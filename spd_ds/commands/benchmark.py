@@ -216,6 +216,10 @@ def _main(argv=None) -> int:
                           for sr in runs}}
     (out / "benchmark.json").write_text(json.dumps(rows, indent=1))
     print(f"\nwrote {out}/benchmark.md, benchmark.json")
+    stale = bm.earlier_results(out, [sr.run.cfg.eval.output_dir for sr in runs])
+    if stale:
+        log.warning("%s also holds results of an earlier run (%s/), which benchmark.md and benchmark.json leave out",
+                    out, "/, ".join(stale))
     return 0
 
 

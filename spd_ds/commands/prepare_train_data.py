@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from spd_ds.cli import add_version_argument, check_output_file, ensure_output_dir, int_at_least
+    from spd_ds.cli import add_version_argument, check_output_file, ensure_output_dir, float_in, int_at_least
 
     pos, nonneg = int_at_least(1), int_at_least(0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -200,10 +200,11 @@ def _main(argv: list[str] | None = None) -> int:
     rg.add_argument("--max-new-tokens", type=pos, default=512)
     rg.add_argument("--max-prompt-tokens", type=pos, default=512)
     rg.add_argument("--batch-size", type=pos, default=256)
-    rg.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    rg.add_argument("--sample-fraction", type=float, default=None,
+    rg.add_argument("--temperature", type=float_in(0.0), default=0.0, help="0 = greedy")
+    rg.add_argument("--sample-fraction", type=float_in(0.0, 1.0), default=None,
                     help="share of prompts sampled at --temperature (1.0 if 0); the rest greedy")
-    rg.add_argument("--time-budget", type=float, default=None, help="stop starting batches after this many seconds")
+    rg.add_argument("--time-budget", type=float_in(0.0, above=True), default=None,
+                    help="stop starting batches after this many seconds")
     rg.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     rg.add_argument("--chat-template", default=None)
     rg.add_argument("--seed", type=int, default=0)
@@ -211,7 +212,7 @@ def _main(argv: list[str] | None = None) -> int:
     ep.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
     ep.add_argument("--limit", type=pos, default=None, help="conversations to keep (default: all)")
     ep.add_argument("--max-turn-chars", type=nonneg, default=32000,
-                    help="end a conversation before a turn longer than this (it would not fit a prompt)")
+                    help="end a conversation before a turn longer than this (it would not fit a prompt); 0 = no limit")
     ep.add_argument("--out", default="runs/train_data/sharegpt_prompts.jsonl.gz")
     sd = sub.add_parser("selfdistill", help="the target answers every user turn (rounds) into resumable shards")
     sd.add_argument("--model", default="smollm2-135m-instruct")
@@ -244,9 +245,10 @@ def _main(argv: list[str] | None = None) -> int:
                     help="gqa-decode: SDPA without repeat_kv for the decode step (default); sdpa: transformers' own")
     sd.add_argument("--cache-quantum", type=pos, default=128,
                     help="static cache = longest prompt rounded to a power of two up to this, a multiple above")
-    sd.add_argument("--time-budget", type=float, default=None, help="stop starting generate calls after this many s")
+    sd.add_argument("--time-budget", type=float_in(0.0, above=True), default=None,
+                    help="stop starting generate calls after this many s")
     sd.add_argument("--shard-bytes", type=pos, default=12_000_000, help="uncompressed bytes per shard at most")
-    sd.add_argument("--flush-every", type=float, default=60.0, help="write finished answers at least this often (s)")
+    sd.add_argument("--flush-every", type=float_in(0.0, above=True), default=60.0, help="write finished answers at least this often (s)")
     sd.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     sd.add_argument("--device", default=None, help="default: cuda if available")
     sd.add_argument("--chat-template", default=None)

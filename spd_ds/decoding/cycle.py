@@ -69,8 +69,8 @@ def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_positions: int,
                  model_max: int | None = None, model_max_source: str = "max_position_embeddings") -> None:
     """Raise :class:`PromptError` for an empty prompt or one that does not fit the context with its generation.
 
-    ``max_positions`` is ``decoding.max_length`` capped at the model's maximum ``model_max`` (when known): a context
-    that the model's maximum sets is not advised to be raised. ``model_max_source`` is the config.json key that sets
+    ``max_positions`` is ``decoding.max_length`` capped at the model's maximum ``model_max`` (when known): a prompt
+    and generation longer than the model's maximum is not advised to raise ``decoding.max_length``. ``model_max_source`` is the config.json key that sets
     ``model_max`` (:attr:`~spd_ds.models.adapter.TargetArch.max_positions_source`): ``"sliding_window"`` (a window
     over every layer, within which full attention is exact) is named as such.
 
@@ -83,7 +83,7 @@ def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_positions: int,
     if max_new_tokens < 1:
         raise PromptError(f"decoding.max_new_tokens must be >= 1, got {max_new_tokens}")
     need = len(prompt) + max_new_tokens + num_stages
-    if need > max_positions and model_max is not None and max_positions >= model_max:
+    if need > max_positions and model_max is not None and need > model_max:  # raising max_length cannot help
         context = (f"sliding-window context of {model_max} positions (config.json sliding_window; full attention is "
                    "exact only within it)" if model_max_source == "sliding_window"
                    else f"maximum context of {model_max} positions")
@@ -95,7 +95,8 @@ def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_positions: int,
         raise PromptError(
             f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} (+{num_stages} in flight) exceeds the "
             f"context of {max_positions} positions (decoding.max_length, at most the model's maximum); shorten the "
-            "prompt, lower decoding.max_new_tokens or raise decoding.max_length"
+            f"prompt, lower decoding.max_new_tokens or raise decoding.max_length"
+            + (f" (to at most {model_max})" if model_max is not None else "")
         )
 
 

@@ -274,3 +274,10 @@ def default_suites(cuda: bool) -> list[str]:
 def is_cuda_run(device: str | None = None) -> bool:
     """Whether the suites run on GPU (``model.device`` auto and CUDA available)."""
     return torch.cuda.is_available() if device in (None, "auto") else device.startswith("cuda")
+
+
+def earlier_results(out: str | Path, written: Sequence[str | Path]) -> list[str]:
+    """Sub-folders of ``out`` that hold a ``summary.json`` this run did not write (a suite or ``n`` of an earlier
+    run into the same ``--out``), by name; ``written`` = this run's ``eval.output_dir`` of every suite run."""
+    mine = {Path(w).resolve() for w in written}
+    return sorted(p.parent.name for p in Path(out).glob("*/summary.json") if p.parent.resolve() not in mine)

@@ -348,14 +348,19 @@ def exactness_lines(summary: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- files
+PLOT_FILES = ("acceptance_by_depth.png", "cycle_time_split.png")
+
 def write_reports(run, out_dir: str | Path, plots: bool | None = None, summary: dict | None = None) -> dict:
     """Write ``per_prompt.jsonl``, ``summary.json`` and (``eval.plots``) ``acceptance_by_depth.png`` and
-    ``cycle_time_split.png`` into ``out_dir``; returns the summary.
+    ``cycle_time_split.png`` into ``out_dir``; returns the summary. Plots of an earlier run in ``out_dir`` are
+    removed first (this run may write none).
 
     Plots need matplotlib (``pip install -e .[eval]``); without it they are skipped with a warning.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for name in PLOT_FILES:  # an earlier run's plots must not sit beside this run's results
+        (out / name).unlink(missing_ok=True)
     summary = summary or summarize(run)
     with open(out / "per_prompt.jsonl", "w") as f:
         for row in per_prompt_rows(run):
@@ -367,8 +372,8 @@ def write_reports(run, out_dir: str | Path, plots: bool | None = None, summary: 
         except ImportError as e:
             log.warning("plots skipped: %s (pip install matplotlib)", e)
         else:
-            plot_acceptance_by_depth(summary, out / "acceptance_by_depth.png")
-            plot_cycle_time_split(summary, out / "cycle_time_split.png")
+            plot_acceptance_by_depth(summary, out / PLOT_FILES[0])
+            plot_cycle_time_split(summary, out / PLOT_FILES[1])
     return summary
 
 
