@@ -102,12 +102,21 @@ def experiment_parser(description: str | None, *, overrides_help: str, config_he
 
 def chosen_engine(engine: str) -> str:
     """``auto`` -> ``deepspeed`` when launched with more than one process (``WORLD_SIZE`` or the MPI variables, as
-    :func:`spd_ds.pipe.topology.detect_world_size` reads them), else ``reference``; other values unchanged."""
+    :func:`spd_ds.pipe.topology.detect_world_size` reads them), else ``reference``; other values unchanged.
+
+    Raises:
+        ConfigError: ``reference`` (one process) under a launcher that started several."""
     from spd_ds.pipe.topology import detect_world_size
 
+    world = detect_world_size()
+    if engine == "reference" and world > 1:  # every rank would run the whole job and write the same files
+        from spd_ds.config import ConfigError
+
+        raise ConfigError(f"--engine reference decodes in one process, but the launcher started {world}; run it "
+                          "with python (no deepspeed launcher), or leave --engine out under deepspeed")
     if engine != "auto":
         return engine
-    return "deepspeed" if detect_world_size() > 1 else "reference"
+    return "deepspeed" if world > 1 else "reference"
 
 
 # ---------------------------------------------------------------------------------------------- processes
@@ -199,6 +208,8 @@ def ensure_output_dir(path: str | os.PathLike, what: str) -> str:
     """
     from spd_ds.config import ConfigError
 
+    if not str(path).strip():
+        raise ConfigError(f"{what} is empty; give a folder path")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
@@ -260,6 +271,8 @@ def check_output_file(path: str, what: str) -> None:
 
     from spd_ds.config import ConfigError
 
+    if not path.strip():
+        raise ConfigError(f"{what} is empty; give a file path")
     if path == "-":
         raise ConfigError(f"{what} - is not supported; give a file path (/dev/stdout writes to the terminal)")
     try:  # through every link, /proc/self/fd/N's too: a pipe's has no path that realpath could give

@@ -232,3 +232,25 @@ def test_build_arch_sets_the_sdpa_backends_for_decoding_only(sdpa_flags):
     assert flags() == (False, True, True, False)
     build_arch(load_config(None, ["model.name=random:qwen3.5-tiny", "model.sdpa_backends=[math, cudnn]"]))
     assert flags() == (False, False, True, True)
+
+
+def test_a_section_that_is_not_a_mapping_is_named_and_an_empty_one_keeps_its_defaults(tmp_path):
+    """``decoding: 5`` gave OmegaConf's 'Merge error: int is not a subclass of DecodingConfig'; a section whose keys are
+    all commented out gave "field 'decoding' is not Optional"."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decoding: [1]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert str(e.value).startswith(f"config file {bad}: section decoding must be a mapping of keys (decoding:, then "
+                                   "indented key: value lines), got [1]; valid keys of decoding: max_new_tokens")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("decoding:\n#  temperature: 0.7\nhead:\n  placement: dedicated\n")
+    cfg = load_config(empty)
+    assert cfg.decoding.temperature == 0.0 and cfg.head.placement == "dedicated"
+
+
+def test_an_unknown_distributed_backend_is_a_config_error():
+    """It was DeepSpeed's AssertionError on every rank (exit status 1), and accepted silently in one process."""
+    with pytest.raises(ConfigError, match=r"^deepspeed.backend must be one of gloo, nccl, ccl, mpi \(or null"):
+        load_config(None, ["deepspeed.backend=foo"])
+    assert load_config(None, ["deepspeed.backend=gloo"]).deepspeed.backend == "gloo"

@@ -40,7 +40,8 @@ def test_infer_answers_match_ar_and_a_stop_string_ends_spd_and_ar_at_the_same_to
 
     args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=12", "--stop", "Paris",
             "--prompt", "What is the capital of France?", "--prompt", "Name three colours.",
-            "--prompt", "Describe a sunny day in the park.", "--output", str(tmp_path / "out.jsonl")]
+            "--prompt", "Describe a sunny day in the park.", "--output", str(tmp_path / "out.jsonl"),
+            "decoding.max_length=100000000"]  # capped at the model's 8,192 positions (it was allocated in one process)
     cmd = [sys.executable, *args] if launcher == "python" else [*deepspeed_cmd(2), *args]
     r = run(cmd)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -56,6 +57,8 @@ def test_infer_answers_match_ar_and_a_stop_string_ends_spd_and_ar_at_the_same_to
     assert "Paris" in tok.decode(rows[0]["tokens"], skip_special_tokens=True)
     answer = r.stdout.split("=== [prompt0] What is the capital of France?", 1)[1].split("\n--- ", 1)[0]
     assert "finish stop" in r.stdout and answer.strip() and "Paris" not in answer  # printed up to the stop string
+    assert rows[0]["text"] == answer.strip("\n") and [x["question_id"] for x in rows] == ["prompt0", "prompt1",
+                                                                                        "prompt2"]
     # the speed verdict from the same run, and what the acceptance metric means
     speed = next(x for x in r.stdout.splitlines() if x.startswith("speed: "))
     assert re.search(rf"SPD [0-9.]+ tok/s, AR [0-9.]+ tok/s \({ar}, same run.*\): SPD is [0-9.]+x AR", speed)
@@ -334,3 +337,33 @@ def test_every_rank_ends_when_the_deepspeed_command_or_its_launcher_is_killed(sm
             with contextlib.suppress(psutil.Error, OSError):
                 p.kill()
         runner.wait()
+
+
+@pytest.mark.parametrize("extra,env,message", [
+    (["--output", ""], {}, "error: --output is empty; give a file path"),
+    (["--stop", ""], {}, "error: --stop '' is empty; give the text that ends an answer (a newline: --stop $'\\n' in "
+                         "bash)"),
+    (["--engine", "reference"], {"RANK": "0", "WORLD_SIZE": "2"},
+     "error (rank 0 of 2): --engine reference decodes in one process, but the launcher started 2; run it with python "
+     "(no deepspeed launcher), or leave --engine out under deepspeed"),
+])
+def test_options_that_would_be_ignored_or_repeated_are_refused_before_the_model(tmp_path, extra, env, message):
+    """An empty --output wrote nothing without a word; an empty --stop was reported as decoding.stop; --engine
+    reference under a launcher of 2 ran the whole job on both ranks, both writing the same --output."""
+    cmd = [sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi", *extra,
+           f"model.name={tmp_path / 'no_model_here'}"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == message, r.stderr[-2000:]
+
+
+def test_prompt_ids_keep_their_type(tmp_path):
+    """--output's question_id is the prompt file's own (MT-Bench's integer 81 was written as "81", null as "None")."""
+    from types import SimpleNamespace
+
+    from spd_ds.commands.infer import load_prompt_texts
+    from spd_ds.config import load_config
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"question_id": 81, "turns": ["a"]}\n{"question_id": "x7", "turns": ["b"]}\n')
+    cfg = load_config(None, [f"data.prompts={f}"])
+    assert load_prompt_texts(cfg, SimpleNamespace(prompt=None)) == [(81, "a"), ("x7", "b")]

@@ -50,7 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stream", action="store_true",
                     help="print each SPD answer as its tokens are verified (in bursts: accepted drafts arrive "
                          "together); the progress line is off then")
-    ap.add_argument("--output", help="write per-prompt results as JSONL here")
+    ap.add_argument("--output", help="write one JSON line per prompt here: question_id (as the prompt file has it; "
+                                     "promptN for --prompt), text (the answer as printed), tokens (its new token "
+                                     "ids), finish_reason, identical_to_ar, and the metrics of docs/benchmarks.md")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                     help="a progress line (prompts, tokens) on stderr while decoding")
     return ap.parse_args(argv)
@@ -75,7 +77,7 @@ def load_prompt_texts(cfg, args) -> list[tuple[str, str]]:
     if not recs:
         raise ConfigError(f"data.prompts={cfg.data.prompts} holds no prompts; give a jsonl file with records "
                           "(one {\"turns\": [\"...\"]} a line), a prompt-set name, or --prompt TEXT")
-    return [(str(r["question_id"]), r["turns"][0]) for r in recs]
+    return [(r["question_id"], r["turns"][0]) for r in recs]  # the id as the file has it (--output keeps it)
 
 
 def main(argv=None) -> int:
@@ -221,11 +223,13 @@ def _main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     setup_process()
     cfg = load_config(args.config, args.overrides)
+    if "" in args.stop:
+        raise ConfigError("--stop '' is empty; give the text that ends an answer (a newline: --stop $'\\n' in bash)")
     if args.stop:
         cfg.decoding.stop = [*cfg.decoding.stop, *args.stop]
         validate(cfg)
     prompts = load_prompt_texts(cfg, args)  # before any model is fetched or loaded: an empty set fails here
-    if args.output and checks_outputs():  # which ranks: spd_ds.cli.checks_outputs
+    if args.output is not None and checks_outputs():  # which ranks: spd_ds.cli.checks_outputs
         check_output_file(args.output, "--output")
     world = detect_world_size()
     engine = chosen_engine(args.engine)
@@ -235,6 +239,7 @@ def _main(argv=None) -> int:
     ids = [builder.encode_prompt(tok, text, cfg.decoding.chat_template) for _, text in prompts]
     n = builder.configured_num_stages(cfg)
     max_len = min(cfg.decoding.max_length, arch.max_positions)
+    cfg.decoding.max_length = max_len  # every decoder's KV capacity, capped at the model's context as the engine does
     oracle_ar = cfg.decoding.drafter == "oracle" and engine == "reference"  # AR makes max_new + n reference tokens
     for (qid, _), prompt in zip(prompts, ids):  # before the weights load, by the decoders' own rule (check_prompt)
         try:
@@ -245,6 +250,9 @@ def _main(argv=None) -> int:
         except PromptError as e:
             raise PromptError(f"[{qid}] {e}") from None
     head_rank = int(os.environ.get("RANK", "0")) == 0
+    if head_rank and cfg.decoding.drafter == "head" and not cfg.head.checkpoint:
+        log.warning("no head.checkpoint: an untrained speculation head drafts, so almost no draft is accepted (the "
+                    "answers are the target's all the same); launch/configs/smollm2_spd.yaml names the shipped head")
     bar = _Progress(len(ids), 2 if args.compare_ar else 1, args.progress and head_rank and not args.stream)
     streamer = _Streamer(tok, prompts, builder.stop_strings(cfg, tok)) if args.stream and head_rank else None
 
@@ -260,8 +268,7 @@ def _main(argv=None) -> int:
             from spd_ds.pipe.runner import run_distributed_inference
 
             if head_rank:
-                log.info("engine deepspeed: %d rank(s), partition.num_stages=%d, head.placement=%s", world,
-                         cfg.partition.num_stages, cfg.head.placement)
+                log.info("engine deepspeed: %d rank(s), %d stages, head.placement=%s", world, n, cfg.head.placement)
             out = run_distributed_inference(cfg, ids, cfg.decoding.max_new_tokens, with_ar=args.compare_ar,
                                             on_generation=on_generation, on_token=streamer)
             if out is None:  # not the verifying rank
@@ -389,11 +396,12 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
     for i, ((qid, text), res) in enumerate(zip(prompts, results)):
         m = res.metrics
         streamed = getattr(args, "stream", False)
+        answer = answer_text(tok, res.tokens, res.finish_reason, stop)
         if streamed:  # the question and answer were printed as they came: one metrics line per prompt here
             head = f"\n--- [{qid}] " if i == 0 else f"--- [{qid}] "
         else:
             print(f"\n=== [{qid}] {text[:200]}")
-            print(answer_text(tok, res.tokens, res.finish_reason, stop))
+            print(answer)
             head = "--- "
         same = None if ar_tokens is None else ar_tokens[i] == res.tokens
         rates = (f"in {m.num_cycles} cycles, draft acceptance {m.draft_acceptance_rate:.3f}, equivalent accept length "
@@ -401,7 +409,7 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
                  "(the prefill's token alone: no decode cycle)")
         print(f"{head}{m.num_new_tokens} tokens {rates}, finish {res.finish_reason}"
               + ("" if same is None else f", identical to AR: {'yes' if same else 'NO'}"))
-        row = {"question_id": qid, "tokens": res.tokens, "finish_reason": res.finish_reason,
+        row = {"question_id": qid, "text": answer, "tokens": res.tokens, "finish_reason": res.finish_reason,
                "identical_to_ar": same, **m.to_dict()}
         if ar_results is not None:
             row["ar_decode_tok_s"] = ar_results[i].metrics.decode_tok_s
@@ -424,7 +432,7 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
     print()
     for line in speed_lines(cfg, results, ar_results, ar_name, one_process):
         print(line)
-    if args.output:
+    if args.output is not None:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output, "w") as f:
             for r in rows:

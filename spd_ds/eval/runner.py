@@ -241,6 +241,7 @@ def prepare(cfg: ExperimentConfig):
     prompts = encode_eval_prompts(cfg, sets, tok, arch.vocab_size)
     if not prompts:
         raise ConfigError("no prompts: check eval.prompt_sets and data.num_prompts")
+    cfg.decoding.max_length = min(cfg.decoding.max_length, arch.max_positions)  # as the pipeline engine caps it
     if cfg.eval.fit_max_length:
         cfg.decoding.max_length = fit_max_length(cfg, prompts, part.num_stages)
     return cfg, arch, part, tok, prompts
