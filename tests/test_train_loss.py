@@ -87,6 +87,16 @@ def test_lr_schedule_and_ds_config(tmp_path):
         with pytest.raises(ConfigError, match="gradient_accumulation_steps .* must be an integer >= 1"):
             load_ds_config({"gradient_accumulation_steps": gas}, 1)
     assert load_ds_config({"gradient_accumulation_steps": 3}, 1)["gradient_accumulation_steps"] == 3
+    said = []  # a batch size the file sets is overridden by data.micro_batch_size: said, not silent
+    ds = load_ds_config({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 4}, 2, said.append)
+    assert "train_batch_size" not in ds and ds["train_micro_batch_size_per_gpu"] == 2
+    assert said == ["the DeepSpeed config's train_batch_size=7 and train_micro_batch_size_per_gpu=4 are ignored: a "
+                    "micro-batch is data.micro_batch_size=2 rows, and a step is the DeepSpeed config's "
+                    "gradient_accumulation_steps micro-batches per rank; set those"]
+    said.clear()
+    load_ds_config("ds_configs/zero2.json", 2, said.append)
+    load_ds_config({"train_micro_batch_size_per_gpu": 2}, 2, said.append)
+    assert said == []
 
 
 def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):

@@ -169,6 +169,10 @@ def test_resume_continues_exactly(run_a, setup):
     t12 = torch.load(ck / "step12" / "mp_rank_00_model_states.pt", weights_only=False)["elapsed_s"]
     summary = json.loads((tmp / "b" / "run" / "train_summary.json").read_text())
     assert 0 < t6 < t12 <= summary["elapsed_s"] and summary["steps"] == 12 and summary["resumed_at_step"] == 6
+    # so do its tokens: the summary counts the whole run's (the checkpoint carries them), not the resumed part's
+    whole = json.loads((run_a_dir / "train_summary.json").read_text())["tokens"]
+    assert whole > 0 and summary["tokens"] == whole
+    assert summary["tokens_per_s"] == pytest.approx(whole / summary["elapsed_s"])
 
 
 @pytest.mark.slow
@@ -238,8 +242,54 @@ def test_session_time_limit_pauses_and_resume_finishes_exactly(run_a, setup):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     done = json.loads((run / "train_summary.json").read_text())
     assert done["steps"] == 12 and done["finished"] is True and done["resumed_at_step"] == 1
+    assert done["tokens"] == json.loads((run_a_dir / "train_summary.json").read_text())["tokens"]  # the run's
     a, s = _losses(run_a_dir), _losses(run)
     assert sorted(s) == list(range(1, 13)) and [s[k] for k in range(1, 13)] == [a[k] for k in range(1, 13)]
+
+
+@pytest.mark.slow
+def test_resume_of_a_finished_run_changes_nothing(run_a, setup):
+    """--resume on a run that has taken its last step says so in one line and exits 0 before building anything,
+    leaving every file as it was (it used to rewrite the heads and a summary with 0 tokens)."""
+    tmp, model, data = setup
+    (tmp / "f").mkdir()
+    shutil.copytree(run_a[0], tmp / "f" / "run")
+    cfg = _experiment(tmp / "f", model, data)
+    run = tmp / "f" / "run"
+
+    def files() -> dict:
+        return {str(f.relative_to(run)): (f.read_bytes(), f.stat().st_mtime_ns) for f in run.rglob("*") if f.is_file()}
+
+    before = files()
+    proc = _launch(cfg, "--resume")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert f"run {run} already finished at step 12 of 12; nothing to do (its heads: {run / 'best_head'}, " \
+        f"{run / 'head'})" in said and said.count("already finished") == 1  # rank 0 says it
+    assert "spd_ds.train: target" not in said and "Traceback" not in said  # before the model is built
+    assert files() == before
+
+
+@pytest.mark.slow
+def test_resume_with_other_draft_ids_of_the_same_size_is_refused(setup):
+    """The checkpoint restores the head's draft ids while the teacher's targets come from head.draft_vocab: a resume
+    with another vocabulary of the same size (it used to train on, silently wrong) stops in one line naming both,
+    and leaves the run's config.yaml as it was."""
+    tmp, model, data = setup
+    (tmp / "v").mkdir()
+    vocab = {}
+    for name, ids in (("a", range(0, 96)), ("b", range(32, 128))):
+        vocab[name] = tmp / "v" / f"{name}.json"
+        vocab[name].write_text(json.dumps({"token_ids": list(ids), "draft_vocab_size": 96}))
+    cfg = _experiment(tmp / "v", model, data, session_time_s=1e-6, eval_every=0)  # pauses after step 1
+    proc = _launch(cfg, f"head.draft_vocab={vocab['a']}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    config = (tmp / "v" / "run" / "config.yaml").read_text()
+    proc = _launch(cfg, "--resume", f"head.draft_vocab={vocab['b']}")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"was trained with other settings: head.draft_vocab {vocab['a']}, 96 ids blake2b:" in proc.stderr
+    assert f"(now {vocab['b']}, 96 ids blake2b:" in proc.stderr and "Resume with the run's own settings" in proc.stderr
+    assert "Traceback" not in proc.stderr and (tmp / "v" / "run" / "config.yaml").read_text() == config
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
 from spd_ds.train.resume import (RUN_FILE, check_resume, check_resumed_schedule, damaged_checkpoint_advice,
-                                  rng_state, run_identity, set_rng_state, truncate_log)
+                                  finished_message, finished_run, rng_state, run_identity, set_rng_state, truncate_log)
 from spd_ds.train.validate import Validator
 
 CHECKPOINTS = "checkpoints"
@@ -50,8 +50,10 @@ LOG_FILE = "train_log.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------------- setup pieces
-def load_ds_config(path_or_dict, micro_batch_rows: int) -> dict:
-    """The head engine's DeepSpeed config, with ``train_micro_batch_size_per_gpu`` set to our rows per micro-batch.
+def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
+    """The head engine's DeepSpeed config, with ``train_micro_batch_size_per_gpu`` set to our rows per micro-batch
+    (``data.micro_batch_size``) and ``train_batch_size`` left to DeepSpeed (micro-batch x accumulation x ranks); a
+    file that sets either otherwise is told so through ``warn(message)`` (when given).
 
     Raises:
         ConfigError: a missing file or one that is not a JSON object, an ``optimizer``/``scheduler`` section
@@ -70,6 +72,13 @@ def load_ds_config(path_or_dict, micro_batch_rows: int) -> dict:
                               "and a warmup/linear schedule (set train.lr / train.warmup_steps)")
     if cfg.get("fp16", {}).get("enabled"):
         raise ConfigError("fp16 is not supported for head training; use bf16 (or train.autocast=bf16)")
+    ignored = [f"train_batch_size={cfg['train_batch_size']}"] if "train_batch_size" in cfg else []
+    if cfg.get("train_micro_batch_size_per_gpu", micro_batch_rows) != micro_batch_rows:
+        ignored.append(f"train_micro_batch_size_per_gpu={cfg['train_micro_batch_size_per_gpu']}")
+    if ignored and warn is not None:
+        warn(f"the DeepSpeed config's {' and '.join(ignored)} {'are' if len(ignored) > 1 else 'is'} ignored: a "
+             f"micro-batch is data.micro_batch_size={micro_batch_rows} rows, and a step is the DeepSpeed config's "
+             "gradient_accumulation_steps micro-batches per rank; set those")
     cfg.pop("train_batch_size", None)
     cfg["train_micro_batch_size_per_gpu"] = int(micro_batch_rows)
     gas = cfg.setdefault("gradient_accumulation_steps", 1)
@@ -191,7 +200,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     from deepspeed.accelerator import get_accelerator
 
     from spd_ds.builder import build_arch, build_head, build_partition, eos_token_ids, load_tokenizer
-    from spd_ds.cli import checks_outputs, ensure_output_dir
+    from spd_ds.cli import checks_outputs, ensure_output_dir, rank_and_world
     from spd_ds.compile_cache import load_compile_cache, save_compile_cache
     from spd_ds.models.adapter import resolve_dtype
     from spd_ds.dist import init_process_group, init_timeout_s
@@ -208,10 +217,16 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     # checked on every rank before any collective
     if checks_outputs():
         ensure_output_dir(out_dir, "train.output_dir")
-    ds_base = load_ds_config(ds_config, dc.micro_batch_size)  # the file's errors now, not after the model loads
+    ds_base = load_ds_config(ds_config, dc.micro_batch_size,  # the file's errors now, not after the model loads
+                             lambda msg: _say(msg, rank_and_world()[0]))
     if not resume and (ckpt_dir / "latest").exists():
         raise ConfigError(f"{ckpt_dir} already holds a run; continue it with --resume (train.resume=true) or set "
                           "another train.output_dir")
+    if resume and (ckpt_dir / "latest").exists():  # a finished run: nothing to build, nothing written (every rank)
+        done = finished_run(out_dir, ckpt_dir, tc.max_time_s)
+        if done:
+            _say(done, rank_and_world()[0])
+            return out_dir / "head" if rank_and_world()[0] == 0 else None  # (the process group is not started yet)
 
     # 1. processes and devices
     init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
@@ -223,9 +238,6 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
     n_cached = load_compile_cache(tc.compile_cache)  # before the first compile (FlexAttention, the teacher's kernels)
     if tc.compile_cache:
@@ -324,6 +336,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     # 6. resume: head, optimizer, scheduler (DeepSpeed) + data position and RNG (client state)
     step, epoch, index, micro = 0, 0, 0, 0
     elapsed_before = 0.0  # training seconds of the earlier invocations of this run (resume)
+    tokens_before = 0  # tokens they trained on (None: a checkpoint from before spd-ds counted them)
     if resume:
         if (ckpt_dir / "latest").exists():
             schedule.stable = 0.0  # what checkpoints from before train.lr_stable_fraction ran with
@@ -343,18 +356,25 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                                    total_steps, lambda msg: _say(msg, rank))
             step, epoch, index, micro = cs["step"], cs["epoch"], cs["index"], cs["micro"]
             init_steps = cs.get("init_steps", init_steps)  # as the run began (head.checkpoint may have changed since)
-            elapsed_before = float(cs.get("elapsed_s", 0.0))
+            elapsed_before, tokens_before = float(cs.get("elapsed_s", 0.0)), cs.get("tokens")
             set_rng_state(cs["rng"][rank] if rank < len(cs["rng"]) else cs["rng"][0])
             if validator is not None:
                 validator.load_state(cs.get("validation"))
+            done = finished_message(out_dir, step, total_steps, elapsed_before, tc.max_time_s)  # (a shorter run)
+            if done:  # every rank reads the same summary: all return together, before anything is written
+                _say(done, rank)
+                return out_dir / "head" if rank == 0 else None
             _say(f"resumed from {ckpt_dir} at step {step} (epoch {epoch}, micro-batch {index})", rank)
         else:
             _say(f"train.resume: no checkpoint under {ckpt_dir}; starting fresh", rank)
 
     if validator is not None:
         validator.init_steps = init_steps  # best_head/best.json carries the head's history
-    # 7. logging
+    # 7. logging (config.yaml after every resume check: a refused or finished resume leaves the run's as it was)
     is_logger = rank == 0
+    if is_logger:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))
     tb = _tensorboard(out_dir) if (tc.tensorboard and is_logger) else None
     bar = None
     if is_logger and tc.progress:
@@ -459,15 +479,16 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         if step % tc.save_every == 0 or step == total_steps or stop:
             _save(engine, ckpt_dir, step, epoch, index + 1, micro, rank, world, tc.keep_checkpoints, device,
                   elapsed_s=time.perf_counter() - t_start,
-                  extra={"data": data_id, "init_steps": init_steps,
+                  extra={"data": data_id, "init_steps": init_steps,  # the run's tokens through this step:
+                         "tokens": None if tokens_before is None else tokens_before + tokens_total,
                          **({"validation": validator.state()} if validator is not None else {})},
                   identity=identity)
 
     # 9. the final head
     del batches  # stops the prefetching worker now, not at interpreter exit
     torch.distributed.destroy_process_group(host_group)
-    now = time.perf_counter()
-    elapsed, run_s = now - t_start, now - t_run
+    elapsed = time.perf_counter() - t_start  # the run's training time, earlier invocations included
+    tokens = None if tokens_before is None else tokens_before + tokens_total  # the run's too
     if bar is not None:
         bar.close()
     if tb is not None:
@@ -479,15 +500,15 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         final = out_dir / "head"
         head.to(dtype=resolve_dtype(tc.save_dtype)).save(final)
         summary = {"steps": step, "total_steps": total_steps, "finished": not paused, "elapsed_s": elapsed,
-                   "tokens": tokens_total,
-                   "tokens_per_s": tokens_total / max(run_s, 1e-9), "world_size": world,
+                   "tokens": tokens, "tokens_per_s": None if tokens is None else tokens / max(elapsed, 1e-9),
+                   "world_size": world,
                    "resumed_at_step": first_step if first_step else None,
                    "init_from": cfg.head.checkpoint, "init_steps": init_steps,
                    "teacher_pipe_degree": degree, "partition": part.to_dict(), "head": str(final),
                    **(validator.summary() if validator is not None else {"best": None})}
         (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-        _say(f"done: {step} steps in {elapsed:.1f} s, {summary['tokens_per_s']:.0f} tokens/s; head -> {final}", rank)
-        # (elapsed_s and steps count the whole run, earlier invocations included; tokens and tokens/s this one)
+        rate = "?" if tokens is None else f"{summary['tokens_per_s']:.0f}"  # steps, time, tokens: the whole run
+        _say(f"done: {step} steps in {elapsed:.1f} s, {rate} tokens/s; head -> {final}", rank)
         if paused:
             _say(f"train.session_time_s={tc.session_time_s:g} reached at step {step}: checkpoint saved; continue "
                  "with --resume (the head above is the run's state so far)", rank)

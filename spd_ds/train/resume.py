@@ -3,16 +3,20 @@ schedule it keeps, its log, and the RNG states it restores (used by :func:`spd_d
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
 import random
 from pathlib import Path
 
 import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig
-from spd_ds.train.history import read_train_log
+from spd_ds.train.history import SUMMARY_FILE, read_train_log
+from spd_ds.train.validate import BEST_DIR
 
 RUN_FILE = "run.json"  # in every checkpoint folder: what a resume must share with it (run_identity)
+DRAFT_VOCAB = "head.draft_vocab"  # run_identity's key for the draft ids: {"blake2b", "size", "from" (their source)}
 
 
 def rng_state() -> dict:
@@ -36,19 +40,39 @@ def set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state(st["cuda"])
 
 
+def draft_vocab_digest(draft_ids: torch.Tensor) -> str:
+    """``blake2b:<32 hex>`` of a head's draft ids (sorted, as little-endian int64): two vocabularies of one size get
+    different digests unless they hold the same ids (``head.draft_vocab=full`` and null: every id of the target)."""
+    ids = torch.sort(draft_ids.detach().to("cpu", torch.int64).reshape(-1)).values.numpy().astype("<i8")
+    return "blake2b:" + hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
+
+
+def _vocab_source(cfg: ExperimentConfig, head) -> str:
+    """Where the head's draft ids came from, for messages: the ``head.draft_vocab`` file (or ``full``), else the
+    vocabulary of ``head.checkpoint`` (which keeps its own unless its LM head is the target's)."""
+    hc = cfg.head
+    if hc.draft_vocab and (not hc.checkpoint or head.lm_head_from_target):
+        return str(hc.draft_vocab)
+    return f"that of head.checkpoint={hc.checkpoint}" if hc.checkpoint else "full"
+
+
 def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: int, gas: int) -> dict:
     """What a resumed run must share with its checkpoint, as JSON values keyed by the settings that decide them.
 
     The target's weights (:meth:`~spd_ds.models.adapter.TargetArch.fingerprint`), the stage partition, the head's
-    shape, the world size (ZeRO-2 partitions the optimizer state by it, and the data plan shards by it) and what
-    shapes the data plan (rows, row length, packing, gradient accumulation, teacher pipe degree): resuming with
-    another value would load state that means something else, or fail inside DeepSpeed. Written beside every
-    checkpoint (:data:`RUN_FILE`) and compared by :func:`check_resume`.
+    shape and draft ids (:data:`DRAFT_VOCAB`: their :func:`draft_vocab_digest` and where they came from; the
+    teacher's targets are built from the configured ids while the checkpoint restores the head's own), the world size
+    (ZeRO-2 partitions the optimizer state by it, and the data plan shards by it) and what shapes the data plan
+    (rows, row length, packing, gradient accumulation, teacher pipe degree): resuming with another value would load
+    state that means something else, or fail inside DeepSpeed. Written beside every checkpoint (:data:`RUN_FILE`)
+    and compared by :func:`check_resume`.
     """
     dc = cfg.data
     identity = {
         "model.name (weights)": arch.fingerprint(), "partition": part.to_dict(),
         "head.num_layers": head.num_layers, "head (draft vocabulary size)": head.draft_vocab_size,
+        DRAFT_VOCAB: {"blake2b": draft_vocab_digest(head.draft_ids), "size": head.draft_vocab_size,
+                      "from": _vocab_source(cfg, head)},
         "world size": world, "train.teacher_pipe_degree": degree,
         "data.micro_batch_size": dc.micro_batch_size, "data.max_seq_length": dc.max_seq_length,
         "data.pack": dc.pack, "data.skip_loops": dc.skip_loops, "gradient_accumulation_steps": gas,
@@ -63,16 +87,34 @@ def check_resume(ckpt_dir: Path, identity: dict) -> None:
         ckpt_dir: the run's ``checkpoints`` folder (its ``latest`` names the newest).
         identity: this invocation's :func:`run_identity`.
     Raises:
-        ConfigError: one line naming every setting that differs, with the run's value and the new one. Checkpoints
-            written before :data:`RUN_FILE` existed are not checked. A missing checkpoint
-            (:func:`check_checkpoint_files`).
+        ConfigError: one line naming every setting that differs, with the run's value and the new one (the draft
+            vocabulary by where its ids came from and their digest; its size alone when the run's :data:`RUN_FILE`
+            predates the digest). Checkpoints written before :data:`RUN_FILE` existed are not checked. A missing
+            checkpoint (:func:`check_checkpoint_files`).
     """
     check_checkpoint_files(ckpt_dir)
     path = ckpt_dir / (ckpt_dir / "latest").read_text().strip() / RUN_FILE
     if not path.exists():
         return
     saved = json.loads(path.read_text())
-    diffs = [f"{key} {saved[key]} (now {identity.get(key)})" for key in saved if identity.get(key) != saved[key]]
+
+    def vocab(v) -> str:
+        return f"{v.get('from')}, {v.get('size')} ids {v.get('blake2b')}" if isinstance(v, dict) else str(v)
+
+    def digest(v):
+        return v.get("blake2b") if isinstance(v, dict) else v
+
+    diffs = {}
+    for key, old in saved.items():
+        new = identity.get(key)
+        if key == DRAFT_VOCAB:  # the ids decide, not the file that named them
+            if digest(old) != digest(new):
+                diffs[key] = f"{key} {vocab(old)} (now {vocab(new)})"
+        elif new != old:
+            diffs[key] = f"{key} {old} (now {new})"
+    if DRAFT_VOCAB in diffs:  # names the vocabularies: their sizes add nothing
+        diffs.pop("head (draft vocabulary size)", None)
+    diffs = list(diffs.values())
     if diffs:
         raise ConfigError(f"{ckpt_dir.parent} was trained with other settings: {'; '.join(diffs)}. Resume with the "
                           "run's own settings, or start a new train.output_dir (head.checkpoint=<its head or "
@@ -140,6 +182,53 @@ def check_resumed_schedule(schedule, base_lr: float, weight_decay: float, tc, to
             "(the learning rate will not have decayed to 0)")
 
 
+def checkpoint_progress(ckpt_dir: Path) -> tuple[int, int, float] | None:
+    """``(step, the schedule's last step, training seconds)`` of the newest checkpoint under ``ckpt_dir``, read from
+    its client state and scheduler state (DeepSpeed's ``mp_rank_00_model_states.pt``, memory-mapped: the head's
+    weights are not read) without building an engine; ``None`` when they cannot be read (the resume then reports the
+    checkpoint)."""
+    try:
+        tag = (ckpt_dir / "latest").read_text().strip()
+        cs = torch.load(ckpt_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False,
+                        mmap=True)
+        total = cs["lr_scheduler"]["lr_lambdas"][0]["total"]  # WarmupLinear's state (LambdaLR keeps its __dict__)
+        return int(cs["step"]), int(total), float(cs.get("elapsed_s", 0.0))
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def finished_message(out_dir: Path, step: int, total: int, elapsed_s: float, max_time_s: float | None) -> str | None:
+    """The line saying that a resume has nothing to do, or ``None``.
+
+    A run is finished at checkpoint step ``step`` when that is its last step (``total``) or its ``train.max_time_s``
+    (this invocation's) is spent (``elapsed_s`` training seconds, as the loop stops), and its final files were
+    written from that checkpoint: ``train_summary.json`` says ``"finished": true`` at ``step``. Otherwise (a crash
+    between the last checkpoint and those files) the resume goes on and writes them, training no step.
+    """
+    by_time = max_time_s is not None and elapsed_s > max_time_s
+    if step < total and not by_time:
+        return None
+    try:
+        summary = json.loads((Path(out_dir) / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("finished") is not True or summary.get("steps") != step:
+        return None
+    heads = ", ".join(str(Path(out_dir) / d) for d in (BEST_DIR, "head") if (Path(out_dir) / d).is_dir()) or "none"
+    when = (f"at step {step} of {total}" if step >= total else
+            f"at step {step}, its train.max_time_s={max_time_s:g} spent ({elapsed_s:.0f} s trained; raise it to "
+            "continue the run)")
+    return (f"run {out_dir} already finished {when}; nothing to do (its heads: {heads}). To train further, start a "
+            "new train.output_dir with head.checkpoint=<its head or best_head>")
+
+
+def finished_run(out_dir: Path, ckpt_dir: Path, max_time_s: float | None) -> str | None:
+    """:func:`finished_message` for the newest checkpoint under ``ckpt_dir`` (:func:`checkpoint_progress`), before
+    any model or engine is built; ``None`` when it cannot be read."""
+    progress = checkpoint_progress(ckpt_dir)
+    return None if progress is None else finished_message(out_dir, *progress, max_time_s)
+
+
 def truncate_log(path: Path, step: int) -> None:
     """Start ``train_log.jsonl`` for a run at optimizer step ``step``: a fresh run (``step = 0``) removes it, a
     resumed one keeps the records up to its checkpoint's step, so that the steps a crash had logged after it are
@@ -151,5 +240,6 @@ def truncate_log(path: Path, step: int) -> None:
     path.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
 
 
-__all__ = ["RUN_FILE", "run_identity", "check_resume", "check_checkpoint_files", "damaged_checkpoint_advice",
-           "check_resumed_schedule", "truncate_log", "rng_state", "set_rng_state"]
+__all__ = ["RUN_FILE", "DRAFT_VOCAB", "draft_vocab_digest", "run_identity", "check_resume", "check_checkpoint_files",
+           "damaged_checkpoint_advice", "check_resumed_schedule", "checkpoint_progress", "finished_message",
+           "finished_run", "truncate_log", "rng_state", "set_rng_state"]

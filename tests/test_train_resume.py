@@ -1,0 +1,107 @@
+"""spd_ds.train.resume without a launch: the draft-vocabulary digest a resume compares, and the test that finds a run
+with nothing left to do (the end-to-end runs are in tests/test_train_run.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from spd_ds.config import ConfigError
+from spd_ds.train.resume import (DRAFT_VOCAB, RUN_FILE, check_resume, checkpoint_progress, draft_vocab_digest,
+                                 finished_message, finished_run)
+
+
+def _checkpoint(run: Path, step: int, total: int, elapsed_s: float, identity: dict | None = None) -> Path:
+    """A run directory whose newest checkpoint ``step<step>`` holds DeepSpeed's file names, the loop's client state
+    and a schedule ending at ``total``; returns its ``checkpoints`` folder."""
+    ck = run / "checkpoints"
+    where = ck / f"step{step}"
+    where.mkdir(parents=True)
+    torch.save({"module": {"w": torch.zeros(3)}, "step": step, "elapsed_s": elapsed_s,
+                "lr_scheduler": {"lr_lambdas": [{"warmup": 2, "total": total, "stable": 0.0, "time_fraction": 0.0}]}},
+               where / "mp_rank_00_model_states.pt")
+    (where / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x")
+    if identity is not None:
+        (where / RUN_FILE).write_text(json.dumps(identity))
+    (ck / "latest").write_text(f"step{step}")
+    return ck
+
+
+def _identity(ids, source: str, **more) -> dict:
+    ids = torch.as_tensor(ids)
+    return {"head.num_layers": 1, "head (draft vocabulary size)": int(ids.numel()),
+            DRAFT_VOCAB: {"blake2b": draft_vocab_digest(ids), "size": int(ids.numel()), "from": source}, **more}
+
+
+def test_the_draft_vocabulary_digest_is_of_the_ids():
+    a, b = torch.arange(0, 96), torch.arange(32, 128)
+    assert draft_vocab_digest(a) == draft_vocab_digest(a.clone()) == draft_vocab_digest(a.flip(0))
+    assert draft_vocab_digest(a) != draft_vocab_digest(b)  # same size, other ids
+    assert draft_vocab_digest(torch.arange(128)) == draft_vocab_digest(torch.arange(128, dtype=torch.int32))
+    assert draft_vocab_digest(a).startswith("blake2b:") and len(draft_vocab_digest(a)) == len("blake2b:") + 32
+
+
+def test_a_resume_with_other_draft_ids_of_the_same_size_is_refused(tmp_path):
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0, _identity(range(0, 96), "/v/a.json"))
+    with pytest.raises(ConfigError) as e:
+        check_resume(ck, _identity(range(32, 128), "/v/b.json"))
+    msg = str(e.value)
+    assert "\n" not in msg and "was trained with other settings: head.draft_vocab /v/a.json, 96 ids blake2b:" in msg
+    assert "(now /v/b.json, 96 ids blake2b:" in msg and "draft vocabulary size" not in msg
+    assert "Resume with the run's own settings" in msg and "head.checkpoint=" in msg
+    check_resume(ck, _identity(range(0, 96), "/elsewhere/a_copy.json"))  # the same ids from another file: resumes
+
+
+def test_a_run_file_from_before_the_digest_compares_the_size_only(tmp_path):
+    old = _identity(range(0, 96), "/v/a.json")
+    del old[DRAFT_VOCAB]
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0, old)
+    check_resume(ck, _identity(range(32, 128), "/v/b.json"))  # as before: cannot tell
+    with pytest.raises(ConfigError, match=r"head \(draft vocabulary size\) 96 \(now 64\)"):
+        check_resume(ck, _identity(range(64), "/v/c.json"))
+
+
+def _summary(run: Path, **kw) -> None:
+    (run / "train_summary.json").write_text(json.dumps({"steps": 12, "total_steps": 12, "finished": True, **kw}))
+
+
+def test_a_finished_run_is_found_from_its_checkpoint_and_summary(tmp_path):
+    run = tmp_path / "run"
+    ck = _checkpoint(run, 12, 12, 30.0)
+    assert checkpoint_progress(ck) == (12, 12, 30.0)
+    assert finished_run(run, ck, None) is None  # no summary: a crash before the final files; the resume writes them
+    _summary(run)
+    (run / "head").mkdir()
+    (run / "best_head").mkdir()
+    msg = finished_run(run, ck, None)
+    assert msg == (f"run {run} already finished at step 12 of 12; nothing to do (its heads: {run / 'best_head'}, "
+                   f"{run / 'head'}). To train further, start a new train.output_dir with "
+                   "head.checkpoint=<its head or best_head>")
+    _summary(run, steps=6)  # written before the newest checkpoint: its files are not from it
+    assert finished_run(run, ck, None) is None
+    _summary(run, finished=False)
+    assert finished_run(run, ck, None) is None
+
+
+def test_a_run_whose_time_is_spent_is_finished_unless_the_budget_is_raised(tmp_path):
+    run = tmp_path / "run"
+    ck = _checkpoint(run, 5, 12, 61.0)
+    _summary(run, steps=5)
+    assert finished_run(run, ck, None) is None  # no time limit now: steps 6..12 remain
+    assert finished_run(run, ck, 120.0) is None  # raised: the run goes on
+    msg = finished_run(run, ck, 60.0)
+    assert "already finished at step 5, its train.max_time_s=60 spent (61 s trained; raise it" in msg
+    assert finished_message(run, 5, 5, 61.0, None).startswith(f"run {run} already finished at step 5 of 5")
+
+
+def test_an_unreadable_checkpoint_is_left_to_the_resume(tmp_path):
+    run = tmp_path / "run"
+    ck = _checkpoint(run, 12, 12, 1.0)
+    _summary(run)
+    (ck / "step12" / "mp_rank_00_model_states.pt").write_bytes(b"cut short")
+    assert checkpoint_progress(ck) is None and finished_run(run, ck, None) is None
+    (ck / "latest").write_text("step99")
+    assert checkpoint_progress(ck) is None
