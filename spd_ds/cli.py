@@ -102,21 +102,12 @@ def experiment_parser(description: str | None, *, overrides_help: str, config_he
 
 def chosen_engine(engine: str) -> str:
     """``auto`` -> ``deepspeed`` when launched with more than one process (``WORLD_SIZE`` or the MPI variables, as
-    :func:`spd_ds.pipe.topology.detect_world_size` reads them), else ``reference``; other values unchanged.
-
-    Raises:
-        ConfigError: ``reference`` (one process) under a launcher that started several."""
+    :func:`spd_ds.pipe.topology.detect_world_size` reads them), else ``reference``; other values unchanged."""
     from spd_ds.pipe.topology import detect_world_size
 
-    world = detect_world_size()
-    if engine == "reference" and world > 1:  # every rank would run the whole job and write the same files
-        from spd_ds.config import ConfigError
-
-        raise ConfigError(f"--engine reference decodes in one process, but the launcher started {world}; run it "
-                          "with python (no deepspeed launcher), or leave --engine out under deepspeed")
     if engine != "auto":
         return engine
-    return "deepspeed" if world > 1 else "reference"
+    return "deepspeed" if detect_world_size() > 1 else "reference"
 
 
 # ---------------------------------------------------------------------------------------------- processes

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 
-DIST_BACKENDS = (None, "gloo", "nccl", "ccl", "mpi")  # deepspeed.backend: torch.distributed backends DeepSpeed takes
+DIST_BACKENDS = ("gloo", "nccl", "ccl", "mpi", "ucc", "xccl", "hccl")  # deepspeed.backend (torch.distributed backends)
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # model.sdpa_backends (torch.backends.cuda.enable_*_sdp)
 # model.attn_implementation: transformers attention backends for the target's layers (also accepted: a hub kernel
 # "org/repo" and any name transformers has registered, ``paged|`` variants included)
@@ -370,7 +370,7 @@ def _load_yaml(p: Path):
                           f"got a {'list' if isinstance(loaded, ListConfig) else type(loaded).__name__}")
     for name in list(loaded.keys()):
         value = loaded[name]
-        if value is None:  # a section whose keys are all commented out: its defaults
+        if value is None and name in _SECTIONS:  # a section whose keys are all commented out: its defaults
             del loaded[name]
         elif name in _SECTIONS and not isinstance(value, DictConfig):
             got = repr(OmegaConf.to_container(value) if isinstance(value, ListConfig) else value)
@@ -425,9 +425,13 @@ def validate(cfg: ExperimentConfig) -> None:
                           f"'[efficient, math]', or null for the device's default), got {backends!r}")
     if cfg.head.placement not in ("colocated", "dedicated"):
         raise ConfigError(f"head.placement must be 'colocated' or 'dedicated', got {cfg.head.placement!r}")
-    if cfg.deepspeed.backend not in DIST_BACKENDS:
-        raise ConfigError(f"deepspeed.backend must be one of {', '.join(b for b in DIST_BACKENDS if b)} (or null: nccl "
-                          f"on GPU, gloo on CPU), got {cfg.deepspeed.backend!r}")
+    if not str(cfg.train.output_dir).strip():  # Path("") is ".": the run would write into the working directory
+        raise ConfigError("train.output_dir is empty; give the run's folder (e.g. train.output_dir=runs/heads/my_run)")
+    backend = cfg.deepspeed.backend
+    if backend is not None and not (str(backend).lower() in DIST_BACKENDS
+                                    or re.fullmatch(r"\w+:\w+(,\w+:\w+)*", str(backend))):
+        raise ConfigError(f"deepspeed.backend must be one of {', '.join(b for b in DIST_BACKENDS if b)}, a per-device "
+                          f"map such as cpu:gloo,cuda:nccl, or null (nccl on GPU, gloo on CPU), got {backend!r}")
     if cfg.decoding.drafter not in ("head", "oracle"):
         raise ConfigError(f"decoding.drafter must be 'head' or 'oracle', got {cfg.decoding.drafter!r}")
     if cfg.partition.num_stages is not None and cfg.partition.num_stages < 1:

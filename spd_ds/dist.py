@@ -37,7 +37,7 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
     its peers' workspaces by then) each rank unlinks its own file; the mappings stay valid.
 
     Args:
-        backend: ``deepspeed.backend`` (None = the accelerator's default: NCCL on GPU, gloo/ccl on CPU).
+        backend: ``deepspeed.backend`` (None = the accelerator's default: NCCL on GPU, gloo on CPU).
         timeout_s: timeout of the default process group in seconds.
     Returns:
         Whether this call initialised it.

@@ -247,10 +247,22 @@ def test_a_section_that_is_not_a_mapping_is_named_and_an_empty_one_keeps_its_def
     empty.write_text("decoding:\n#  temperature: 0.7\nhead:\n  placement: dedicated\n")
     cfg = load_config(empty)
     assert cfg.decoding.temperature == 0.0 and cfg.head.placement == "dedicated"
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("moddel:\n#  name: x\n")  # a misspelled section stays an error even when it is empty
+    with pytest.raises(ConfigError, match="unknown config key 'moddel'; sections: model, "):
+        load_config(typo)
 
 
 def test_an_unknown_distributed_backend_is_a_config_error():
     """It was DeepSpeed's AssertionError on every rank (exit status 1), and accepted silently in one process."""
-    with pytest.raises(ConfigError, match=r"^deepspeed.backend must be one of gloo, nccl, ccl, mpi \(or null"):
+    with pytest.raises(ConfigError, match=r"^deepspeed.backend must be one of gloo, nccl, ccl, mpi, ucc, xccl, hccl, "
+                                          r"a per-device map such as cpu:gloo,cuda:nccl, or null"):
         load_config(None, ["deepspeed.backend=foo"])
-    assert load_config(None, ["deepspeed.backend=gloo"]).deepspeed.backend == "gloo"
+    for ok in ("gloo", "NCCL", "cpu:gloo,cuda:nccl"):  # torch lowercases names and takes device maps
+        assert load_config(None, [f"deepspeed.backend={ok}"]).deepspeed.backend == ok
+
+
+def test_an_empty_training_output_dir_is_refused():
+    """Path('') is '.': training wrote its checkpoints and heads into the working directory."""
+    with pytest.raises(ConfigError, match=r"^train.output_dir is empty; give the run's folder"):
+        load_config(None, ["train.output_dir=''"])

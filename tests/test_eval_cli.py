@@ -172,7 +172,8 @@ def test_tp_ar_static_decoder_matches_ar_on_uneven_and_untied_shards(tmp_path, m
 @pytest.mark.slow
 def test_benchmark_cli_suite_c_spd_and_ppsd(tmp_path):
     """Suite (c): one acceptance row per head family and n, PPSD heads with anchors (0, e_1), fp32 on CPU; an n with
-    a PPSD head and no SPD head gets the PPSD row alone."""
+    a PPSD head and no SPD head gets the PPSD row alone. Under the launcher (2 ranks), as docs/benchmarks.md runs
+    the suites: suite c is the head rank's alone (the reference decoder), the other rank ends at once."""
     import torch
 
     from spd_ds.head import SpeculationHead
@@ -191,7 +192,7 @@ def test_benchmark_cli_suite_c_spd_and_ppsd(tmp_path):
     p = run(["launch/benchmark.py", "--suite", "c", "--stages", "2", "3", "--spd-head", str(tmp_path / "spd-n{n}"),
              "--ppsd-head", str(tmp_path / "ppsd-n{n}"), "--num-prompts", "2", "--max-new-tokens", "8",
              "--out", str(tmp_path / "bench"), f"model.name={shape}", "eval.prompt_sets=[random]",
-             "eval.random_prompt_lengths=[6]", "eval.progress=false", "eval.plots=false"])
+             "eval.random_prompt_lengths=[6]", "eval.progress=false", "eval.plots=false"], launcher=deepspeed_cmd(2))
     assert p.returncode == 0, p.stderr[-3000:]
     bench = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
     rows, col = bench["acceptance"], bench["acceptance_headers"].index

@@ -343,13 +343,9 @@ def test_every_rank_ends_when_the_deepspeed_command_or_its_launcher_is_killed(sm
     (["--output", ""], {}, "error: --output is empty; give a file path"),
     (["--stop", ""], {}, "error: --stop '' is empty; give the text that ends an answer (a newline: --stop $'\\n' in "
                          "bash)"),
-    (["--engine", "reference"], {"RANK": "0", "WORLD_SIZE": "2"},
-     "error (rank 0 of 2): --engine reference decodes in one process, but the launcher started 2; run it with python "
-     "(no deepspeed launcher), or leave --engine out under deepspeed"),
 ])
-def test_options_that_would_be_ignored_or_repeated_are_refused_before_the_model(tmp_path, extra, env, message):
-    """An empty --output wrote nothing without a word; an empty --stop was reported as decoding.stop; --engine
-    reference under a launcher of 2 ran the whole job on both ranks, both writing the same --output."""
+def test_options_that_would_be_ignored_are_refused_before_the_model(tmp_path, extra, env, message):
+    """An empty --output wrote nothing without a word; an empty --stop was reported as decoding.stop."""
     cmd = [sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi", *extra,
            f"model.name={tmp_path / 'no_model_here'}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
@@ -367,3 +363,16 @@ def test_prompt_ids_keep_their_type(tmp_path):
     f.write_text('{"question_id": 81, "turns": ["a"]}\n{"question_id": "x7", "turns": ["b"]}\n')
     cfg = load_config(None, [f"data.prompts={f}"])
     assert load_prompt_texts(cfg, SimpleNamespace(prompt=None)) == [(81, "a"), ("x7", "b")]
+
+
+def test_engine_reference_under_a_launcher_decodes_on_rank_0_alone(tmp_path):
+    """--engine reference under a launcher of 2 ran the whole job on both ranks, both printing every answer and
+    writing the same --output; now the other ranks end at once (as launch/eval.py's do) and rank 0 decodes."""
+    cmd = [sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi", "--engine", "reference",
+           f"model.name={tmp_path / 'no_model_here'}"]
+    other = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"})
+    assert other.returncode == 0 and "no_model_here" not in other.stderr, other.stderr[-2000:]
+    head = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RANK": "0", "WORLD_SIZE": "2"})
+    assert head.returncode == 2 and "no_model_here" in head.stderr.strip().splitlines()[-1], head.stderr[-2000:]

@@ -90,12 +90,11 @@ def test_lr_schedule_and_ds_config(tmp_path):
     said = []  # a batch size the file sets is overridden by data.micro_batch_size: said, not silent
     ds = load_ds_config({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 4}, 2, said.append)
     assert "train_batch_size" not in ds and ds["train_micro_batch_size_per_gpu"] == 2
-    assert said == ["the DeepSpeed config's train_batch_size=7 and train_micro_batch_size_per_gpu=4 are ignored: a "
-                    "micro-batch is data.micro_batch_size=2 rows, and a step is the DeepSpeed config's "
-                    "gradient_accumulation_steps micro-batches per rank; set those"]
+    assert said == ["the DeepSpeed config's train_batch_size=7 and train_micro_batch_size_per_gpu=4 are ignored: "
+                    "spd-ds sets the batch from data.micro_batch_size (rows per micro-batch) and the config's "
+                    "gradient_accumulation_steps; set those instead"]
     said.clear()
     load_ds_config("ds_configs/zero2.json", 2, said.append)
-    load_ds_config({"train_micro_batch_size_per_gpu": 2}, 2, said.append)
     assert said == []
 
 

@@ -95,6 +95,15 @@ def test_a_run_whose_time_is_spent_is_finished_unless_the_budget_is_raised(tmp_p
     msg = finished_run(run, ck, 60.0)
     assert "already finished at step 5, its train.max_time_s=60 spent (61 s trained; raise it" in msg
     assert finished_message(run, 5, 5, 61.0, None).startswith(f"run {run} already finished at step 5 of 5")
+    # the summary records the budget the run stopped by: rank 0's saved time may lie just under it (another rank's
+    # clock, which started earlier, stopped the run); the same budget is spent, a larger one goes on
+    ck = _checkpoint(tmp_path / "run2", 5, 12, 59.8)
+    run = tmp_path / "run2"
+    _summary(run, steps=5, max_time_s=60.0)
+    assert finished_run(run, ck, 60.0) is not None and finished_run(run, ck, 50.0) is not None
+    assert finished_run(run, ck, 60.5) is None and finished_run(run, ck, None) is None
+    _summary(run, steps=5, max_time_s=None)  # it ran without one and was stopped by none: not finished by time
+    assert finished_run(run, ck, 60.0) is None
 
 
 def test_an_unreadable_checkpoint_is_left_to_the_resume(tmp_path):

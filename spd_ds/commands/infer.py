@@ -233,6 +233,8 @@ def _main(argv=None) -> int:
         check_output_file(args.output, "--output")
     world = detect_world_size()
     engine = chosen_engine(args.engine)
+    if engine == "reference" and int(os.environ.get("RANK", "0")) != 0:
+        return 0  # --engine reference under a launcher: rank 0 alone decodes (as launch/eval.py does)
 
     arch = builder.build_arch(cfg)
     tok = builder.load_tokenizer(arch)

@@ -248,7 +248,8 @@ def _main(argv: list[str] | None = None) -> int:
     sd.add_argument("--time-budget", type=float_in(0.0, above=True), default=None,
                     help="stop starting generate calls after this many s")
     sd.add_argument("--shard-bytes", type=pos, default=12_000_000, help="uncompressed bytes per shard at most")
-    sd.add_argument("--flush-every", type=float_in(0.0, above=True), default=60.0, help="write finished answers at least this often (s)")
+    sd.add_argument("--flush-every", type=float_in(0.0, above=True), default=60.0,
+                    help="write finished answers at least this often (s)")
     sd.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     sd.add_argument("--device", default=None, help="default: cuda if available")
     sd.add_argument("--chat-template", default=None)

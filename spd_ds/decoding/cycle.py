@@ -70,9 +70,10 @@ def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_positions: int,
     """Raise :class:`PromptError` for an empty prompt or one that does not fit the context with its generation.
 
     ``max_positions`` is ``decoding.max_length`` capped at the model's maximum ``model_max`` (when known): a prompt
-    and generation longer than the model's maximum is not advised to raise ``decoding.max_length``. ``model_max_source`` is the config.json key that sets
-    ``model_max`` (:attr:`~spd_ds.models.adapter.TargetArch.max_positions_source`): ``"sliding_window"`` (a window
-    over every layer, within which full attention is exact) is named as such.
+    and generation longer than the model's maximum is not advised to raise ``decoding.max_length``.
+    ``model_max_source`` is the config.json key that sets ``model_max``
+    (:attr:`~spd_ds.models.adapter.TargetArch.max_positions_source`): ``"sliding_window"`` (a window over every layer,
+    within which full attention is exact) is named as such.
 
     Raises:
         PromptError: an empty prompt, ``max_new_tokens < 1``, or ``len(prompt) + max_new_tokens + num_stages`` over

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
-import os
 import signal
 import sys
 from typing import Iterable, Sequence
@@ -207,18 +205,17 @@ def batches_on_device(planner: BatchPlanner, epoch: int, index: int, prefetch: i
 
     loader = torch.utils.data.DataLoader(_Stream(), batch_size=None, num_workers=1, prefetch_factor=prefetch,
                                          pin_memory=torch.cuda.is_available(), persistent_workers=False,
-                                         worker_init_fn=functools.partial(die_with_parent, os.getpid()))
+                                         worker_init_fn=die_with_parent)
     return iter(loader)
 
 
-def die_with_parent(parent_pid: int, worker_id: int = 0) -> None:
+def die_with_parent(worker_id: int = 0) -> None:
     """A DataLoader ``worker_init_fn``: on Linux the worker is killed (``SIGKILL``, ``prctl(PR_SET_PDEATHSIG)``) as
     soon as the process that started it dies, e.g. a rank killed by the launcher; PyTorch's own watchdog notices a
-    dead parent only every 5 s, so a worker used to outlive its rank by seconds, holding its memory. Elsewhere, or
-    without libc's ``prctl``, nothing changes.
+    dead parent only every 5 s, so a worker used to outlive its rank by seconds, holding its memory. A parent that
+    dies before ``prctl`` runs is left to that watchdog. Elsewhere, or without libc's ``prctl``, nothing changes.
 
     Args:
-        parent_pid: the training process's pid (a parent already gone before ``prctl`` ends the worker at once).
         worker_id: the DataLoader's worker index (unused).
     """
     if not sys.platform.startswith("linux"):
@@ -228,8 +225,6 @@ def die_with_parent(parent_pid: int, worker_id: int = 0) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

@@ -52,8 +52,8 @@ LOG_FILE = "train_log.jsonl"
 # ---------------------------------------------------------------------------------------------------- setup pieces
 def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
     """The head engine's DeepSpeed config, with ``train_micro_batch_size_per_gpu`` set to our rows per micro-batch
-    (``data.micro_batch_size``) and ``train_batch_size`` left to DeepSpeed (micro-batch x accumulation x ranks); a
-    file that sets either otherwise is told so through ``warn(message)`` (when given).
+    (``data.micro_batch_size``, divided among the teacher's pipeline stages) and ``train_batch_size`` left to
+    DeepSpeed (micro-batch x accumulation x ranks); a file that sets either is told so through ``warn(message)``.
 
     Raises:
         ConfigError: a missing file or one that is not a JSON object, an ``optimizer``/``scheduler`` section
@@ -72,13 +72,11 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
                               "and a warmup/linear schedule (set train.lr / train.warmup_steps)")
     if cfg.get("fp16", {}).get("enabled"):
         raise ConfigError("fp16 is not supported for head training; use bf16 (or train.autocast=bf16)")
-    ignored = [f"train_batch_size={cfg['train_batch_size']}"] if "train_batch_size" in cfg else []
-    if cfg.get("train_micro_batch_size_per_gpu", micro_batch_rows) != micro_batch_rows:
-        ignored.append(f"train_micro_batch_size_per_gpu={cfg['train_micro_batch_size_per_gpu']}")
+    ignored = [f"{k}={cfg[k]}" for k in ("train_batch_size", "train_micro_batch_size_per_gpu") if k in cfg]
     if ignored and warn is not None:
-        warn(f"the DeepSpeed config's {' and '.join(ignored)} {'are' if len(ignored) > 1 else 'is'} ignored: a "
-             f"micro-batch is data.micro_batch_size={micro_batch_rows} rows, and a step is the DeepSpeed config's "
-             "gradient_accumulation_steps micro-batches per rank; set those")
+        warn(f"the DeepSpeed config's {' and '.join(ignored)} {'are' if len(ignored) > 1 else 'is'} ignored: spd-ds "
+             "sets the batch from data.micro_batch_size (rows per micro-batch) and the config's "
+             "gradient_accumulation_steps; set those instead")
     cfg.pop("train_batch_size", None)
     cfg["train_micro_batch_size_per_gpu"] = int(micro_batch_rows)
     gas = cfg.setdefault("gradient_accumulation_steps", 1)
@@ -361,7 +359,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
             if validator is not None:
                 validator.load_state(cs.get("validation"))
             done = finished_message(out_dir, step, total_steps, elapsed_before, tc.max_time_s)  # (a shorter run)
-            if done:  # every rank reads the same summary: all return together, before anything is written
+            if done:  # every rank reads the same summary: all return together, before heads, summary or config.yaml
                 _say(done, rank)
                 return out_dir / "head" if rank == 0 else None
             _say(f"resumed from {ckpt_dir} at step {step} (epoch {epoch}, micro-batch {index})", rank)
@@ -499,7 +497,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if is_logger:
         final = out_dir / "head"
         head.to(dtype=resolve_dtype(tc.save_dtype)).save(final)
-        summary = {"steps": step, "total_steps": total_steps, "finished": not paused, "elapsed_s": elapsed,
+        summary = {"steps": step, "total_steps": total_steps, "finished": not paused, "max_time_s": tc.max_time_s,
+                   "elapsed_s": elapsed,
                    "tokens": tokens, "tokens_per_s": None if tokens is None else tokens / max(elapsed, 1e-9),
                    "world_size": world,
                    "resumed_at_step": first_step if first_step else None,

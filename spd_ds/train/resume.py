@@ -200,13 +200,13 @@ def checkpoint_progress(ckpt_dir: Path) -> tuple[int, int, float] | None:
 def finished_message(out_dir: Path, step: int, total: int, elapsed_s: float, max_time_s: float | None) -> str | None:
     """The line saying that a resume has nothing to do, or ``None``.
 
-    A run is finished at checkpoint step ``step`` when that is its last step (``total``) or its ``train.max_time_s``
-    (this invocation's) is spent (``elapsed_s`` training seconds, as the loop stops), and its final files were
-    written from that checkpoint: ``train_summary.json`` says ``"finished": true`` at ``step``. Otherwise (a crash
-    between the last checkpoint and those files) the resume goes on and writes them, training no step.
+    A run is finished at checkpoint step ``step`` when its final files were written from that checkpoint
+    (``train_summary.json`` says ``"finished": true`` at ``step``) and it ended there for good: at its last step
+    (``total``), or stopped by a ``train.max_time_s`` that this invocation does not raise (the summary's
+    ``max_time_s``; a summary written before it was recorded: ``elapsed_s`` training seconds over ``max_time_s``).
+    Otherwise (a crash between the last checkpoint and those files, or a larger time budget) the resume goes on.
     """
-    by_time = max_time_s is not None and elapsed_s > max_time_s
-    if step < total and not by_time:
+    if step < total and max_time_s is None:
         return None
     try:
         summary = json.loads((Path(out_dir) / SUMMARY_FILE).read_text())
@@ -214,6 +214,10 @@ def finished_message(out_dir: Path, step: int, total: int, elapsed_s: float, max
         return None
     if not isinstance(summary, dict) or summary.get("finished") is not True or summary.get("steps") != step:
         return None
+    if step < total:  # the time budget ended it: the rule the loop stopped by is the summary's own record
+        ran_with = summary.get("max_time_s", elapsed_s if elapsed_s > max_time_s else None)
+        if not isinstance(ran_with, (int, float)) or max_time_s > ran_with:
+            return None
     heads = ", ".join(str(Path(out_dir) / d) for d in (BEST_DIR, "head") if (Path(out_dir) / d).is_dir()) or "none"
     when = (f"at step {step} of {total}" if step >= total else
             f"at step {step}, its train.max_time_s={max_time_s:g} spent ({elapsed_s:.0f} s trained; raise it to "
