@@ -150,7 +150,8 @@ def test_prepare_train_data_and_draft_vocab_cli_errors_are_one_line(tmp_path, ca
         (prepare_train_data, ["export", "--data", str(data), "--out", str(tmp_path / "afile" / "e.jsonl.gz")],
          "cannot be created as a folder"),
         (prepare_train_data, ["regenerate", "--model", str(model), "--data", str(data), "--sample-fraction", "-0.4",
-                              "--out", str(tmp_path / "r.jsonl.gz")], "--sample-fraction must be in [0, 1]"),
+                              "--out", str(tmp_path / "r.jsonl.gz")],
+         "argument --sample-fraction: must be >= 0 and <= 1, got -0.4"),
     ]
     for mod, argv, message in cases:
         try:

@@ -254,8 +254,6 @@ def _main(argv: list[str] | None = None) -> int:
     sd.add_argument("--device", default=None, help="default: cuda if available")
     sd.add_argument("--chat-template", default=None)
     args = ap.parse_args(argv)
-    if args.cmd == "regenerate" and args.sample_fraction is not None and not 0.0 <= args.sample_fraction <= 1.0:
-        ap.error(f"--sample-fraction must be in [0, 1], got {args.sample_fraction}")
     if args.cmd == "selfdistill":  # before the model loads: a bad output path fails now, not after generating
         ensure_output_dir(args.out, "--out")
     else:
