@@ -42,6 +42,9 @@ class ExperimentParser(argparse.ArgumentParser):
         return self.parse_intermixed_args(args, namespace)
 
 
+VERSION_OF = ("torch", "deepspeed", "transformers")  # the distributions --version names beside spd-ds
+
+
 def version_text() -> str:
     """``spd-ds <version> (torch <v>, deepspeed <v>, transformers <v>)``: the installed distributions' versions, read
     from their metadata (nothing is imported: torch's import alone takes seconds); ``not installed`` for one that is
@@ -57,9 +60,6 @@ def version_text() -> str:
             return "not installed"
 
     return f"spd-ds {spd_ds.__version__} ({', '.join(f'{d} {installed(d)}' for d in VERSION_OF)})"
-
-
-VERSION_OF = ("torch", "deepspeed", "transformers")  # the distributions --version names beside spd-ds
 
 
 class _VersionAction(argparse.Action):

@@ -348,7 +348,8 @@ def exactness_lines(summary: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- files
-PLOT_FILES = ("acceptance_by_depth.png", "cycle_time_split.png")
+PLOT_FILES = ("acceptance_by_depth.png", "cycle_time_split.png")  # write_reports' plots, in this order
+
 
 def write_reports(run, out_dir: str | Path, plots: bool | None = None, summary: dict | None = None) -> dict:
     """Write ``per_prompt.jsonl``, ``summary.json`` and (``eval.plots``) ``acceptance_by_depth.png`` and

@@ -79,6 +79,12 @@ class TargetArch:
     For a composite checkpoint (``qwen3_5``: text model + vision tower) :attr:`config` is its ``text_config`` and
     only the language model's tensors are read (``model.language_model.*``, ``lm_head.weight``).
 
+    Attributes:
+        max_positions: the context in positions (int): ``max_position_embeddings``, or the sliding window when it is
+            shorter (a Mistral-style window over every layer: exact full attention up to its length, and spd-ds goes
+            no further). max_positions_source: the config.json key that sets it (``"sliding_window"`` or
+            ``"max_position_embeddings"``).
+
     Raises:
         UnsupportedModelError: unsupported ``model_type``, sliding-window layers, or a Qwen3.5 checkpoint with a
             transformers too old to know it.
@@ -113,6 +119,10 @@ class TargetArch:
         # context fits the window, so the window caps :attr:`max_positions`
         window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         self.sliding_window = int(window) if window and not hasattr(cfg, "layer_types") else None
+        positions = int(getattr(cfg, "max_position_embeddings", 1 << 20))
+        windowed = self.sliding_window is not None and self.sliding_window < positions
+        self.max_positions = self.sliding_window if windowed else positions
+        self.max_positions_source = "sliding_window" if windowed else "max_position_embeddings"
         # a composite checkpoint ties (or not) as its top-level model does; a missing lm_head.weight always ties
         self._tie = bool(getattr(top, "tie_word_embeddings", False))
         self.max_rollback = DEFAULT_MAX_ROLLBACK if max_rollback is None else int(max_rollback)
@@ -158,20 +168,6 @@ class TargetArch:
         """Per-head width of queries/keys/values."""
         hd = getattr(self.config, "head_dim", None)
         return int(hd) if hd else self.hidden_size // int(self.config.num_attention_heads)
-
-    @property
-    def max_positions(self) -> int:
-        """Context length in positions: ``max_position_embeddings``, or the sliding window when it is shorter (a
-        Mistral-style window over every layer: exact full attention up to its length, and spd-ds goes no further)."""
-        positions = int(getattr(self.config, "max_position_embeddings", 1 << 20))
-        return min(positions, self.sliding_window) if self.sliding_window else positions
-
-    @property
-    def max_positions_source(self) -> str:
-        """The config.json key that sets :attr:`max_positions`: ``"sliding_window"`` (shorter than the model's
-        ``max_position_embeddings``) or ``"max_position_embeddings"``."""
-        window, positions = self.sliding_window or 0, int(getattr(self.config, "max_position_embeddings", 1 << 20))
-        return "sliding_window" if 0 < window < positions else "max_position_embeddings"
 
     @property
     def random_weights(self) -> bool:
@@ -271,10 +267,10 @@ class TargetArch:
         """ModelFileError for the first tensor of ``want`` (name -> shape by config.json) that the checkpoint lacks or
         holds in another shape (read from the file headers)."""
         for name, shape in want.items():
-            if tuple(self._weights.shape(name)) != shape:
-                raise ModelFileError(f"{self.model_dir}: tensor {name} has shape {tuple(self._weights.shape(name))} in "
-                                     f"the checkpoint but {shape} by config.json; the weights and the config are of "
-                                     "different models")
+            stored = tuple(self._weights.shape(name))
+            if stored != shape:
+                raise ModelFileError(f"{self.model_dir}: tensor {name} has shape {stored} in the checkpoint but "
+                                     f"{shape} by config.json; the weights and the config are of different models")
 
     def _stored_shapes(self, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         """The checkpoint tensors that parameter ``name`` of ``shape`` is read from, with their shapes: itself, or for
