@@ -50,7 +50,7 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    if backend == "nccl" and not torch.cuda.is_available():  # every rank, before any collective
+    if str(backend).lower() == "nccl" and not torch.cuda.is_available():  # every rank, before any collective; any case
         raise ConfigError("deepspeed.backend=nccl needs CUDA GPUs and none is visible; use deepspeed.backend=gloo "
                           "on CPU (or leave it unset)")
     timeout = datetime.timedelta(seconds=timeout_s)

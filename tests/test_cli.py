@@ -144,8 +144,8 @@ EXPERIMENT_PROGRAMS = ("train", "infer", "eval", "benchmark")  # built on cli.ex
 DATA_PROGRAMS = ("build_draft_vocab", "prepare_train_data", "prepare_eval_data")  # their own parsers
 
 
-@pytest.mark.parametrize("program,flag", [(p, f) for p in (*DATA_PROGRAMS, *EXPERIMENT_PROGRAMS)
-                                          for f in ("--help", "--version")])
+@pytest.mark.parametrize("program,flag", [(p, f) for p in (*DATA_PROGRAMS, *EXPERIMENT_PROGRAMS,
+                                                                      "pipe_bench") for f in ("--help", "--version")])
 def test_program_help_and_version_do_not_import_torch(program, flag):
     """``--help`` and ``--version`` exit 0 at once, torch not imported;
     ``--version`` prints one line: spd-ds's version, then torch's, deepspeed's and transformers' (their metadata)."""

@@ -101,8 +101,9 @@ def test_nccl_without_cuda_is_a_one_line_error_before_any_collective(monkeypatch
     from spd_ds.dist import init_process_group
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match="deepspeed.backend=gloo"):
-        init_process_group("nccl", 10.0)
+    for name in ("nccl", "NCCL"):  # torch takes the name in any case
+        with pytest.raises(ConfigError, match="deepspeed.backend=gloo"):
+            init_process_group(name, 10.0)
     assert not tdist.is_initialized()
 
 

@@ -64,6 +64,20 @@ def test_a_run_file_from_before_the_digest_compares_the_size_only(tmp_path):
         check_resume(ck, _identity(range(64), "/v/c.json"))
 
 
+def test_a_checkpoint_missing_one_ranks_optimizer_shard_is_refused_on_every_rank(tmp_path):
+    # world 2: rank 1's ZeRO shard is gone. Every rank reads the same folder, so all name it before DeepSpeed loads
+    # (rank 0 used to report a resume while rank 1 failed inside DeepSpeed)
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0, _identity(range(96), "/v/a.json", **{"world size": 2}))
+    (ck / "step5").mkdir()
+    with pytest.raises(ConfigError) as e:
+        check_resume(ck, _identity(range(96), "/v/a.json", **{"world size": 2}))
+    msg = str(e.value)
+    assert "\n" not in msg and "names checkpoint 'step6', which cannot be resumed" in msg
+    assert "no optimizer state of rank 1 of 2" in msg and "echo step5 >" in msg
+    (ck / "step6" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"x")  # the bf16 optimizer's name
+    check_resume(ck, _identity(range(96), "/v/a.json", **{"world size": 2}))
+
+
 def _summary(run: Path, **kw) -> None:
     (run / "train_summary.json").write_text(json.dumps({"steps": 12, "total_steps": 12, "finished": True, **kw}))
 

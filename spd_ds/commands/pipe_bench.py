@@ -23,7 +23,6 @@ from pathlib import Path
 
 from spd_ds.cli import add_version_argument
 from spd_ds.eval.prompts import DEMO_PROMPTS as PROMPTS
-from spd_ds.eval.runner import first_divergence
 
 
 def main(argv=None) -> int:
@@ -52,6 +51,7 @@ def _main(argv=None) -> int:
 
     from spd_ds.builder import build_arch, encode_prompt, load_tokenizer, resolve_path
     from spd_ds.config import ConfigError, load_config
+    from spd_ds.eval.runner import first_divergence
     from spd_ds.pipe.runner import SPDSession
 
     cfg = load_config(args.config, args.set)

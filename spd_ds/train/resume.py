@@ -97,6 +97,33 @@ def check_resume(ckpt_dir: Path, identity: dict) -> None:
     if not path.exists():
         return
     saved = json.loads(path.read_text())
+    _check_identity(ckpt_dir, saved, identity)
+    check_optimizer_shards(ckpt_dir, identity.get("world size"))
+
+
+def check_optimizer_shards(ckpt_dir: Path, world: int | None) -> None:
+    """Refuse a ZeRO checkpoint that lacks one data-parallel rank's optimizer shard
+    (``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` for every ``r < world``), so that every rank names the
+    damaged checkpoint before any of them loads (DeepSpeed fails on the rank whose file is gone, and the others
+    would first report a successful resume). Checkpoints without ``zero_pp_rank`` files are left alone.
+
+    Raises:
+        ConfigError: one line naming the checkpoint, the missing ranks' shards and what to resume instead.
+    """
+    tag = (ckpt_dir / "latest").read_text().strip()
+    where = ckpt_dir / tag
+    shards = [f.name for f in where.glob("*zero_pp_rank_*optim_states.pt")]
+    if not shards or not world:
+        return
+    missing = [r for r in range(int(world)) if not any(f"zero_pp_rank_{r}_mp_rank_" in name for name in shards)]
+    if missing:
+        raise ConfigError(f"{ckpt_dir / 'latest'} names checkpoint {tag!r}, which cannot be resumed (no optimizer "
+                          f"state of rank {', '.join(map(str, missing))} of {world}: "
+                          f"zero_pp_rank_<rank>_mp_rank_00_optim_states.pt); {damaged_checkpoint_advice(ckpt_dir, tag)}")
+
+
+def _check_identity(ckpt_dir: Path, saved: dict, identity: dict) -> None:
+    """The settings of :func:`check_resume` compared; raises its ``ConfigError``."""
 
     def vocab(v) -> str:
         return f"{v.get('from')}, {v.get('size')} ids {v.get('blake2b')}" if isinstance(v, dict) else str(v)
@@ -244,6 +271,6 @@ def truncate_log(path: Path, step: int) -> None:
     path.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
 
 
-__all__ = ["RUN_FILE", "DRAFT_VOCAB", "draft_vocab_digest", "run_identity", "check_resume", "check_checkpoint_files",
+__all__ = ["RUN_FILE", "DRAFT_VOCAB", "draft_vocab_digest", "run_identity", "check_resume", "check_checkpoint_files", "check_optimizer_shards",
            "damaged_checkpoint_advice", "check_resumed_schedule", "checkpoint_progress", "finished_message",
            "finished_run", "truncate_log", "rng_state", "set_rng_state"]
