@@ -217,6 +217,14 @@ def test_resume_of_a_missing_or_damaged_checkpoint_is_one_line(run_a, setup):
     assert "names checkpoint 'step9', which cannot be resumed (no such folder)" in proc.stderr
     assert f"echo step6 > {ck / 'latest'}" in proc.stderr and "Traceback" not in proc.stderr
     (ck / "latest").write_text("step6")
+    shard1 = next((ck / "step6").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))  # rank 1's ZeRO shard gone
+    held = shard1.read_bytes()
+    shard1.unlink()
+    proc = _launch(cfg, "--resume")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.count("no optimizer state of rank 1 of 2") == 2, proc.stderr[-3000:]  # both ranks, one line
+    assert "resumed from" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    shard1.write_bytes(held)
     optim = next((ck / "step6").glob("*optim_states.pt"))
     optim.write_bytes(optim.read_bytes()[:1000])
     proc = _launch(cfg, "--resume")
