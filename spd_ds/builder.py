@@ -97,7 +97,14 @@ def build_arch(cfg: ExperimentConfig, *, decoding: bool = True) -> TargetArch:
     up to ``n - 1`` tokens for the configured ``n`` (the linear-attention snapshot rings of hybrid targets).
 
     With ``decoding`` (every decoding entry point; training passes False) it also restricts this process's SDPA
-    kernels to ``model.sdpa_backends`` (:func:`set_sdpa_backends`), before any forward or CUDA-graph capture."""
+    kernels to ``model.sdpa_backends`` (:func:`set_sdpa_backends`), before any forward or CUDA-graph capture.
+
+    Raises:
+        ConfigError: a ``model.attn_implementation`` the stages cannot run
+            (:func:`~spd_ds.models.masks.check_stage_attention`)."""
+    from spd_ds.models.masks import check_stage_attention
+
+    check_stage_attention(cfg.model.attn_implementation, decoding)
     if decoding:
         dev = str(cfg.model.device)
         cuda = dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available())

@@ -23,10 +23,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 DIST_BACKENDS = ("gloo", "nccl", "ccl", "mpi", "ucc", "xccl", "hccl")  # deepspeed.backend (torch.distributed backends)
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # model.sdpa_backends (torch.backends.cuda.enable_*_sdp)
-# model.attn_implementation: transformers attention backends for the target's layers (also accepted: a hub kernel
-# "org/repo" and any name transformers has registered, ``paged|`` variants included)
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3",
-                        "flash_attention_4")
+# model.attn_implementation: the transformers attention backends spd-ds's stages run (spd_ds.models.masks)
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 # model.sdpa_backends=None: the memory-efficient kernel for every decoding attention call on CUDA, torch's choice on CPU
 DEFAULT_SDPA_BACKENDS = {"cuda": ("efficient", "math"), "cpu": ("flash", "efficient", "math")}
 
@@ -39,12 +37,16 @@ class ConfigError(ValueError):
 class ModelConfig:
     """The target. ``name``: zoo name (default ``smollm2-135m-instruct``), local HF directory or hub id.
 
+    ``attn_implementation``: transformers' attention backend of the target's layers, the head's tower and the HF
+    baselines: ``sdpa`` (the default) or ``eager`` (:mod:`spd_ds.models.masks`); training takes ``sdpa`` only (its
+    teacher's attention is ``train.teacher_attention``).
+
     ``sdpa_backends``: the scaled-dot-product-attention kernels a decoding process may use (``flash``,
     ``efficient``, ``math``, ``cudnn``; torch picks among them per call), set process-wide by
     :func:`spd_ds.builder.build_arch` for decoding (not for training); it matters with ``attn_implementation=sdpa``.
     ``None`` (the default) = :data:`DEFAULT_SDPA_BACKENDS` of the device: on CUDA ``[efficient, math]``, so that the
     eager decoder and the static-cache decoders of the CUDA graphs run the same kernel (both pass a mask on GPU:
-    :func:`spd_ds.models.adapter.causal_mask`): with ``flash`` allowed the eager decoder, then unmasked for one new
+    :func:`spd_ds.models.masks.causal_mask`): with ``flash`` allowed the eager decoder, then unmasked for one new
     token, ran flash and parted from the CUDA-graph AR, and with ``cudnn`` separately captured CUDA-graph AR decoders
     parted from one another at bf16 near-ties (``docs/benchmarks.md`` (a)); on CPU ``[flash, efficient, math]``
     (torch's own choice there). A list must be able to run every call: on CPU it needs ``math`` or ``flash``, on
@@ -52,7 +54,7 @@ class ModelConfig:
 
     name: str = "smollm2-135m-instruct"
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    attn_implementation: str = "sdpa"  # ATTN_IMPLEMENTATIONS, a hub kernel "org/repo" or a registered name
+    attn_implementation: str = "sdpa"  # ATTN_IMPLEMENTATIONS: sdpa | eager
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: Optional[str] = None
     sdpa_backends: Optional[list[Any]] = None
@@ -379,14 +381,6 @@ def _load_yaml(p: Path):
     return loaded
 
 
-def _registered_attention(name: str) -> bool:
-    """Whether transformers knows attention backend ``name`` (its built-in ones, ``paged|...`` variants and any
-    registered with ``AttentionInterface.register``); imported only for names outside :data:`ATTN_IMPLEMENTATIONS`."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return name.removeprefix("paged|") in {*ALL_ATTENTION_FUNCTIONS.valid_keys(), "eager"}
-
-
 def validate(cfg: ExperimentConfig) -> None:
     """Cheap checks that need no model (more happen when the model is known). Raises ConfigError."""
     from spd_ds.models.adapter import resolve_dtype
@@ -407,11 +401,10 @@ def validate(cfg: ExperimentConfig) -> None:
         except ValueError:
             raise ConfigError(f"head.dtype={cfg.head.dtype!r} is not one of float32, bfloat16, float16 (or null for "
                               "model.dtype)") from None
-    attn = str(cfg.model.attn_implementation)
-    if attn not in ATTN_IMPLEMENTATIONS and "/" not in attn and not _registered_attention(attn):
-        raise ConfigError(f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)} (or a hub "
-                          f"kernel 'org/repo', or a name registered with transformers' AttentionInterface), got "
-                          f"{attn!r}")
+    if str(cfg.model.attn_implementation) not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)} (spd-ds's "
+                          "stages pass an explicit mask over a static KV cache, which the other transformers "
+                          f"backends do not take), got {cfg.model.attn_implementation!r}")
     if cfg.head.num_layers < 1:
         raise ConfigError(f"head.num_layers (the tower's decoder layers, L_s) must be >= 1, got {cfg.head.num_layers}")
     if cfg.decoding.max_length < 2:

@@ -31,7 +31,8 @@ from spd_ds.cli import one_line
 from spd_ds.config import ConfigError
 from spd_ds.head_files import (HEAD_CONFIG, HEAD_FORMAT_VERSION, HEAD_WEIGHTS, RETRAIN_HINT, HeadCheckpointError,
                                HeadMismatchError, draft_id_tensor)
-from spd_ds.models.adapter import FINGERPRINT_VERSION, TargetArch, causal_mask, head_layer_config
+from spd_ds.models.adapter import FINGERPRINT_VERSION, TargetArch, head_layer_config
+from spd_ds.models.masks import causal_mask, layer_mask
 from spd_ds.models.kv_cache import StageKVCache
 from spd_ds.partition import StagePartition
 
@@ -228,7 +229,8 @@ class SpeculationHead(nn.Module):
             rows: ``[B, R, H]`` aggregated rows.
             positions: ``[R]`` or ``[B, R]`` int64 RoPE positions (token positions).
             cache: KV cache holding earlier committed rows (inference), or ``None`` (training).
-            mask: optional attention mask ``[B, 1, R, R(+past)]`` (bool, True = attend); default causal.
+            mask: optional attention mask ``[B, 1, R, R(+past)]`` (bool, True = attend; or the form of the
+                layers' attention backend, e.g. a FlexAttention block mask); default causal.
         Returns:
             ``[B, R, H]`` tower output (before the final norm).
         """
@@ -236,6 +238,7 @@ class SpeculationHead(nn.Module):
         pos_emb = self.rotary(rows, pos)
         if mask is None:
             mask = causal_mask(rows.shape[1], cache.length if cache is not None else 0, rows.device)
+        mask = layer_mask(mask, self.config._attn_implementation, rows.dtype)  # eager: additive
         kw = {self.arch.cache_kwarg: cache}
         h = rows
         for layer in self.layers:

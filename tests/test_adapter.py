@@ -36,6 +36,38 @@ def test_stages_in_turn_reproduce_hf_logits(tiny_root, model_type, n):
     torch.testing.assert_close(torch.cat(mine), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5_text"])
+def test_eager_attention_stages_reproduce_hf_eager_logits_on_both_cache_paths(tiny_root, model_type):
+    """model.attn_implementation=eager: transformers' eager attention adds the mask to the scores, so the stages pass
+    an additive mask (a boolean one masked nothing: the prefill saw later tokens and the answers were wrong while
+    still equal to AR, which runs the same stages). Length-based caches (CPU path) and static caches (GPU path)."""
+    from transformers import AutoModelForCausalLM
+
+    from spd_ds.models.graphs import GraphedStage
+
+    path = make_tiny_model(tiny_root, model_type, 6)
+    target = Target(TargetArch(path, "eager"), StagePartition.build(6, 2), torch.float32, "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.randint(0, target.arch.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+        caches = target.new_caches(64)
+        mine = [run_stages(target, caches, ids[:, :8], 0)[0]] + [run_stages(target, caches, ids[:, i:i + 1], i)[0]
+                                                                  for i in range(8, 12)]
+        torch.testing.assert_close(torch.cat(mine), ref, atol=1e-4, rtol=1e-4)
+        graphed = [GraphedStage(st, 64, use_graph=False) for st in target.stages]  # static caches, eager forwards
+        h = target.ends.embed(ids[:, :8])
+        for g in graphed:
+            h, _ = g.prefill(h)
+        static = [target.ends.logits(h[0])]
+        for i in range(8, 12):
+            h = target.ends.embed(ids[:, i:i + 1])
+            for g in graphed:
+                h, _ = g.step(h, i)
+            static.append(target.ends.logits(h[0]))
+        torch.testing.assert_close(torch.cat(static), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_kv_crop_rollback_recomputes_identically(tiny_root):
     path = make_tiny_model(tiny_root, "qwen3", 6)
     target = Target(TargetArch(path), StagePartition.build(6, 2), torch.float32, "cpu")

@@ -290,6 +290,12 @@ def test_bad_inputs_known_before_decoding_are_one_line_errors(smollm2_dir, tmp_p
              "head.checkpoint=null", "--prompt", "hello world"], timeout=300)  # a shape without a tokenizer
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and "has no tokenizer" in last and "eval.prompt_sets=[random]" in last, r.stderr[-2000:]
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi",
+             "model.attn_implementation=flash_attention_2"], timeout=300)  # was 140 lines: four tracebacks
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == ("error: model.attn_implementation must be one of sdpa, eager (spd-ds's "
+                                                 "stages pass an explicit mask over a static KV cache, which the other "
+                                                 "transformers backends do not take), got 'flash_attention_2'")
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from spd_ds.cli import one_line
 from spd_ds.models.errors import ModelFileError, UnsupportedModelError
 from spd_ds.models.kv_cache import StageKVCache
 from spd_ds.models.linear_cache import HybridStageCache, LinearStateShape
+from spd_ds.models.masks import causal_mask, layer_mask
 from spd_ds.models.weights import (
     RANDOM_PREFIX, PrefixedWeights, RandomWeights, SafetensorsIndex, is_random_model_dir, random_model_dir,
 )
@@ -424,33 +425,6 @@ class TextPositionRotary(nn.Module):
         return self.inner(x, position_ids[None].expand(3, *position_ids.shape))
 
 
-def causal_mask(q: int, past: int, device, single_row_mask: bool | None = None) -> torch.Tensor | None:
-    """Boolean attention mask ``[1, 1, q, past + q]`` (True = attend) for ``q`` new rows after ``past`` cached ones,
-    on ``device``.
-
-    For ``q == 1`` (a single row attends to everything before it) the mask is all True, or ``None`` when
-    ``single_row_mask`` is false; by default (``None``) it is ``None`` on CPU and a mask elsewhere, so that on a GPU
-    the eager decoder runs the attention kernel of the static-cache decoders (CUDA graphs), which always pass a mask:
-    without one, transformers asks SDPA for grouped-query attention, which the memory-efficient kernel does not run,
-    and torch takes another kernel (flash or math) with other rounding.
-
-    Args:
-        q: new rows (tokens) in this forward, >= 1. past: cached positions before them, >= 0.
-        device: a ``torch.device`` or its name; the mask is allocated there. single_row_mask: see above.
-
-    Returns:
-        ``torch.bool`` tensor ``[1, 1, q, past + q]``, or ``None`` (one row, no mask). Raises nothing of its own
-        (``torch.device`` raises ``RuntimeError`` for an unknown device name).
-    """
-    if q == 1:
-        if single_row_mask is None:
-            single_row_mask = torch.device(device).type != "cpu"
-        return torch.ones(1, 1, 1, past + 1, dtype=torch.bool, device=device) if single_row_mask else None
-    k = torch.arange(past + q, device=device)
-    rows = torch.arange(q, device=device)[:, None] + past
-    return (k[None, :] <= rows)[None, None]
-
-
 class TargetStage(nn.Module):
     """Decoder layers ``[lo, hi)`` of the target plus what a stage needs around them.
 
@@ -493,7 +467,7 @@ class TargetStage(nn.Module):
         q = hidden.shape[1]
         past = cache.length if cache is not None else 0
         pos_emb = self.rotary(hidden, positions[None])
-        mask = causal_mask(q, past, hidden.device)
+        mask = layer_mask(causal_mask(q, past, hidden.device), self.arch.config._attn_implementation, hidden.dtype)
         captured = {}
         kw = {self.arch.cache_kwarg: cache}
         for i, layer in zip(self.layer_ids, self.layers):

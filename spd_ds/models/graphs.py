@@ -27,6 +27,7 @@ import torch
 
 from spd_ds.models.adapter import TargetStage
 from spd_ds.models.kv_cache import StageKVCache
+from spd_ds.models.masks import layer_mask
 
 
 def make_static_cache(stage: TargetStage, max_len: int, dtype: torch.dtype | None = None, device=None) -> StageKVCache:
@@ -58,7 +59,7 @@ def static_stage_forward(stages: Sequence[TargetStage], caches: Sequence[StageKV
         (anchor index ``j`` -> state), as :meth:`TargetStage.forward` returns them.
     """
     captured: dict[int, torch.Tensor] = {}
-    mask = caches[0].attention_mask(positions)
+    mask = layer_mask(caches[0].attention_mask(positions), stages[0].arch.config._attn_implementation, hidden.dtype)
     pos2 = positions[None]
     for stage, cache in zip(stages, caches):
         cache.bind(positions)
