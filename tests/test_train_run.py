@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.test_train_data import make_chat_model, make_chats
 from tests.test_pipe_worker import free_port
@@ -152,6 +153,8 @@ def test_resume_continues_exactly(run_a, setup):
     said = proc.stdout + proc.stderr
     assert "ignored on resume" in said and "train.lr=0.5 (the run keeps 0.003)" in said
     assert "train.warmup_steps=4 (the run keeps 2)" in said and "train.lr_stable_fraction=0.5 (the run keeps 0)" in said
+    kept = yaml.safe_load((tmp / "b" / "run" / "config.yaml").read_text())["train"]  # what ran, not the overrides
+    assert (kept["lr"], kept["warmup_steps"], kept["lr_stable_fraction"]) == (0.003, 2, 0.0), kept
     a, b = _losses(run_a_dir), _losses(tmp / "b" / "run")
     assert [r["step"] for r in _records(tmp / "b" / "run")] == list(range(1, 13))  # each step once
     assert [b[s] for s in range(1, 13)] == [a[s] for s in range(1, 13)]

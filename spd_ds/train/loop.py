@@ -352,6 +352,9 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                                   "the run's data.train_files (and data settings), or start a new train.output_dir")
             check_resumed_schedule(schedule, sched.base_lrs[0], opt.param_groups[0]["weight_decay"], tc,
                                    total_steps, lambda msg: _say(msg, rank))
+            # config.yaml records what the run keeps from its checkpoint, not the overrides ignored above
+            tc.lr, tc.weight_decay = float(sched.base_lrs[0]), float(opt.param_groups[0]["weight_decay"])
+            tc.warmup_steps, tc.lr_stable_fraction = int(schedule.warmup), float(schedule.stable)
             step, epoch, index, micro = cs["step"], cs["epoch"], cs["index"], cs["micro"]
             init_steps = cs.get("init_steps", init_steps)  # as the run began (head.checkpoint may have changed since)
             elapsed_before, tokens_before = float(cs.get("elapsed_s", 0.0)), cs.get("tokens")
