@@ -334,7 +334,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             number = (isinstance(new, (int, float)) and not isinstance(new, bool)
                       and _list_item_type(key.split(".")) is not str and key not in _STRING_LISTS)
             example = value if number else f'"{value}"'  # a number stays a number ('[2]'), unless strings are asked
-            takes_list = ConfigError(f"override {o!r}: {key} takes a list; write it as a YAML list in quotes, e.g. "
+            what = "a list"
+            if _list_item_type(key.split(".")) is int and not number:  # not a string list's example: no quotes
+                what, example = "a list of integers", 2
+            takes_list = ConfigError(f"override {o!r}: {key} takes {what}; write it as a YAML list in quotes, e.g. "
                                      f"{key}='[{example}]'")
             if isinstance(current, ListConfig) and not isinstance(new, ListConfig):
                 raise takes_list
@@ -345,8 +348,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         key = getattr(e, "full_key", None) or str(e)
         raise ConfigError(f"unknown config key {key!r}; {_valid_keys(str(key).split('.'))}") from None
     except OmegaConfBaseException as e:
-        msg = str(e).splitlines()[0]
-        raise ConfigError(f"bad config value: {msg} (key {getattr(e, 'full_key', '?')})") from None
+        msg, key = str(e).splitlines()[0], getattr(e, "full_key", "?")
+        if msg.startswith("Incompatible value 'None'"):  # `key=` or `key: ` with nothing after it
+            raise ConfigError(f"{key} has no value (an empty override or YAML entry reads as null); give one, e.g. "
+                              f"{key}=<value>") from None
+        raise ConfigError(f"bad config value: {msg} (key {key})") from None
     cfg: ExperimentConfig = OmegaConf.to_object(base)
     validate(cfg)
     return cfg

@@ -80,6 +80,16 @@ def test_bad_values():
     with pytest.raises(ConfigError, match=re.escape("""e.g. decoding.stop='["5"]'""")):  # stop strings stay strings
         load_config(None, ["decoding.stop=5"])
     assert load_config(None, ["""decoding.stop=["5"]"""]).decoding.stop == ["5"]
+    # a list of integers given a word: an integer example (the word in quotes was a list of strings, refused next)
+    with pytest.raises(ConfigError, match=re.escape("decoding.eos_token_ids takes a list of integers; write it as a "
+                                                    "YAML list in quotes, e.g. decoding.eos_token_ids='[2]'")):
+        load_config(None, ["decoding.eos_token_ids=abc"])
+    # an empty value reads as null: named as such, not as OmegaConf's "Incompatible value 'None'"
+    for key in ("train.output_dir", "decoding.max_new_tokens"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"{key}="])
+        assert str(e.value) == (f"{key} has no value (an empty override or YAML entry reads as null); give one, e.g. "
+                                f"{key}=<value>")
 
 
 @pytest.mark.parametrize("override,message", [

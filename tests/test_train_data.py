@@ -19,7 +19,8 @@ from spd_ds.train.chat import (
 )
 from spd_ds.train.batching import BatchPlanner, loop_positions, pack_rows
 from spd_ds.train.data import (
-    DataError, TokenizedData, iter_json_records, load_records, normalize_record, tokenize_records, write_jsonl_gz,
+    DataError, TokenizedData, check_sources, iter_json_records, load_records, normalize_record, tokenize_records,
+    write_jsonl_gz,
 )
 from tests.tiny_models import make_tiny_model
 
@@ -474,3 +475,13 @@ def test_prefetch_worker_dies_with_its_training_process():
         assert not _alive(workers[0]), "the prefetch worker outlived its training process"
     finally:
         proc.kill()
+
+
+def test_missing_sources_are_refused_before_loading(tmp_path):
+    """train checks data.train_files before its process group and model: a missing path or no source at all."""
+    (tmp_path / "a.jsonl").write_text("")
+    check_sources([str(tmp_path / "a.jsonl"), str(tmp_path), "sharegpt", "org/dataset:train"])  # loading judges these
+    with pytest.raises(DataError, match=r"^data source '.*nope.jsonl' not found \(a file, a directory"):
+        check_sources([str(tmp_path / "a.jsonl"), str(tmp_path / "nope.jsonl")])
+    with pytest.raises(DataError, match="^data.train_files is empty"):
+        check_sources([])

@@ -35,7 +35,7 @@ import torch
 from spd_ds.config import ConfigError, ExperimentConfig, read_json_object, to_yaml
 from spd_ds.train.chat import EmptyMaskError, set_chat_template
 from spd_ds.train.batching import BatchPlanner, batches_on_device
-from spd_ds.train.data import check_selfdistill_target, load_records, tokenize_records
+from spd_ds.train.data import check_selfdistill_target, check_sources, load_records, tokenize_records
 from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
@@ -227,6 +227,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
             return out_dir / "head" if rank_and_world()[0] == 0 else None  # (the process group is not started yet)
 
     # 1. processes and devices
+    check_sources(dc.train_files)  # a missing file is one line before any process group or model load
     init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
