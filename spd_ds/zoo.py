@@ -465,7 +465,7 @@ def _resolve_gguf_file(path: Path, root: Path) -> Path:
 
 def _resolve_hub(repo_id: str) -> Path:
     offline = _hub_offline()
-    advice = f"pass a local HF model directory (with config.json) or the zoo name {DEFAULT_MODEL!r}"
+    advice = f"pass a local HF model directory (with config.json) or a zoo name ({', '.join(ZOO)})"
     try:
         from huggingface_hub import snapshot_download
 

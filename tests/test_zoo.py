@@ -283,8 +283,9 @@ def test_hub_qwen3_5_offline_is_the_zoos_one_line_error(launcher):
     one-line error (exit 2), before any model work."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, launcher, "model.name=Qwen/Qwen3.5-4B", "partition.num_stages=4"], cwd=root,
-                       env=env, capture_output=True, text=True, timeout=300)
+    data = ["data.train_files=[sharegpt]"] if launcher.endswith("train.py") else []  # (no data: its own line first)
+    r = subprocess.run([sys.executable, launcher, "model.name=Qwen/Qwen3.5-4B", "partition.num_stages=4", *data],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert "model 'Qwen/Qwen3.5-4B' cannot be had offline" in last and "smollm2-135m-instruct" in last
