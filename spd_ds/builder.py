@@ -362,6 +362,25 @@ def load_tokenizer(arch: TargetArch | str | os.PathLike):
     return tok
 
 
+def prompt_tokenizer(cfg: ExperimentConfig, arch: TargetArch | str | os.PathLike):
+    """The tokenizer that decoding encodes prompts with: :func:`load_tokenizer`, with ``data.chat_template``
+    installed when it is set (the template training renders its conversations with, so that a head trained under
+    its own template drafts for prompts in that form; ``decoding.chat_template=false`` still encodes raw text).
+
+    Raises:
+        ConfigError: ``data.chat_template`` is neither an existing file nor Jinja text; and :func:`load_tokenizer`'s.
+    """
+    tok = load_tokenizer(arch)
+    if cfg.data.chat_template:
+        from spd_ds.train.chat import ChatTemplateError, set_chat_template
+
+        try:
+            set_chat_template(tok, cfg.data.chat_template)
+        except ChatTemplateError as e:
+            raise ConfigError(f"data.chat_template: {e}") from None
+    return tok
+
+
 def encode_prompt(tokenizer, text: str | Sequence[dict], chat_template: bool = True) -> list[int]:
     """Token ids of a user prompt (a string, or a list of chat messages), with the chat template and the generation
     prompt when ``chat_template`` and the tokenizer has one."""

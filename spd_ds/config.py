@@ -143,7 +143,8 @@ class DataConfig:
     pack: bool = True  # pack several conversations per row (else one per row, length-grouped)
     overflow: str = "truncate"  # conversations longer than max_seq_length: truncate | drop
     max_conversations: Optional[int] = None  # use at most this many conversations (None = all)
-    chat_template: Optional[str] = None  # Jinja template (file or string) replacing the tokenizer's
+    chat_template: Optional[str] = None  # Jinja template (file or string) replacing the tokenizer's (training
+    # and the prompts of decoding: spd_ds.builder.prompt_tokenizer)
     # data.regenerate=true: answer every conversation's first user turn with the target itself (spd_ds.train.regenerate)
     regenerate_max_new_tokens: int = 512
     regenerate_temperature: float = 0.0

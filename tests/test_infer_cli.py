@@ -382,3 +382,29 @@ def test_engine_reference_under_a_launcher_decodes_on_rank_0_alone(tmp_path):
     head = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "RANK": "0", "WORLD_SIZE": "2"})
     assert head.returncode == 2 and "no_model_here" in head.stderr.strip().splitlines()[-1], head.stderr[-2000:]
+
+
+def test_data_chat_template_encodes_the_prompts_of_decoding(smollm2_dir, tmp_path, monkeypatch):
+    """data.chat_template (the template a head trained under) is the prompts' template in decoding too; it was read
+    by training alone. A file that is not a template is one line."""
+    from spd_ds import builder
+    from spd_ds.commands import infer
+    from spd_ds.config import ConfigError, load_config
+
+    cfg = load_config(str(CONFIG), ["data.chat_template='{{ \"Q: \" + messages[0][\"content\"] }}'"])
+    tok = builder.prompt_tokenizer(cfg, smollm2_dir)
+    assert builder.encode_prompt(tok, "hi") == tok("Q: hi")["input_ids"]
+    assert builder.encode_prompt(builder.prompt_tokenizer(load_config(str(CONFIG)), smollm2_dir), "hi") != \
+        tok("Q: hi")["input_ids"]  # the tokenizer's own template otherwise
+    with pytest.raises(ConfigError, match=r"^data.chat_template: chat template 'nope.jinja' is neither a file"):
+        builder.prompt_tokenizer(load_config(str(CONFIG), ["data.chat_template=nope.jinja"]), smollm2_dir)
+
+    class Encoded(Exception):
+        pass
+
+    def encode(tok, text, chat_template=True):  # infer's prompts, before any model loads
+        raise Encoded(tok.chat_template)
+
+    monkeypatch.setattr(builder, "encode_prompt", encode)
+    with pytest.raises(Encoded, match=r"Q: "):
+        infer._main(["--config", str(CONFIG), "--prompt", "hi", "data.chat_template='{{ \"Q: \" }}'"])

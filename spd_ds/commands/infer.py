@@ -237,7 +237,7 @@ def _main(argv=None) -> int:
         return 0  # --engine reference under a launcher: rank 0 alone decodes (as launch/eval.py does)
 
     arch = builder.build_arch(cfg)
-    tok = builder.load_tokenizer(arch)
+    tok = builder.prompt_tokenizer(cfg, arch)
     ids = [builder.encode_prompt(tok, text, cfg.decoding.chat_template) for _, text in prompts]
     n = builder.configured_num_stages(cfg)
     max_len = min(cfg.decoding.max_length, arch.max_positions)

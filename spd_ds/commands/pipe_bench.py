@@ -49,7 +49,7 @@ def _main(argv=None) -> int:
 
     import torch
 
-    from spd_ds.builder import build_arch, encode_prompt, load_tokenizer, resolve_path
+    from spd_ds.builder import build_arch, encode_prompt, prompt_tokenizer, resolve_path
     from spd_ds.config import ConfigError, load_config
     from spd_ds.eval.runner import first_divergence
     from spd_ds.pipe.runner import SPDSession
@@ -60,7 +60,7 @@ def _main(argv=None) -> int:
                           "generations: remove decoding.stop")
     max_new = args.max_new_tokens or cfg.decoding.max_new_tokens
     arch = build_arch(cfg)
-    tok = load_tokenizer(arch)
+    tok = prompt_tokenizer(cfg, arch)
     if args.prompts:
         from spd_ds.eval.prompts import load_prompts
 

@@ -231,7 +231,7 @@ def prepare(cfg: ExperimentConfig):
     part = builder.build_partition(cfg, arch)
     random_weights = getattr(arch, "random_weights", False)
     # a folder without tokenizer files (random-weight shapes, a checkpoint saved without one) reads no text
-    tok = builder.load_tokenizer(arch) if not random_weights and any(arch.model_dir.glob("tokenizer*")) else None
+    tok = builder.prompt_tokenizer(cfg, arch) if not random_weights and any(arch.model_dir.glob("tokenizer*")) else None
     if cfg.decoding.eos_token_ids is not None or not random_weights:  # given ids are checked against the vocabulary
         cfg.decoding.eos_token_ids = builder.eos_token_ids(cfg, arch, tok)
     else:
