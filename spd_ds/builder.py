@@ -366,6 +366,8 @@ def prompt_tokenizer(cfg: ExperimentConfig, arch: TargetArch | str | os.PathLike
     """The tokenizer that decoding encodes prompts with: :func:`load_tokenizer`, with ``data.chat_template``
     installed when it is set (the template training renders its conversations with, so that a head trained under
     its own template drafts for prompts in that form; ``decoding.chat_template=false`` still encodes raw text).
+    Templates with a thinking switch (Qwen3's ``enable_thinking``) keep their default here, while training renders
+    with it off.
 
     Raises:
         ConfigError: ``data.chat_template`` is neither an existing file nor Jinja text; and :func:`load_tokenizer`'s.

@@ -335,12 +335,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             number = (isinstance(new, (int, float)) and not isinstance(new, bool)
                       and _list_item_type(key.split(".")) is not str and key not in _STRING_LISTS)
             example = value if number else f'"{value}"'  # a number stays a number ('[2]'), unless strings are asked
-            what = "a list"
-            if _list_item_type(key.split(".")) is int and not number:  # not a string list's example: no quotes
-                what, example = "a list of integers", 2
+            what, item = "a list", _list_item_type(key.split("."))
+            if item in (int, float) and not number:  # a number list's example, not a string list's
+                what, example = ("a list of integers", 2) if item is int else ("a list of numbers", 0.5)
             takes_list = ConfigError(f"override {o!r}: {key} takes {what}; write it as a YAML list in quotes, e.g. "
                                      f"{key}='[{example}]'")
             if isinstance(current, ListConfig) and not isinstance(new, ListConfig):
+                if not value.strip():  # `key=`: nothing to put in quotes
+                    sample = {int: "[2]", float: "[0.5]"}.get(item, '["..."]')
+                    raise ConfigError(f"override {o!r}: {key} has no value; give a YAML list in quotes, e.g. "
+                                      f"{key}='{sample}' (or '[]')")
                 raise takes_list
             if current is None and new is not None and not isinstance(new, ListConfig) and _list_field(key.split(".")):
                 raise takes_list  # an optional list whose value is null (null itself is fine)
@@ -350,7 +354,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         raise ConfigError(f"unknown config key {key!r}; {_valid_keys(str(key).split('.'))}") from None
     except OmegaConfBaseException as e:
         msg, key = str(e).splitlines()[0], getattr(e, "full_key", "?")
-        if msg.startswith("Incompatible value 'None'"):  # `key=` or `key: ` with nothing after it
+        if msg.startswith("Incompatible value 'None'") or msg.endswith("is not Optional"):  # `key=`, `key:` + nothing
             raise ConfigError(f"{key} has no value (an empty override or YAML entry reads as null); give one, e.g. "
                               f"{key}=<value>") from None
         raise ConfigError(f"bad config value: {msg} (key {key})") from None
@@ -408,10 +412,9 @@ def validate(cfg: ExperimentConfig) -> None:
         except ValueError:
             raise ConfigError(f"head.dtype={cfg.head.dtype!r} is not one of float32, bfloat16, float16 (or null for "
                               "model.dtype)") from None
-    if str(cfg.model.attn_implementation) not in ATTN_IMPLEMENTATIONS:
-        raise ConfigError(f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)} (spd-ds's "
-                          "stages pass an explicit mask over a static KV cache, which the other transformers "
-                          f"backends do not take), got {cfg.model.attn_implementation!r}")
+    from spd_ds.models.masks import check_stage_attention
+
+    check_stage_attention(cfg.model.attn_implementation)  # sdpa | eager (training's sdpa alone: checked there)
     if cfg.head.num_layers < 1:
         raise ConfigError(f"head.num_layers (the tower's decoder layers, L_s) must be >= 1, got {cfg.head.num_layers}")
     if cfg.decoding.max_length < 2:

@@ -32,7 +32,7 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(f)
 
 
-def test_bad_values():
+def test_bad_values(tmp_path):
     with pytest.raises(ConfigError, match="could not be converted"):
         load_config(None, ["partition.num_stages=two"])
     with pytest.raises(ConfigError, match="section.key=value"):
@@ -84,12 +84,21 @@ def test_bad_values():
     with pytest.raises(ConfigError, match=re.escape("decoding.eos_token_ids takes a list of integers; write it as a "
                                                     "YAML list in quotes, e.g. decoding.eos_token_ids='[2]'")):
         load_config(None, ["decoding.eos_token_ids=abc"])
-    # an empty value reads as null: named as such, not as OmegaConf's "Incompatible value 'None'"
+    with pytest.raises(ConfigError, match=re.escape("takes a list of numbers; write it as a YAML list in quotes, e.g. "
+                                                    "eval.oracle_alphas='[0.5]'")):
+        load_config(None, ["eval.oracle_alphas=abc"])
+    with pytest.raises(ConfigError, match=re.escape("data.train_files has no value; give a YAML list in quotes, e.g. "
+                                                    "data.train_files='[\"...\"]' (or '[]')")):
+        load_config(None, ["data.train_files="])
+    # an empty value reads as null: named as such, not as OmegaConf's "Incompatible value 'None'" / "is not Optional"
     for key in ("train.output_dir", "decoding.max_new_tokens"):
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"{key}="])
         assert str(e.value) == (f"{key} has no value (an empty override or YAML entry reads as null); give one, e.g. "
                                 f"{key}=<value>")
+    (tmp_path / "e.yaml").write_text("data:\n  train_files:\n")  # a YAML key with nothing after it
+    with pytest.raises(ConfigError, match=r"^data.train_files has no value \(an empty override or YAML entry"):
+        load_config(tmp_path / "e.yaml")
 
 
 @pytest.mark.parametrize("override,message", [

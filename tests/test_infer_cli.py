@@ -293,9 +293,9 @@ def test_bad_inputs_known_before_decoding_are_one_line_errors(smollm2_dir, tmp_p
     r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi",
              "model.attn_implementation=flash_attention_2"], timeout=300)  # was 140 lines: four tracebacks
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1] == ("error: model.attn_implementation must be one of sdpa, eager (spd-ds's "
-                                                 "stages pass an explicit mask over a static KV cache, which the other "
-                                                 "transformers backends do not take), got 'flash_attention_2'")
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: model.attn_implementation must be one of sdpa, eager (spd-ds's stages pass an explicit mask over a "
+        "static KV cache, which the other transformers backends do not take), got 'flash_attention_2'")
 
 
 @pytest.mark.slow
@@ -384,7 +384,7 @@ def test_engine_reference_under_a_launcher_decodes_on_rank_0_alone(tmp_path):
     assert head.returncode == 2 and "no_model_here" in head.stderr.strip().splitlines()[-1], head.stderr[-2000:]
 
 
-def test_data_chat_template_encodes_the_prompts_of_decoding(smollm2_dir, tmp_path, monkeypatch):
+def test_data_chat_template_encodes_the_prompts_of_decoding(smollm2_dir, tmp_path, monkeypatch, sdpa_flags):
     """data.chat_template (the template a head trained under) is the prompts' template in decoding too; it was read
     by training alone. A file that is not a template is one line."""
     from spd_ds import builder

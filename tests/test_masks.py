@@ -27,9 +27,18 @@ def test_backends_the_stage_masks_do_not_fit_are_one_line_errors(name):
     check_stage_attention("sdpa", decoding=False)
     with pytest.raises(ConfigError) as e:
         check_stage_attention(name)
-    assert str(e.value) == (f"model.attn_implementation={name} is not supported by spd-ds's pipeline stages (they "
-                            "pass an explicit mask over a static KV cache); use sdpa (the default) or eager")
-    for bad in (name, "eager"):
-        with pytest.raises(ConfigError, match=r"does not apply to training: the teacher's attention is "
-                                              r"train.teacher_attention \(sdpa or flex\)"):
-            check_stage_attention(bad, decoding=False)
+    assert str(e.value) == (f"model.attn_implementation must be one of sdpa, eager (spd-ds's stages pass an explicit "
+                            "mask over a static KV cache, which the other transformers backends do not take), got "
+                            f"{name!r}")  # the config check's own line (it calls this)
+    with pytest.raises(ConfigError, match="must be one of sdpa, eager"):
+        check_stage_attention(name, decoding=False)
+    with pytest.raises(ConfigError, match=r"does not apply to training: the teacher's attention is "
+                                          r"train.teacher_attention \(sdpa or flex\)"):
+        check_stage_attention("eager", decoding=False)
+
+
+def test_a_mask_in_another_form_passes_through():
+    block = torch.zeros(1, 1, 2, 2)  # e.g. an additive mask already, or what a FlexAttention context passes
+    assert layer_mask(block, "eager", torch.float32) is block
+    m = causal_mask(2, 0, "cpu")
+    assert layer_mask(m, "paged|eager", torch.float32).dtype == torch.float32

@@ -485,3 +485,8 @@ def test_missing_sources_are_refused_before_loading(tmp_path):
         check_sources([str(tmp_path / "a.jsonl"), str(tmp_path / "nope.jsonl")])
     with pytest.raises(DataError, match="^data.train_files is empty"):
         check_sources([])
+    for missing in ("runs/train_data/x.jsonl", "a/b/c", "org/name.json.gz:train"):  # paths, not hub ids
+        with pytest.raises(DataError, match=f"^data source '{missing}' not found"):
+            check_sources([missing])
+    with pytest.raises(DataError, match="^data.train_files holds an empty entry"):  # Path('') is the working dir
+        check_sources([str(tmp_path / "a.jsonl"), ""])

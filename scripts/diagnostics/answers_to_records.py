@@ -40,13 +40,13 @@ def main(argv=None) -> int:
                     help="an override of the eval run's config (repeatable)")
     args = ap.parse_args(argv)
 
-    from spd_ds.builder import build_arch, load_tokenizer
+    from spd_ds.builder import build_arch, prompt_tokenizer
     from spd_ds.config import load_config
     from spd_ds.eval.inputs import load_eval_prompts
 
     cfg = load_config(args.config, args.overrides)
     arch = build_arch(cfg)
-    prompts = {(p.prompt_set, p.question_id): p.ids for p in load_eval_prompts(cfg, load_tokenizer(arch),
+    prompts = {(p.prompt_set, p.question_id): p.ids for p in load_eval_prompts(cfg, prompt_tokenizer(cfg, arch),
                                                                                arch.vocab_size)}
     for path in args.per_prompt:  # before anything is written
         if not Path(path).is_file():

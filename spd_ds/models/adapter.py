@@ -72,7 +72,8 @@ class TargetArch:
 
     Args:
         model_dir: local HF directory (``config.json`` + ``*.safetensors``), or ``random:<shape>``.
-        attn_implementation: transformers attention backend for the layers (``sdpa``, ``eager``, ``flash_attention_2``).
+        attn_implementation: transformers attention backend for the layers (``sdpa`` or ``eager``:
+            :mod:`spd_ds.models.masks`).
         max_rollback: hybrid targets only: the deepest rewind a stage cache must support (``n - 1`` for ``n``
             pipeline stages; :func:`spd_ds.builder.build_arch` passes the run's). It sizes the linear-attention snapshot
             rings of :meth:`new_cache` (``max_rollback + 1`` states per layer); ``None`` = ``DEFAULT_MAX_ROLLBACK``.

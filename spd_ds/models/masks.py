@@ -6,8 +6,7 @@ exactness path; ``max_len`` slots with future ones masked off in static mode). `
 (True = attend); ``eager`` adds the mask to the scores, so it gets an additive one (0 / the dtype's lowest value).
 The other backends (``flash_attention_*`` read a ``[B, kv]`` padding mask and derive causality themselves, which a
 static cache's empty future slots break; ``flex_attention`` and hub kernels have their own mask forms) are refused
-by the config check and, for code that builds its config otherwise, before any model loads
-(:func:`check_stage_attention`).
+by the config check (:func:`check_stage_attention`, also run by :func:`spd_ds.builder.build_arch`).
 """
 
 from __future__ import annotations
@@ -22,17 +21,18 @@ def check_stage_attention(attn_implementation: str, decoding: bool = True) -> No
 
     Args:
         attn_implementation: ``model.attn_implementation``.
-        decoding: decoding (:data:`spd_ds.config.ATTN_IMPLEMENTATIONS`: ``sdpa`` or ``eager``) or training (``sdpa``: the teacher builds boolean packed masks,
-            or FlexAttention block masks under ``train.teacher_attention=flex``).
+        decoding: decoding (:data:`spd_ds.config.ATTN_IMPLEMENTATIONS`: ``sdpa`` or ``eager``) or training
+            (``sdpa``: the teacher builds boolean packed masks, or FlexAttention block masks under
+            ``train.teacher_attention=flex``).
     Raises:
         ConfigError: one line naming the value and what to use instead (before any model loads or collective).
     """
-    allowed = ATTN_IMPLEMENTATIONS if decoding else ("sdpa",)
-    if str(attn_implementation) in allowed:
+    if str(attn_implementation) not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)} (spd-ds's "
+                          "stages pass an explicit mask over a static KV cache, which the other transformers "
+                          f"backends do not take), got {attn_implementation!r}")
+    if decoding or str(attn_implementation) == "sdpa":
         return
-    if decoding:
-        raise ConfigError(f"model.attn_implementation={attn_implementation} is not supported by spd-ds's pipeline "
-                          "stages (they pass an explicit mask over a static KV cache); use sdpa (the default) or eager")
     raise ConfigError(f"model.attn_implementation={attn_implementation} does not apply to training: the teacher's "
                       "attention is train.teacher_attention (sdpa or flex); leave model.attn_implementation=sdpa")
 
@@ -66,10 +66,11 @@ def causal_mask(q: int, past: int, device, single_row_mask: bool | None = None) 
 
 def layer_mask(mask: torch.Tensor | None, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor | None:
     """``mask`` (boolean, True = attend, ``[.., q, kv]``) as the layers' backend reads it: unchanged for ``sdpa``
-    (and ``None`` stays ``None``); for ``eager`` an additive mask of ``dtype`` (the scores' dtype), 0 where a row
-    attends and ``torch.finfo(dtype).min`` elsewhere (transformers' eager attention adds the mask to the scores: a
-    boolean one would add 1 and mask nothing). No host synchronisation (capturable in a CUDA graph)."""
-    if mask is None or attn_implementation != "eager":
+    (``None``, or a mask already in another form, stays as it is); for ``eager`` an additive mask of ``dtype`` (the
+    scores' dtype), 0 where a row attends and ``torch.finfo(dtype).min`` elsewhere (transformers' eager attention
+    adds the mask to the scores: a boolean one would add 1 and mask nothing). No host synchronisation (capturable in
+    a CUDA graph)."""
+    if mask is None or mask.dtype != torch.bool or attn_implementation not in ("eager", "paged|eager"):
         return mask
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 

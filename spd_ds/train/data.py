@@ -230,7 +230,20 @@ def _selfdistill_dirs(src: Path, dirs: list[Path] | None = None) -> tuple[list[P
     return with_shards, [d for d in dirs if d not in with_shards and selfdistill.read_manifest(d) is not None]
 
 
+def _hub_id(source: str) -> bool:
+    """Whether a source that is not a local path reads as a hub dataset id ``org/name[:split]`` (one ``/``, no data
+    file suffix, not starting with ``.``, ``/`` or ``~``); anything else that does not exist is a missing path."""
+    name = source.partition(":")[0]
+    return name.count("/") == 1 and not source.startswith((".", "/", "~")) and not name.endswith(_DATA_SUFFIXES)
+
+
+def _not_found(source: str) -> DataError:
+    return DataError(f"data source {source!r} not found (a file, a directory, 'sharegpt' or a hub id org/name)")
+
+
 def _raw_records(source: str, cache_dir: str | None) -> Iterator[dict]:
+    if not source.strip():  # Path("") is the working directory
+        raise DataError("data.train_files holds an empty entry; remove it")
     if source.lower() in (SHAREGPT_NAME, "registry:sharegpt"):
         from spd_ds.zoo import RegistryUnavailableError, fetch_registry_file
 
@@ -262,7 +275,7 @@ def _raw_records(source: str, cache_dir: str | None) -> Iterator[dict]:
             else:
                 yield from iter_json_records(f)
         return
-    if "/" in source and not source.startswith((".", "/", "~")):
+    if _hub_id(source):
         import datasets
 
         name, _, split = source.partition(":")
@@ -273,12 +286,13 @@ def _raw_records(source: str, cache_dir: str | None) -> Iterator[dict]:
                             f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
         yield from ds
         return
-    raise DataError(f"data source {source!r} not found (a file, a directory, 'sharegpt' or a hub id org/name)")
+    raise _not_found(source)
 
 
 def check_sources(sources: Sequence[str]) -> None:
     """The checks of :func:`load_records` that need no reading, made before any process group or model load: no
-    source at all, or a local path that does not exist (``sharegpt`` and hub ids ``org/name`` are left to loading).
+    source at all, an empty entry, or a local path that does not exist (``sharegpt`` and what reads as a hub id
+    ``org/name[:split]`` are left to loading).
 
     Raises:
         DataError: one line naming the source.
@@ -286,9 +300,11 @@ def check_sources(sources: Sequence[str]) -> None:
     if not sources:
         raise DataError("data.train_files is empty; give files, directories, 'sharegpt' or hub ids")
     for src in map(str, sources):
-        hub = "/" in src and not src.startswith((".", "/", "~"))
-        if src.lower() not in (SHAREGPT_NAME, "registry:sharegpt") and not hub and not Path(src).expanduser().exists():
-            raise DataError(f"data source {src!r} not found (a file, a directory, 'sharegpt' or a hub id org/name)")
+        if not src.strip():
+            raise DataError("data.train_files holds an empty entry; remove it")
+        if src.lower() not in (SHAREGPT_NAME, "registry:sharegpt") and not _hub_id(src) \
+                and not Path(src).expanduser().exists():
+            raise _not_found(src)
 
 
 def check_selfdistill_target(sources: Sequence[str], fingerprint: str, target: str) -> None:

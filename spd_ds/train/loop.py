@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig, read_json_object, to_yaml
+from spd_ds.models.masks import check_stage_attention
 from spd_ds.train.chat import EmptyMaskError, set_chat_template
 from spd_ds.train.batching import BatchPlanner, batches_on_device
 from spd_ds.train.data import check_selfdistill_target, check_sources, load_records, tokenize_records
@@ -228,6 +229,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
     # 1. processes and devices
     check_sources(dc.train_files)  # a missing file is one line before any process group or model load
+    check_stage_attention(cfg.model.attn_implementation, decoding=False)  # the teacher's masks are sdpa's
     init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

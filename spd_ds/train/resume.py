@@ -90,14 +90,13 @@ def check_resume(ckpt_dir: Path, identity: dict) -> None:
         ConfigError: one line naming every setting that differs, with the run's value and the new one (the draft
             vocabulary by where its ids came from and their digest; its size alone when the run's :data:`RUN_FILE`
             predates the digest). Checkpoints written before :data:`RUN_FILE` existed are not checked. A missing
-            checkpoint (:func:`check_checkpoint_files`).
+            checkpoint (:func:`check_checkpoint_files`), or a missing rank's optimizer shard
+            (:func:`check_optimizer_shards`).
     """
     check_checkpoint_files(ckpt_dir)
     path = ckpt_dir / (ckpt_dir / "latest").read_text().strip() / RUN_FILE
-    if not path.exists():
-        return
-    saved = json.loads(path.read_text())
-    _check_identity(ckpt_dir, saved, identity)
+    if path.exists():
+        _check_identity(ckpt_dir, json.loads(path.read_text()), identity)
     check_optimizer_shards(ckpt_dir, identity.get("world size"))
 
 
@@ -105,7 +104,8 @@ def check_optimizer_shards(ckpt_dir: Path, world: int | None) -> None:
     """Refuse a ZeRO checkpoint that lacks one data-parallel rank's optimizer shard
     (``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` for every ``r < world``), so that every rank names the
     damaged checkpoint before any of them loads (DeepSpeed fails on the rank whose file is gone, and the others
-    would first report a successful resume). Checkpoints without ``zero_pp_rank`` files are left alone.
+    would first report a successful resume). Checkpoints without ``zero_pp_rank`` files are left alone. Every rank
+    reads the same folder: the check assumes the checkpoint directory is shared by all nodes, as the resume does.
 
     Raises:
         ConfigError: one line naming the checkpoint, the missing ranks' shards and what to resume instead.
@@ -117,9 +117,11 @@ def check_optimizer_shards(ckpt_dir: Path, world: int | None) -> None:
         return
     missing = [r for r in range(int(world)) if not any(f"zero_pp_rank_{r}_mp_rank_" in name for name in shards)]
     if missing:
+        bf16 = "bf16_" if any(name.startswith("bf16_") for name in shards) else ""
         raise ConfigError(f"{ckpt_dir / 'latest'} names checkpoint {tag!r}, which cannot be resumed (no optimizer "
                           f"state of rank {', '.join(map(str, missing))} of {world}: "
-                          f"zero_pp_rank_<rank>_mp_rank_00_optim_states.pt); {damaged_checkpoint_advice(ckpt_dir, tag)}")
+                          f"{bf16}zero_pp_rank_<rank>_mp_rank_00_optim_states.pt); "
+                          f"{damaged_checkpoint_advice(ckpt_dir, tag)}")
 
 
 def _check_identity(ckpt_dir: Path, saved: dict, identity: dict) -> None:
@@ -271,6 +273,6 @@ def truncate_log(path: Path, step: int) -> None:
     path.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
 
 
-__all__ = ["RUN_FILE", "DRAFT_VOCAB", "draft_vocab_digest", "run_identity", "check_resume", "check_checkpoint_files", "check_optimizer_shards",
-           "damaged_checkpoint_advice", "check_resumed_schedule", "checkpoint_progress", "finished_message",
-           "finished_run", "truncate_log", "rng_state", "set_rng_state"]
+__all__ = ["RUN_FILE", "DRAFT_VOCAB", "draft_vocab_digest", "run_identity", "check_resume", "check_checkpoint_files",
+           "check_optimizer_shards", "damaged_checkpoint_advice", "check_resumed_schedule", "checkpoint_progress",
+           "finished_message", "finished_run", "truncate_log", "rng_state", "set_rng_state"]
