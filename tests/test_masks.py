@@ -40,5 +40,8 @@ def test_backends_the_stage_masks_do_not_fit_are_one_line_errors(name):
 def test_a_mask_in_another_form_passes_through():
     block = torch.zeros(1, 1, 2, 2)  # e.g. an additive mask already, or what a FlexAttention context passes
     assert layer_mask(block, "eager", torch.float32) is block
+    flex = object()  # a FlexAttention BlockMask is no tensor (training's structural flex context passes one)
+    assert layer_mask(flex, "spd_structural_flex", torch.float32) is flex
+    assert layer_mask(flex, "eager", torch.float32) is flex
     m = causal_mask(2, 0, "cpu")
     assert layer_mask(m, "paged|eager", torch.float32).dtype == torch.float32

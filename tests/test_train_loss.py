@@ -110,6 +110,9 @@ def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
         check_resume(ck, {"world size": 2})  # DeepSpeed's own files missing: one line before DeepSpeed asserts
     (ck / "step6" / "mp_rank_00_model_states.pt").write_bytes(b"")
     (ck / "step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match="no optimizer state of rank 1 of 2"):  # every rank's shard, run.json or not
+        check_resume(ck, {"world size": 2})
+    (ck / "step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"")
     check_resume(ck, {"world size": 2})  # a checkpoint without the file (written before it existed): not checked
     saved = {"world size": 2, "partition": {"stage_layers": [2, 2]}, "head.num_layers": 1}
     (ck / "step6" / RUN_FILE).write_text(json.dumps(saved))

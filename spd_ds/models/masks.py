@@ -70,7 +70,8 @@ def layer_mask(mask: torch.Tensor | None, attn_implementation: str, dtype: torch
     scores' dtype), 0 where a row attends and ``torch.finfo(dtype).min`` elsewhere (transformers' eager attention
     adds the mask to the scores: a boolean one would add 1 and mask nothing). No host synchronisation (capturable in
     a CUDA graph)."""
-    if mask is None or mask.dtype != torch.bool or attn_implementation not in ("eager", "paged|eager"):
+    if attn_implementation not in ("eager", "paged|eager") or not isinstance(mask, torch.Tensor) \
+            or mask.dtype != torch.bool:  # (None, a FlexAttention BlockMask, an additive mask)
         return mask
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
