@@ -369,6 +369,8 @@ def prompt_tokenizer(cfg: ExperimentConfig, arch: TargetArch | str | os.PathLike
     Templates with a thinking switch (Qwen3's ``enable_thinking``) keep their default here, while training renders
     with it off.
 
+    Returns:
+        The transformers tokenizer (its ``chat_template`` replaced when ``data.chat_template`` is set).
     Raises:
         ConfigError: ``data.chat_template`` is neither an existing file nor Jinja text; and :func:`load_tokenizer`'s.
     """

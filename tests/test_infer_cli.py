@@ -384,7 +384,7 @@ def test_engine_reference_under_a_launcher_decodes_on_rank_0_alone(tmp_path):
     assert head.returncode == 2 and "no_model_here" in head.stderr.strip().splitlines()[-1], head.stderr[-2000:]
 
 
-def test_data_chat_template_encodes_the_prompts_of_decoding(smollm2_dir, tmp_path, monkeypatch, sdpa_flags):
+def test_data_chat_template_encodes_the_prompts_of_decoding(smollm2_dir, monkeypatch, sdpa_flags):
     """data.chat_template (the template a head trained under) is the prompts' template in decoding too; it was read
     by training alone. A file that is not a template is one line."""
     from spd_ds import builder

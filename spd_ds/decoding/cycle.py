@@ -96,7 +96,7 @@ def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_positions: int,
         raise PromptError(
             f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} (+{num_stages} in flight) exceeds the "
             f"context of {max_positions} positions (decoding.max_length, at most the model's maximum); shorten the "
-            f"prompt, lower decoding.max_new_tokens or raise decoding.max_length"
+            "prompt, lower decoding.max_new_tokens or raise decoding.max_length"
             + (f" (to at most {model_max})" if model_max is not None else "")
         )
 
