@@ -48,7 +48,8 @@ def test_wrong_world_size_fails_at_once_under_deepspeed(tmp_path, tiny):
     assert rc != 0
     msg = "world size 2 does not fit partition.num_stages=2 with head.placement=dedicated: launch 3 processes"
     assert msg in log
-    assert (tmp_path / "out.error").read_text().startswith("WorldSizeError: " + msg)
+    errors = [p.read_text() for p in tmp_path.glob("out.rank*.error")]  # the launcher may kill the slower rank
+    assert errors and all(e.startswith("WorldSizeError: " + msg) for e in errors), errors
     assert time.time() - t0 < 120
 
 

@@ -299,10 +299,11 @@ def main() -> None:
                 results.append(r)
                 out_path.write_text(json.dumps({"results": results}))
     except Exception as e:  # noqa: BLE001 - report the error line for the test, then fail
+        # Every rank writes its own file, first: a launcher kills the other ranks as soon as one exits, so the
+        # rank that raises first may be the only one whose error is on disk.
+        out_path.with_suffix(f".rank{os.environ.get('RANK', '0')}.error").write_text(f"{type(e).__name__}: {e}")
         print(f"SPD-ERROR t={time.time():.3f}", flush=True)
         traceback.print_exc()
-        if int(os.environ.get("RANK", "0")) == 0:
-            out_path.with_suffix(".error").write_text(f"{type(e).__name__}: {e}")
         sys.exit(3)
     finally:
         if dist.is_available() and dist.is_initialized():
