@@ -343,6 +343,16 @@ def float_in(low: float, high: float = float("inf"), *, above: bool = False) -> 
     return parse
 
 
+def setup_logging() -> None:
+    """Log format and level of the decoding programs (infer, eval, benchmark): INFO on rank 0 (or without a
+    launcher), ERROR on the other ranks of a multi-process run, whose lines would repeat rank 0's (the same config,
+    prompts and warnings on every rank; a rank's own failure is an exception, reported with its rank). As
+    transformers' Trainer does with ``log_level_replica``."""
+    rank, world = rank_and_world()
+    level = logging.INFO if rank == 0 or world == 1 else logging.ERROR
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
 def setup_process() -> None:
     """What every ``launch/*.py`` program does first: CPU threads per rank (:func:`configure_cpu_threads`),
     DeepSpeed's accelerator choice (:func:`settle_accelerator`) and, under DeepSpeed's launcher, the watch that ends

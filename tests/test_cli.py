@@ -245,6 +245,17 @@ def test_error_prefix():
 
 
 # ---------------------------------------------------------------------------------------------- item 8
+@pytest.mark.parametrize("env,level", [({}, 20), ({"RANK": "1", "WORLD_SIZE": "2"}, 40),
+                                       ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, 40),
+                                       ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, 20)])
+def test_log_level_is_info_on_rank_0_and_error_on_the_other_ranks(env, level):
+    """Open MPI's variables count too: under ``--launcher openmpi`` no RANK is set before the process group."""
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE") and not k.startswith("OMPI_")}
+    code = "import logging; from spd_ds.cli import setup_logging; setup_logging(); print(logging.getLogger().level)"
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    assert int(out.stdout) == level
+
+
 def test_benchmark_help_documents_every_flag_and_its_paths_exist():
     import argparse
     import re

@@ -129,6 +129,7 @@ def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
     args = tiny(shape, tmp_path / "ds", "eval.baselines=[ar,tp_ar]", "deepspeed.backend=gloo")
     p = run(["launch/eval.py", "--strict-exact", *args], launcher=deepspeed_cmd(2))
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert (p.stdout + p.stderr).count(" INFO eval: ") == 1  # rank 0 logs; rank 1 would repeat it
     q = run(["launch/eval.py", *tiny(shape, tmp_path / "ref", "eval.baselines=[ar]")])
     assert q.returncode == 0, q.stderr[-3000:]
 

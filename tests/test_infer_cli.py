@@ -66,6 +66,8 @@ def test_infer_answers_match_ar_and_a_stop_string_ends_spd_and_ar_at_the_same_to
     one_process_note = "in one process the 2 stages run one after another" in r.stdout
     assert one_process_note == (launcher == "python")
     assert "SPD" in r.stderr and "tokens" in r.stderr  # the progress line (tqdm, stderr)
+    if launcher == "deepspeed":  # rank 0 logs; rank 1's lines would repeat it
+        assert r.stderr.count("engine deepspeed: 2 rank(s)") == 1
 
 
 @pytest.mark.slow

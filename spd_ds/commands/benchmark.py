@@ -38,7 +38,6 @@ import datetime
 import gc
 import json
 import logging
-import os
 import re
 import sys
 import time
@@ -46,7 +45,7 @@ from pathlib import Path
 
 
 from spd_ds.cli import (checks_outputs, chosen_engine, decoding_user_errors, ensure_output_dir, experiment_parser,
-                        int_at_least, run_cli, setup_process)
+                        int_at_least, rank_and_world, run_cli, setup_logging, setup_process)
 from spd_ds.pipe.topology import detect_world_size
 
 
@@ -125,7 +124,7 @@ def tp_skip_reason(cfg) -> str | None:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     setup_process()
     import torch
 
@@ -169,7 +168,7 @@ def _main(argv=None) -> int:
     for cfg in cfgs:  # every suite's partition (and its head's) against its model, before the first suite runs
         builder.build_partition(cfg, builder.build_arch(resolve_model_name(cfg)))
     piped = [k for k, sr in enumerate(runs) if engine == "deepspeed" and sr.suite in ("a", "b")]
-    head = int(os.environ.get("RANK", "0")) == 0
+    head = rank_and_world()[0] == 0
     if not piped and not head:  # e.g. suite c under the launcher: the head rank alone runs it
         return 0
     if piped:  # phase 1, every rank: all pipeline sessions, one process group

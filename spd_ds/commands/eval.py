@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 
 from spd_ds.cli import (checks_outputs, decoding_user_errors, ensure_output_dir, experiment_parser, run_cli,
-                        setup_process)
+                        rank_and_world, setup_logging, setup_process)
 from spd_ds.config import ConfigError, load_config
 
 log = logging.getLogger("spd_ds.eval")
@@ -69,7 +68,7 @@ def _check_strict_exact(cfg) -> None:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     setup_process()
     cfg = load_config(args.config, args.overrides)
     if args.strict_exact:
@@ -79,7 +78,7 @@ def _main(argv=None) -> int:
     from spd_ds.eval.report import bandwidth_line, exactness_lines, summary_table, write_reports
     from spd_ds.eval.runner import run_eval
 
-    if args.engine == "reference" and int(os.environ.get("RANK", "0")) != 0:
+    if args.engine == "reference" and rank_and_world()[0] != 0:
         return 0  # --engine reference under a launcher: rank 0 alone evaluates
     run = run_eval(cfg, engine=args.engine)
     if run is None:  # a stage rank of the pipeline: the head rank reports

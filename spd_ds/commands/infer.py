@@ -21,13 +21,12 @@ import argparse
 import functools
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 
 from spd_ds.cli import (check_output_file, checks_outputs, chosen_engine, decoding_user_errors, experiment_parser,
-                        run_cli, setup_process)
+                        rank_and_world, run_cli, setup_logging, setup_process)
 from spd_ds.config import ConfigError, load_config, validate
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_accept_length, pooled_decode_tok_s
 from spd_ds.pipe.topology import detect_world_size
@@ -220,7 +219,7 @@ def _main(argv=None) -> int:
     from spd_ds import builder  # after the arguments: --help imports no torch
     from spd_ds.decoding.cycle import PromptError, check_prompt
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     setup_process()
     cfg = load_config(args.config, args.overrides)
     if "" in args.stop:
@@ -233,7 +232,7 @@ def _main(argv=None) -> int:
         check_output_file(args.output, "--output")
     world = detect_world_size()
     engine = chosen_engine(args.engine)
-    if engine == "reference" and int(os.environ.get("RANK", "0")) != 0:
+    if engine == "reference" and rank_and_world()[0] != 0:
         return 0  # --engine reference under a launcher: rank 0 alone decodes (as launch/eval.py does)
 
     arch = builder.build_arch(cfg)
@@ -251,7 +250,7 @@ def _main(argv=None) -> int:
                              arch.max_positions_source)
         except PromptError as e:
             raise PromptError(f"[{qid}] {e}") from None
-    head_rank = int(os.environ.get("RANK", "0")) == 0
+    head_rank = rank_and_world()[0] == 0
     if head_rank and cfg.decoding.drafter == "head" and not cfg.head.checkpoint:
         log.warning("no head.checkpoint: an untrained speculation head drafts, so almost no draft is accepted (the "
                     "answers are the target's all the same); launch/configs/smollm2_spd.yaml names the shipped head")
