@@ -238,7 +238,10 @@ def test_progress_line_names_the_pass_and_counts_prompts(capsys):
     assert labels[0] == "SPD 0/3 prompts" and labels[2] == "SPD 2/3 prompts" and labels[3] == "AR check 0/3 prompts"
     assert bar.bar.desc.rstrip(": ") == "AR check 3/3 prompts" and bar.bar.n == bar.bar.total == 6 and bar.tokens == 12
     bar.close()
-    assert "12 tokens" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "12 tokens" in err
+    states = [x.split("|")[0] + x.split("|")[1] for x in err.replace("\n", "\r").split("\r") if "|" in x]
+    assert len(states) == len(set(states)), states  # no state drawn twice (a log file would hold each repeat)
     assert not _Progress(num_prompts=0, passes=2, enabled=True).enabled
 
 

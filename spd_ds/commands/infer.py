@@ -112,8 +112,9 @@ class _Progress:
             self.bar = tqdm(total=self.total, desc=self._label(kind), unit="generation", dynamic_ncols=True)
         if self.bar is None:
             return
-        if result is None:
-            self.bar.set_description(self._label(kind))
+        if result is None:  # a new pass shows its label at once; a new prompt of the same pass adds no line to a log
+            if self.bar.desc.rstrip(": ") != self._label(kind):
+                self.bar.set_description(self._label(kind))
             return
         self.tokens += len(result.tokens)
         self.done[kind] = self.done.get(kind, 0) + 1
