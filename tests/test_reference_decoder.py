@@ -89,6 +89,24 @@ def test_max_new_tokens_exact(arch, max_new):
     assert res.tokens == ar[:max_new]
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_oracle_reference_fits_a_context_the_generation_fills_exactly(arch, n):
+    """``decoding.max_length`` = prompt + max_new_tokens + n (the least SPD takes): the oracle's reference AR, which
+    would make max_new + n tokens, is cut to the positions it has, and the generation still equals AR."""
+    from spd_ds.decoding.drafters import oracle_reference
+    from spd_ds.decoding.sampling import SamplingParams
+
+    target, head = build(arch, n)
+    prompt, max_new = [3, 14, 15, 92, 65], 12
+    max_len = len(prompt) + max_new + n
+    want = ARDecoder(target, max_len=max_len).generate(prompt, max_new).tokens
+    reference = oracle_reference(target, prompt, max_new + n, SamplingParams(), [], max_len)
+    assert reference[:len(prompt) + max_new] == prompt + want and len(reference) == max_len - 1
+    drafter = OracleDrafter(reference, 1.0, vocab_size=arch.vocab_size)
+    res = SPDReferenceDecoder(target, drafter, max_len=max_len).generate(prompt, max_new)
+    assert res.tokens == want and res.metrics.num_rollbacks == 0
+
+
 def test_non_injective_anchor_map(arch):
     # n=6 with 3 anchors: several depths share an aggregation type
     target, head = build(arch, 6, anchors=[0, 3, 6])

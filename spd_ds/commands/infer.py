@@ -242,13 +242,9 @@ def _main(argv=None) -> int:
     n = builder.configured_num_stages(cfg)
     max_len = min(cfg.decoding.max_length, arch.max_positions)
     cfg.decoding.max_length = max_len  # every decoder's KV capacity, capped at the model's context as the engine does
-    oracle_ar = cfg.decoding.drafter == "oracle" and engine == "reference"  # AR makes max_new + n reference tokens
     for (qid, _), prompt in zip(prompts, ids):  # before the weights load, by the decoders' own rule (check_prompt)
         try:
             check_prompt(prompt, cfg.decoding.max_new_tokens, max_len, n, arch.max_positions, arch.max_positions_source)
-            if oracle_ar:
-                check_prompt(prompt, cfg.decoding.max_new_tokens + n, max_len, 1, arch.max_positions,
-                             arch.max_positions_source)
         except PromptError as e:
             raise PromptError(f"[{qid}] {e}") from None
     head_rank = rank_and_world()[0] == 0

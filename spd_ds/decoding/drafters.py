@@ -133,15 +133,20 @@ def oracle_reference(target, prompt: Sequence[int], num_new: int, sampling: Samp
     Args:
         target: the :class:`~spd_ds.models.adapter.Target` (or a view of it) the generation runs on.
         prompt: token ids; num_new: continuation tokens (the generation's ``max_new_tokens`` + n covers every
-            position the oracle can be asked for).
+            position the oracle can be asked for), capped at what ``max_len`` holds beside the prompt (AR keeps one
+            position in flight): a generation that fits ``max_len`` exactly gets a reference one token shorter, and
+            past its end the oracle proposes as when its coin fails.
         sampling: the generation's own parameters.
         eos_token_ids, max_len: as for :class:`~spd_ds.decoding.ar.ARDecoder` (the continuation may end at EOS).
     Returns:
         ``list(prompt) + continuation``.
+    Raises:
+        PromptError: the prompt leaves no room for one new token in ``max_len`` (or is empty).
     """
     from spd_ds.decoding.ar import ARDecoder
 
     ar = ARDecoder(target, oracle_reference_sampling(sampling), eos_token_ids, max_len)
+    num_new = max(1, min(num_new, max_len - len(prompt) - 1))
     return list(prompt) + ar.generate(list(prompt), num_new).tokens
 
 
