@@ -86,15 +86,21 @@ def test_stream_prints_the_answers_as_they_come(smollm2_dir, launcher):
 
 
 @pytest.mark.slow
-def test_sampled_stop_is_the_same_in_the_engine_and_the_reference(smollm2_dir, tmp_path):
-    """T = 0.8 with stop strings: the pipeline engine (2 gloo ranks) draws the reference decoder's tokens with the same
-    keyed uniforms and ends each answer at the same token, for the same reason (a stop string ends at least one)."""
+@pytest.mark.parametrize("drafter", ["head", "oracle"])
+def test_sampled_stop_is_the_same_in_the_engine_and_the_reference(smollm2_dir, tmp_path, drafter):
+    """T > 0 with stop strings: the pipeline engine (2 gloo ranks) draws the reference decoder's tokens with the same
+    keyed uniforms and ends each answer at the same token, for the same reason (a stop string ends at least one).
+    ``oracle``: the oracle's greedy reference runs past the stop strings in both (the engine's once ended at the
+    first comma of its greedy continuation, and the poem's answer parted from the reference decoder's at token 8)."""
     rows = {}
+    extra = (["decoding.temperature=0.8", "--stop", ".", "--stop", "\n", "--prompt", "What is the capital of France?",
+              "--prompt", "Name three colours."] if drafter == "head" else
+             ["decoding.temperature=1.0", "decoding.drafter=oracle", "decoding.oracle_alpha=0.5", "--stop", ",",
+              "--prompt", "What is 2+2?", "--prompt", "Write a short poem about the sea and the wind, in four lines."])
     for launcher in ("python", "deepspeed"):
         out = tmp_path / f"{launcher}.jsonl"
-        args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=24", "decoding.temperature=0.8",
-                "--stop", ".", "--stop", "\n", "--no-compare-ar", "--no-progress", "--output", str(out),
-                "--prompt", "What is the capital of France?", "--prompt", "Name three colours."]
+        args = ["launch/infer.py", "--config", str(CONFIG), "decoding.max_new_tokens=32", *extra, "--no-compare-ar",
+                "--no-progress", "--output", str(out)]
         r = run([sys.executable, *args] if launcher == "python" else [*deepspeed_cmd(2), *args])
         assert r.returncode == 0, r.stderr[-3000:]
         rows[launcher] = [(x["tokens"], x["finish_reason"]) for x in map(json.loads, out.read_text().splitlines())]

@@ -169,19 +169,20 @@ class SPDPipelineEngine(PipelineEngine):
         return self._run_head(self.spd_head, prompt, max_new_tokens, drafter, on_token)
 
     @torch.no_grad()
-    def generate_ar(self, prompt: Sequence[int], max_new_tokens: int,
-                    sampling: SamplingParams | None = None) -> GenerationResult:
+    def generate_ar(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None, *,
+                    stop_strings: bool = True) -> GenerationResult:
         """Autoregressive generation through the same pipeline and stage code (head rank only): the exactness
         reference on the same kernels and the oracle drafter's source. Same contract as :meth:`generate`;
         ``sampling`` replaces :attr:`sampling` for this generation (the oracle's reference decodes greedily:
-        :func:`~spd_ds.decoding.drafters.oracle_reference_sampling`)."""
-        return self._run_head(self.pipe_ar, prompt, max_new_tokens, None, sampling=sampling)
+        :func:`~spd_ds.decoding.drafters.oracle_reference_sampling`); ``stop_strings=False`` runs past the stop
+        strings (the oracle's reference, as the reference decoder's: its drafts go past them too)."""
+        return self._run_head(self.pipe_ar, prompt, max_new_tokens, None, sampling=sampling, stop_strings=stop_strings)
 
     def _run_head(self, driver: HeadDriver | None, prompt, max_new_tokens, drafter, on_token=None,
-                  sampling: SamplingParams | None = None) -> GenerationResult:
+                  sampling: SamplingParams | None = None, stop_strings: bool = True) -> GenerationResult:
         if driver is None:
             raise RuntimeError("generate() runs on the head rank (pipe stage 0) only")
-        driver.request(prompt, max_new_tokens, drafter, sampling or self.sampling, on_token)
+        driver.request(prompt, max_new_tokens, drafter, sampling or self.sampling, on_token, stop_strings)
         self.role = driver
         try:
             self._exec_schedule(driver.schedule(self))

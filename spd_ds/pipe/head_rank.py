@@ -221,16 +221,19 @@ class HeadDriver:
         self.metrics = SPDMetrics(num_stages=rank.n)
         self.out = TokenOutput(rank.eos, 1)
         self.on_token: Callable[[int], None] | None = None
+        self.stop_strings = True
         self.result: GenerationResult | None = None
         self._t_decode: float | None = None
         self._wait0 = 0.0
 
     def request(self, prompt: Sequence[int], max_new_tokens: int, drafter: Drafter | None,
-                sampling: SamplingParams, on_token: Callable[[int], None] | None = None) -> None:
+                sampling: SamplingParams, on_token: Callable[[int], None] | None = None,
+                stop_strings: bool = True) -> None:
         """The next generation's prompt, limit (the prefill token included), drafter (``None`` for AR), sampling
-        parameters (its distribution and the key of its uniforms) and token callback (streaming; ``None``)."""
+        parameters (its distribution and the key of its uniforms), token callback (streaming; ``None``) and whether
+        the rank's stop strings end it (``False``: EOS and the limit only)."""
         self.prompt, self.max_new, self.drafter, self.sampling = list(prompt), int(max_new_tokens), drafter, sampling
-        self.on_token = on_token
+        self.on_token, self.stop_strings = on_token, stop_strings
 
     def load_prompt(self) -> None:
         """Instruction LoadPrompt: check the prompt (:class:`~spd_ds.decoding.cycle.PromptError` before any message)
@@ -238,7 +241,8 @@ class HeadDriver:
         check_prompt(self.prompt, self.max_new, self.rank.max_len, self.rank.n, self.rank.model_max,
                      self.rank.model_max_source)
         self.metrics = SPDMetrics(num_stages=self.rank.n)
-        self.out = TokenOutput(self.rank.eos, self.max_new, self.rank.stop, self.on_token)
+        self.out = TokenOutput(self.rank.eos, self.max_new, self.rank.stop if self.stop_strings else None,
+                               self.on_token)
         self.result, self._t_decode = None, None
         self._wait0 = self.rank.links.wait_s()
 

@@ -249,9 +249,9 @@ class SPDSession:
 
         head = self.engine.module.head_ends.head
 
-        def ar_reference() -> list[int]:  # greedy whatever the generation's sampling (oracle_reference_sampling)
-            sampling = oracle_reference_sampling(self.engine.sampling)
-            return list(prompt) + self.engine.generate_ar(prompt, max_new_tokens, sampling).tokens
+        def ar_reference() -> list[int]:  # greedy whatever the generation's sampling (oracle_reference_sampling),
+            sampling = oracle_reference_sampling(self.engine.sampling)  # past the stop strings (drafts go past them)
+            return list(prompt) + self.engine.generate_ar(prompt, max_new_tokens, sampling, stop_strings=False).tokens
 
         if self.drafter_factory is not None:
             return self.drafter_factory(head, list(prompt), ar_reference)
