@@ -10,7 +10,9 @@ order the prompts are given; the launchers and the evaluation pass it through :m
 so prompts of equal length get independent uniforms; ``position`` is the token position the decision is for;
 ``stream`` names the decision (draft sample, accept coin, target sample, oracle coin). The uniform is
 ``splitmix64`` applied along ``seed -> request -> position -> stream`` (:func:`keyed_uniform`). The same seed and
-request give the same tokens in every decoder.
+request give the same tokens in every decoder whose logits agree to the bit (on CPU torch's attention rounds
+differently with the number of threads: a draw near a bound of the cumulative distribution can then pick the next
+token, from the same distribution).
 """
 
 from __future__ import annotations
