@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -117,9 +118,18 @@ def test_hf_generate_baseline_uses_the_target_weights(tmp_path):
         hf = build_baseline("hf_generate", ctx)
         prompt = [5, 17, 33, 2, 60, 61]
         want = ARDecoder(target, eos_token_ids=[], max_len=128).generate(prompt, 16).tokens
+        forwards = []
+        hook = hf.model.register_forward_hook(lambda mod, args, out: forwards.append(1))
+        t0 = time.perf_counter()
         got = hf.generate(prompt, 16)
+        wall = time.perf_counter() - t0
+        hook.remove()
         assert got.tokens == want, mt
-        assert got.metrics.num_new_tokens == 16 and got.metrics.decode_s > 0
+        m = got.metrics
+        assert m.num_new_tokens == 16 and m.decode_s > 0 and m.prefill_s > 0 and m.prefill_s + m.decode_s <= wall
+        # both times come from generate's own forwards: no separate prompt forward (it computed every position's
+        # logits, was longer than generate's prefill and made decode_s come out too small, even negative)
+        assert len(forwards) == 16
     for shape in ("qwen3.5-tiny", "qwen3.5-moe-tiny"):  # hybrid shapes: transformers' own cache and generate
         arch = TargetArch(f"random:{shape}")
         target = Target(arch, StagePartition.build(8, 2), torch.float32, "cpu")

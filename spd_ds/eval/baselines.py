@@ -124,14 +124,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _FirstTokenClock:
+    """A ``transformers`` ``StoppingCriteria`` that stops nothing: it records ``time.perf_counter()`` at its first
+    call, which ``generate`` makes once the first new token exists (after the prefill), syncing the device first."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.t = device, None
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        if self.t is None:
+            _sync(self.device)
+            self.t = time.perf_counter()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 class HFGenerateBaseline:
     """transformers ``generate`` on an ``AutoModelForCausalLM`` of the same model, dtype and device.
 
     A checkpoint directory is loaded with ``from_pretrained``; a random-weight shape (no checkpoint) is built with
     ``from_config`` and gets the target's own tensors, so both compute with identical weights.
 
-    ``prefill_s`` is a separate timed forward of the prompt; ``decode_s`` = ``generate`` wall time minus that
-    (the reference project's method), both between ``torch.cuda.synchronize`` calls on GPU.
+    Both times come from the one ``generate`` call: ``prefill_s`` from its start to its first token (a
+    ``StoppingCriteria`` hook, called after every new token, reads the clock once, after a
+    ``torch.cuda.synchronize`` on GPU), ``decode_s`` from there to its end. (Subtracting a separately timed prompt
+    forward, the reference project's method, subtracted a forward that computed every position's logits where
+    ``generate`` computes the last one's, and went negative on answers of a token or two.)
 
     Args:
         model: the HF causal LM (eval mode, on its device).
@@ -175,27 +192,27 @@ class HFGenerateBaseline:
         ids = torch.tensor([list(prompt)], device=self.device)
         mask = torch.ones_like(ids)
         metrics = SPDMetrics(num_stages=1)
-        _sync(self.device)
-        t0 = time.perf_counter()
-        self.model(input_ids=ids, attention_mask=mask, use_cache=True)
-        _sync(self.device)
-        prefill_s = time.perf_counter() - t0
-        metrics.observe_prefill(prefill_s)
         gc = self._gc(max_new_tokens=max_new_tokens, min_new_tokens=0, **self.gen_kwargs)
         if not self.sampling.greedy:  # its own generator, seeded per request (independent draws per prompt)
             torch.manual_seed(request_key(self.sampling.seed, self.sampling.request) & ((1 << 63) - 1))
+        from transformers import StoppingCriteriaList
+
+        clock = _FirstTokenClock(self.device)
         _sync(self.device)
-        t1 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=mask, generation_config=gc, **self.generate_kwargs)
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=mask, generation_config=gc, stopping_criteria=StoppingCriteriaList([clock]),
+                                  **self.generate_kwargs)
         _sync(self.device)
-        total = time.perf_counter() - t1
+        t_end = time.perf_counter()
+        t_first = t_end if clock.t is None else clock.t
+        metrics.observe_prefill(t_first - t0)
         tokens = out[0, ids.shape[1]:].tolist()
         for i, t in enumerate(tokens):
             if t in self.eos:
                 tokens = tokens[: i + 1]
                 break
         metrics.observe_cycle(max(len(tokens) - 1, 0))
-        metrics.close(len(tokens), max(total - prefill_s, 1e-9))
+        metrics.close(len(tokens), t_end - t_first)
         finish = "eos" if tokens and tokens[-1] in self.eos else "length"
         return GenerationResult(tokens, finish, metrics)
 
