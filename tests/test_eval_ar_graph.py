@@ -42,6 +42,9 @@ def test_stops_at_eos_inside_a_chunk(target):
     got = ARGraphDecoder(target, SamplingParams(), [eos], 128, sync_every=4).generate(PROMPT, 30)
     assert got.tokens == want.tokens and got.finish_reason == "eos" == want.finish_reason
     assert got.metrics.num_cycles >= len(got.tokens) - 1  # replays after the EOS in its chunk are counted
+    # the default on CPU reads every step (no graph launches ahead): no step after the EOS, as the eval's ar_graph
+    dec = ARGraphDecoder(target, SamplingParams(), [eos], 128)
+    assert dec.sync_every == 1 and dec.generate(PROMPT, 30).metrics.num_cycles == len(want.tokens) - 1
 
 
 def test_refuses_graphs_on_cpu(target):
