@@ -504,6 +504,10 @@ def validate(cfg: ExperimentConfig) -> None:
     if not 0.01 <= cfg.train.kd_temperature <= 100:  # outside, the softened logits underflow or overflow the loss
         raise ConfigError(f"train.kd_temperature must be in [0.01, 100] (1 = the target's own distribution), got "
                           f"{cfg.train.kd_temperature}")
+    lengths = cfg.eval.random_prompt_lengths
+    if not lengths or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in lengths):
+        raise ConfigError(f"eval.random_prompt_lengths must list prompt lengths >= 1 (tokens), e.g. "
+                          f"eval.random_prompt_lengths='[128, 512]', got {list(lengths) if lengths else lengths!r}")
     if cfg.train.epochs == 0 and cfg.train.max_steps is None:
         raise ConfigError("train.epochs=0 (no epoch limit) needs train.max_steps; set either")
     if not 0.0 <= cfg.train.full_pipeline_prob <= 1.0:

@@ -113,6 +113,8 @@ def test_bad_values(tmp_path):
     ("data.max_conversations=0", "data.max_conversations must be >= 1 (or null)"),
     ("data.overflow=bogus", "data.overflow must be truncate or drop"),
     ("eval.baseline_num_prompts=0", "eval.baseline_num_prompts must be >= 1 (or null)"),
+    ("eval.random_prompt_lengths=[0]", "eval.random_prompt_lengths must list prompt lengths >= 1 (tokens)"),
+    ("eval.random_prompt_lengths=[]", "eval.random_prompt_lengths must list prompt lengths >= 1 (tokens)"),
     ("decoding.temperature=.nan", "decoding.temperature must be a finite number, got nan"),
     ("decoding.temperature=nan", "decoding.temperature must be a finite number, got nan"),
     ("decoding.temperature=inf", "decoding.temperature must be a finite number, got inf"),
