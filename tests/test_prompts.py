@@ -177,7 +177,7 @@ def test_gsm8k_with_unreachable_hub_fails_fast(tmp_path, monkeypatch):
 def test_default_prompt_sets_skip_an_unavailable_set_explicit_ones_fail(smollm2_dir, tmp_path, monkeypatch, caplog):
     from transformers import AutoTokenizer
 
-    from spd_ds.config import load_config
+    from spd_ds.config import ConfigError, load_config
     from spd_ds.eval.inputs import load_eval_prompts
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -196,6 +196,14 @@ def test_default_prompt_sets_skip_an_unavailable_set_explicit_ones_fail(smollm2_
     explicit = load_config(None, [f"data.eval_dir={eval_dir}", "data.num_prompts=2", "eval.prompt_sets=[mt_bench,gsm8k]"])
     with pytest.raises(PromptSetUnavailableError, match="gsm8k"):
         load_eval_prompts(explicit, tok, tok.vocab_size)
+    # the report groups rows by set label: a set given twice, or two files of one name, would merge
+    other = write_prompt_set(tmp_path / "other", "mt_bench")
+    for sets, message in [("[mt_bench,MT-Bench]", r"'MT-Bench' is given twice \('mt_bench'\)"),
+                          ("[random,random]", "'random' is given twice"),
+                          (f"[{eval_dir}/mt_bench/question.jsonl,{other}]", "both report as 'mt_bench'")]:
+        cfg = load_config(None, [f"data.eval_dir={eval_dir}", f"eval.prompt_sets={sets}"])
+        with pytest.raises(ConfigError, match=message):
+            load_eval_prompts(cfg, tok, tok.vocab_size)
 
 
 @pytest.mark.parametrize("endpoint", ["https://huggingface.co:99999", "http://[::1", "huggingface.co"])

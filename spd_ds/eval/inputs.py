@@ -94,8 +94,6 @@ def load_eval_records(cfg: ExperimentConfig, tokenizer_free: bool = False) -> li
             default ``eval.prompt_sets``, a set that cannot be had after the first is skipped with a warning instead:
             gsm8k without the hub).
     """
-    from pathlib import Path
-
     from spd_ds.builder import resolve_path
     from spd_ds.config import DEFAULT_PROMPT_SETS
     from spd_ds.eval.prompts import PromptSetUnavailableError, canonical_name, load_prompts
@@ -107,7 +105,16 @@ def load_eval_records(cfg: ExperimentConfig, tokenizer_free: bool = False) -> li
     default_sets = tuple(canonical_name(s) or s for s in cfg.eval.prompt_sets) == DEFAULT_PROMPT_SETS
     eval_dir = resolve_path(cfg.data.eval_dir)
     out: list[tuple[str, list[dict] | None]] = []
+    given: dict[str, str] = {}  # label -> the entry that gave it: the report groups rows by label
     for name in cfg.eval.prompt_sets:
+        label = _set_label(name)
+        key = canonical_name(name) or label  # a set's aliases (MT-Bench, mt_bench) are the same set
+        if key in given:
+            if canonical_name(name) or given[key] == name:
+                raise ConfigError(f"eval.prompt_sets: {name!r} is given twice ({given[key]!r}); give each set once")
+            raise ConfigError(f"eval.prompt_sets: {name!r} and {given[key]!r} both report as {label!r}; rename one "
+                              "of the files")
+        given[key] = name
         if name == RANDOM_SET:
             out.append((RANDOM_SET, None))
             continue
@@ -128,11 +135,17 @@ def load_eval_records(cfg: ExperimentConfig, tokenizer_free: bool = False) -> li
         if not recs:
             raise ConfigError(f"prompt set {name!r} holds no prompts; give a jsonl file with records (one "
                               "{\"turns\": [\"...\"]} a line) or drop it from eval.prompt_sets")
-        label = Path(name).stem if name.endswith(".jsonl") else (Path(name).name if os.sep in name else name)
-        if label == "question":  # <dir>/question.jsonl
-            label = Path(name).parent.name
         out.append((label, recs))
     return out
+
+
+def _set_label(name: str) -> str:
+    """A prompt set's name in the report: a set name as given, a jsonl file's stem (``<dir>/question.jsonl``: the
+    folder's name), a folder's name."""
+    from pathlib import Path
+
+    label = Path(name).stem if name.endswith(".jsonl") else (Path(name).name if os.sep in name else name)
+    return Path(name).parent.name if label == "question" else label
 
 
 def encode_eval_prompts(cfg: ExperimentConfig, sets: Sequence[tuple[str, list[dict] | None]], tokenizer,
