@@ -212,3 +212,16 @@ def test_hub_probe_leaves_malformed_endpoints_to_the_libraries(monkeypatch, endp
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     assert prompts._hub_reachable(0.5) is True  # no crash, no false "unreachable"
+
+
+def test_eval_warns_when_data_prompts_names_a_set_it_does_not_run(caplog):
+    """eval reads eval.prompt_sets alone; data.prompts (infer's set, in the shipped configs) is named when left out."""
+    from spd_ds.config import load_config
+    from spd_ds.eval.inputs import warn_unused_prompts
+
+    shipped = load_config(Path(__file__).parent.parent / "launch/configs/smollm2_spd.yaml", [])  # data.prompts: mt_bench, among the default sets
+    assert not warn_unused_prompts(shipped)
+    assert not warn_unused_prompts(load_config(None, ["data.prompts=MT-Bench"]))  # an alias of a set it runs
+    with caplog.at_level("WARNING"):
+        assert warn_unused_prompts(load_config(None, ["data.prompts=my.jsonl", "eval.prompt_sets=[humaneval]"]))
+    assert "data.prompts=my.jsonl is ignored: eval runs eval.prompt_sets=['humaneval']" in caplog.text

@@ -139,6 +139,21 @@ def load_eval_records(cfg: ExperimentConfig, tokenizer_free: bool = False) -> li
     return out
 
 
+def warn_unused_prompts(cfg: ExperimentConfig) -> bool:
+    """Log a warning when ``data.prompts`` (launch/infer.py's prompt set) names a set that ``eval.prompt_sets``
+    leaves out: eval reads ``eval.prompt_sets`` alone. Returns whether it warned."""
+    from spd_ds.eval.prompts import canonical_name
+
+    def key(name: str) -> str:
+        return canonical_name(name) or name
+
+    if key(cfg.data.prompts) in {key(s) for s in cfg.eval.prompt_sets}:
+        return False
+    log.warning("data.prompts=%s is ignored: eval runs eval.prompt_sets=%s (set that to evaluate other prompts)",
+                cfg.data.prompts, list(cfg.eval.prompt_sets))
+    return True
+
+
 def _set_label(name: str) -> str:
     """A prompt set's name in the report: a set name as given, a jsonl file's stem (``<dir>/question.jsonl``: the
     folder's name), a folder's name."""

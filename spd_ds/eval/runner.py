@@ -30,7 +30,7 @@ from spd_ds import builder
 from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.decoding.cycle import GenerationResult
 from spd_ds.eval.inputs import (EvalPrompt, encode_eval_prompts, fit_max_length, load_eval_records, ppsd_partition,
-                                resolve_model_name, target_view)
+                                resolve_model_name, target_view, warn_unused_prompts)
 from spd_ds.partition import StagePartition
 
 log = logging.getLogger(__name__)
@@ -224,6 +224,7 @@ def prepare(cfg: ExperimentConfig):
     if cfg.decoding.stop:
         raise ConfigError("decoding.stop is for launch/infer.py and the Python API; eval and benchmark runs measure "
                           f"fixed protocols without stop strings: remove decoding.stop (got {list(cfg.decoding.stop)!r})")
+    warn_unused_prompts(cfg)
     cfg = resolve_model_name(cfg)
     # the prompt records first: an empty or missing set fails before any model is fetched or loaded
     sets = load_eval_records(cfg, tokenizer_free=is_random_model_dir(cfg.model.name))
