@@ -219,7 +219,8 @@ def test_eval_warns_when_data_prompts_names_a_set_it_does_not_run(caplog):
     from spd_ds.config import load_config
     from spd_ds.eval.inputs import warn_unused_prompts
 
-    shipped = load_config(Path(__file__).parent.parent / "launch/configs/smollm2_spd.yaml", [])  # data.prompts: mt_bench, among the default sets
+    # the shipped config's data.prompts (mt_bench) is among the default sets
+    shipped = load_config(Path(__file__).parent.parent / "launch/configs/smollm2_spd.yaml", [])
     assert not warn_unused_prompts(shipped)
     assert not warn_unused_prompts(load_config(None, ["data.prompts=MT-Bench"]))  # an alias of a set it runs
     with caplog.at_level("WARNING"):
