@@ -301,6 +301,8 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
     variants = spd_variants(cfg, arch, oracle_alphas)
     if not cfg.eval.spd and cfg.decoding.drafter != "oracle":  # the PPSD head alone: the run reports its anchors
         part = builder.build_partition(variants[0].cfg, arch)
+        log.info("eval.spd=false: the run takes the PPSD head's partition, %d stages %s, anchors %s",
+                 part.num_stages, list(part.stage_layers), list(part.anchors))
     unknown = [b for b in cfg.eval.baselines if b not in BASELINES]
     if unknown:
         raise ConfigError(f"unknown baseline(s) {unknown} in eval.baselines; known: {', '.join(BASELINES)}")
