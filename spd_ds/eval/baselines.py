@@ -200,7 +200,8 @@ class HFGenerateBaseline:
         clock = _FirstTokenClock(self.device)
         _sync(self.device)
         t0 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=mask, generation_config=gc, stopping_criteria=StoppingCriteriaList([clock]),
+        out = self.model.generate(ids, attention_mask=mask, generation_config=gc,
+                                  stopping_criteria=StoppingCriteriaList([clock]),
                                   **self.generate_kwargs)
         _sync(self.device)
         t_end = time.perf_counter()
