@@ -223,6 +223,8 @@ def test_eval_warns_when_data_prompts_names_a_set_it_does_not_run(caplog):
     shipped = load_config(Path(__file__).parent.parent / "launch/configs/smollm2_spd.yaml", [])
     assert not warn_unused_prompts(shipped)
     assert not warn_unused_prompts(load_config(None, ["data.prompts=MT-Bench"]))  # an alias of a set it runs
+    # the default data.prompts says nothing of the user's intent (the benchmark's random-prompt suites)
+    assert not warn_unused_prompts(load_config(None, ["eval.prompt_sets=[random]"]))
     with caplog.at_level("WARNING"):
         assert warn_unused_prompts(load_config(None, ["data.prompts=my.jsonl", "eval.prompt_sets=[humaneval]"]))
     assert "data.prompts=my.jsonl is ignored: eval runs eval.prompt_sets=['humaneval']" in caplog.text

@@ -140,14 +140,15 @@ def load_eval_records(cfg: ExperimentConfig, tokenizer_free: bool = False) -> li
 
 
 def warn_unused_prompts(cfg: ExperimentConfig) -> bool:
-    """Log a warning when ``data.prompts`` (launch/infer.py's prompt set) names a set that ``eval.prompt_sets``
-    leaves out: eval reads ``eval.prompt_sets`` alone. Returns whether it warned."""
+    """Log a warning when ``data.prompts`` (launch/infer.py's prompt set), set to other than its default, names a
+    set that ``eval.prompt_sets`` leaves out: eval reads ``eval.prompt_sets`` alone. Returns whether it warned."""
+    from spd_ds.config import DataConfig
     from spd_ds.eval.prompts import canonical_name
 
     def key(name: str) -> str:
         return canonical_name(name) or name
 
-    if key(cfg.data.prompts) in {key(s) for s in cfg.eval.prompt_sets}:
+    if key(cfg.data.prompts) in {key(DataConfig.prompts)} | {key(s) for s in cfg.eval.prompt_sets}:
         return False
     log.warning("data.prompts=%s is ignored: eval runs eval.prompt_sets=%s (set that to evaluate other prompts)",
                 cfg.data.prompts, list(cfg.eval.prompt_sets))
