@@ -228,3 +228,23 @@ def test_eval_warns_when_data_prompts_names_a_set_it_does_not_run(caplog):
     with caplog.at_level("WARNING"):
         assert warn_unused_prompts(load_config(None, ["data.prompts=my.jsonl", "eval.prompt_sets=[humaneval]"]))
     assert "data.prompts=my.jsonl is ignored: eval runs eval.prompt_sets=['humaneval']" in caplog.text
+
+
+def test_ppsd_head_for_other_stages_is_refused_before_any_row_runs(smollm2_arch, caplog):
+    """An n = 3 PPSD head beside the n = 2 SPD head: refused when the variants are made, not after the SPD row. An
+    oracle alpha sweep with the head drafter is named as ignored."""
+    from spd_ds.config import ConfigError, load_config
+    from spd_ds.eval.runner import spd_variants
+
+    root = Path(__file__).parent.parent
+    cfg = load_config(root / "launch/configs/smollm2_spd.yaml",
+                      [f"eval.ppsd_checkpoint={root}/spd_ds/assets/heads/smollm2-135m-instruct-n3"])
+    with pytest.raises(ConfigError, match=r"the PPSD head's stages \[10, 10, 10\] differ from the run's \[15, 15\]"):
+        spd_variants(cfg, smollm2_arch)
+    alone = load_config(root / "launch/configs/smollm2_spd.yaml", [
+        "eval.spd=false", f"eval.ppsd_checkpoint={root}/spd_ds/assets/heads/smollm2-135m-instruct-n3"])
+    assert [v.name for v in spd_variants(alone, smollm2_arch)] == ["ppsd"]
+    swept = load_config(root / "launch/configs/smollm2_spd.yaml", ["eval.oracle_alphas=[0.5]"])
+    with caplog.at_level("WARNING"):
+        assert [v.name for v in spd_variants(swept, smollm2_arch)] == ["spd"]
+    assert "eval.oracle_alphas=[0.5] is ignored with decoding.drafter=head" in caplog.text

@@ -197,17 +197,21 @@ def fit_max_length(cfg: ExperimentConfig, prompts: Sequence[EvalPrompt], num_sta
     return min(cfg.decoding.max_length, -(-need // 64) * 64)
 
 
+def check_same_stages(ppsd: StagePartition, run: StagePartition) -> None:
+    """Raise :class:`~spd_ds.config.ConfigError` unless the PPSD head's partition ``ppsd`` has the stage ranges of the
+    run's ``run`` (both heads draft beside the same stages; only the anchors may differ)."""
+    if tuple(ppsd.stage_layers) != tuple(run.stage_layers):
+        raise ConfigError(f"the PPSD head's stages {list(ppsd.stage_layers)} differ from the run's "
+                          f"{list(run.stage_layers)}; train the PPSD head for the same "
+                          "partition.num_stages/stage_layers (or evaluate it alone: eval.spd=false)")
+
+
 class _TargetView:
     """The same target weights seen through another partition with the same stage ranges (other anchors): the
     stages are shallow copies that capture the view's anchors; modules and parameters are shared."""
 
     def __init__(self, target, partition: StagePartition) -> None:
-        if tuple(partition.stage_layers) != tuple(target.partition.stage_layers):
-            raise ConfigError(
-                f"the PPSD head's stages {list(partition.stage_layers)} differ from the run's "
-                f"{list(target.partition.stage_layers)}; train the PPSD head for the same "
-                "partition.num_stages/stage_layers"
-            )
+        check_same_stages(partition, target.partition)
         self.arch, self.partition, self.ends = target.arch, partition, target.ends
         self.dtype, self.device = target.dtype, target.device
         self.stages = []

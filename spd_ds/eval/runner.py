@@ -29,8 +29,8 @@ import torch
 from spd_ds import builder
 from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.decoding.cycle import GenerationResult
-from spd_ds.eval.inputs import (EvalPrompt, encode_eval_prompts, fit_max_length, load_eval_records, ppsd_partition,
-                                resolve_model_name, target_view, warn_unused_prompts)
+from spd_ds.eval.inputs import (EvalPrompt, check_same_stages, encode_eval_prompts, fit_max_length, load_eval_records,
+                                ppsd_partition, resolve_model_name, target_view, warn_unused_prompts)
 from spd_ds.partition import StagePartition
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,8 @@ def spd_variants(cfg: ExperimentConfig, arch, alphas: Sequence[float] | None = N
     (``alphas``, default ``eval.oracle_alphas`` or ``[decoding.oracle_alpha]``).
 
     Raises:
-        ConfigError: alpha outside [0, 1], unreadable PPSD checkpoint, ``eval.spd=false`` without a PPSD head.
+        ConfigError: alpha outside [0, 1], unreadable PPSD checkpoint, a PPSD head for other stages than the SPD
+            head's, ``eval.spd=false`` without a PPSD head.
     """
     if cfg.decoding.drafter == "oracle":
         alphas = list(alphas if alphas is not None else (cfg.eval.oracle_alphas or [cfg.decoding.oracle_alpha]))
@@ -198,10 +199,15 @@ def spd_variants(cfg: ExperimentConfig, arch, alphas: Sequence[float] | None = N
         return out
     if not cfg.eval.spd and not cfg.eval.ppsd_checkpoint:
         raise ConfigError("eval.spd=false leaves no head to evaluate: set eval.ppsd_checkpoint=DIR or eval.spd=true")
+    if cfg.eval.oracle_alphas:
+        log.warning("eval.oracle_alphas=%s is ignored with decoding.drafter=head (decoding.drafter=oracle sweeps them)",
+                    list(cfg.eval.oracle_alphas))
     out = [_Variant("spd", f"head {cfg.head.checkpoint or 'untrained (no head.checkpoint)'}", cfg)] if cfg.eval.spd \
         else []
     if cfg.eval.ppsd_checkpoint:
         part = ppsd_partition(cfg.eval.ppsd_checkpoint, arch)
+        if cfg.eval.spd:  # before the SPD row runs, not after it
+            check_same_stages(part, builder.build_partition(cfg, arch))
         c = copy.deepcopy(cfg)
         c.head.checkpoint = cfg.eval.ppsd_checkpoint
         c.partition.num_stages, c.partition.stage_layers = part.num_stages, list(part.stage_layers)
