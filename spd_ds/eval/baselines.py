@@ -126,16 +126,19 @@ def _sync(device: torch.device) -> None:
 
 class _FirstTokenClock:
     """A ``transformers`` ``StoppingCriteria`` that stops nothing: it records ``time.perf_counter()`` at its first
-    call, which ``generate`` makes once the first new token exists (after the prefill), syncing the device first."""
+    call, which ``generate`` makes once the first new token exists (after the prefill), syncing the device first.
+    Every call returns the same all-False ``[batch]`` bool tensor (made at the first call; ``generate`` combines it
+    out of place), so the timed decode steps allocate and launch nothing for it."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.t = device, None
+        self.device, self.t, self._never = device, None, None
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         if self.t is None:
             _sync(self.device)
             self.t = time.perf_counter()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            self._never = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return self._never
 
 
 class HFGenerateBaseline:
@@ -146,9 +149,10 @@ class HFGenerateBaseline:
 
     Both times come from the one ``generate`` call: ``prefill_s`` from its start to its first token (a
     ``StoppingCriteria`` hook, called after every new token, reads the clock once, after a
-    ``torch.cuda.synchronize`` on GPU), ``decode_s`` from there to its end. (Subtracting a separately timed prompt
-    forward, the reference project's method, subtracted a forward that computed every position's logits where
-    ``generate`` computes the last one's, and went negative on answers of a token or two.)
+    ``torch.cuda.synchronize`` on GPU), ``decode_s`` from there to its end. (The reference project's method, a
+    separately timed prompt forward subtracted from the ``generate`` time, subtracted a forward that computed every
+    position's logits where ``generate`` computes the last one's, and could go negative on answers of a token or
+    two.)
 
     Args:
         model: the HF causal LM (eval mode, on its device).
