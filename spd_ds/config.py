@@ -238,7 +238,9 @@ class EvalConfig:
     oracle_alphas: Optional[list[float]] = None  # drafter=oracle: one SPD variant per alpha (None: oracle_alpha)
     random_prompt_lengths: list[int] = dataclasses.field(default_factory=lambda: [128])
     baseline_num_prompts: Optional[int] = None  # run the baselines on the first k prompts of each set (None = all)
-    check_exact: bool = True  # at T=0: SPD's tokens against the AR baselines', first divergence per prompt
+    # at T=0: SPD's tokens against the AR baselines', first divergence per prompt (false: neither summary.json's
+    # exactness nor per_prompt.jsonl's first_divergence is computed)
+    check_exact: bool = True
     fit_max_length: bool = True  # shrink decoding.max_length (static KV caches) to the longest prompt + generation
     # memory bandwidth per GPU (GB/s) for the % HBM column; None = the GPU's own figure from
     # spd_ds.eval.speed.GPU_BANDWIDTH_GBPS (named in the report); GB/s and % HBM are reported on GPUs only

@@ -144,6 +144,25 @@ def test_sampling_skips_exactness_and_limits_baselines(heads, tmp_path):
     assert s["methods"]["ar"]["num_prompts"] == 1 and s["methods"]["spd"]["num_prompts"] == 2
 
 
+def test_check_exact_false_compares_nothing(heads, tmp_path):
+    """eval.check_exact=false: no exactness block and no first_divergence in the per-prompt rows (they used to carry
+    one at T = 0 although nothing was asked to be compared); the printed exactness line says why."""
+    from spd_ds.eval.report import exactness_lines
+
+    shape, _, _ = heads
+    cfg = load_config(None, overrides(shape, tmp_path, "eval.check_exact=false", "eval.baselines=[ar]",
+                                      "eval.warmup_prompts=0", "eval.plots=false"))
+    run = run_eval(cfg, engine="reference")
+    summary = write_reports(run, tmp_path)
+    assert summary["exactness"] == {"checked": False, "reason": "eval.check_exact is false", "reference": "ar",
+                                    "by_method": {}}
+    rows = [json.loads(x) for x in (tmp_path / "per_prompt.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and not any("first_divergence" in r for r in rows)
+    assert exactness_lines(summary) == ["exactness not checked: eval.check_exact is false"]
+    run.cfg.eval.check_exact = True  # the same run, compared: every SPD row names its divergence from ar
+    assert [r["first_divergence"] for r in per_prompt_rows(run) if r["kind"] == "spd"] == [{"ar": None}] * 2
+
+
 def test_clear_errors(heads, tmp_path):
     from spd_ds.head import SpeculationHead
     from spd_ds.models.adapter import TargetArch

@@ -219,6 +219,19 @@ def summarize(run, weight_bytes: int | None = None) -> dict:
     }
 
 
+def unchecked_reason(run) -> str | None:
+    """Why SPD's tokens of ``run`` are not compared with the AR baselines' (``None``: they are): T > 0,
+    ``eval.check_exact`` false, or no AR baseline of :data:`EXACT_BASELINES` ran. :func:`exactness` and
+    :func:`per_prompt_rows` (``first_divergence``) both follow it."""
+    if run.cfg.decoding.temperature != 0:
+        return "temperature > 0: outputs are samples (only distributions match)"
+    if not run.cfg.eval.check_exact:
+        return "eval.check_exact is false"
+    if not any(b.name in EXACT_BASELINES for b in run.baselines()):
+        return "no AR baseline ran (eval.baselines)"
+    return None
+
+
 def exactness(run) -> dict:
     """SPD methods' tokens against every AR baseline's at T = 0: identical prompts and each first divergence.
 
@@ -227,14 +240,10 @@ def exactness(run) -> dict:
     """
     from spd_ds.eval.runner import first_divergence
 
-    if run.cfg.decoding.temperature != 0:
-        return {"checked": False, "reason": "temperature > 0: outputs are samples (only distributions match)",
-                "reference": "ar", "by_method": {}}
-    if not run.cfg.eval.check_exact:
-        return {"checked": False, "reason": "eval.check_exact is false", "reference": "ar", "by_method": {}}
+    reason = unchecked_reason(run)
+    if reason is not None:
+        return {"checked": False, "reason": reason, "reference": "ar", "by_method": {}}
     bases = [b for b in run.baselines() if b.name in EXACT_BASELINES]
-    if not bases:
-        return {"checked": False, "reason": "no AR baseline ran (eval.baselines)", "reference": "ar", "by_method": {}}
     out = {}
     for m in run.spd_methods():
         per = {}
@@ -256,11 +265,13 @@ def exactness(run) -> dict:
 
 # ---------------------------------------------------------------------------------------------- per prompt
 def per_prompt_rows(run) -> list[dict]:
-    """One JSON-able row per (method, prompt): ids, tokens, decoded text (with a tokenizer), metrics, wall time and
-    the first divergence from each AR baseline (T = 0)."""
+    """One JSON-able row per (method, prompt): ids, tokens, decoded text (with a tokenizer), metrics, wall time and,
+    for SPD methods where exactness is checked (:func:`unchecked_reason` is ``None``: T = 0, ``eval.check_exact``, an
+    AR baseline ran), ``first_divergence`` from each AR baseline that ran the prompt; otherwise no such key."""
     from spd_ds.eval.runner import first_divergence
 
     rows = []
+    checked = unchecked_reason(run) is None
     bases = [b for b in run.baselines() if b.name in EXACT_BASELINES]
     for name, mr in run.methods.items():
         for i in sorted(mr.results):
@@ -274,7 +285,7 @@ def per_prompt_rows(run) -> list[dict]:
             if mr.kind == "spd":
                 row["acceptance_by_depth"] = res.metrics.acceptance_by_depth()
                 row["cycle_time_split_ms"] = res.metrics.cycle_time_split_ms()
-                if run.cfg.decoding.temperature == 0:
+                if checked:
                     row["first_divergence"] = {b.name: first_divergence(res.tokens, b.results[i].tokens)
                                                for b in bases if i in b.results}
             rows.append(row)
