@@ -68,6 +68,8 @@ def test_summary_schema_ppsd_and_exactness(heads, tmp_path):
     assert summary["results"]["ar"]["overall"]["draft_acceptance_rate"] is None
     assert summary["methods"]["ppsd"]["description"].startswith("PPSD head")
     assert set(summary["results"]["spd"]["by_set"]) == {"random"}
+    assert summary["decoding"]["oracle_alphas"] is None  # no oracle method ran
+    assert all(m["oracle_alpha"] is None for m in summary["methods"].values())
     assert "INCLUDING" in summary["definitions"]["num_new_tokens"]
     tokens = [r["tokens"] for r in rows if r["method"] == "spd"]
     assert spd_o["repeated_ngram_share"] == repeated_ngram_share(tokens) is not None
@@ -133,6 +135,14 @@ def test_oracle_sweep_in_one_run(heads, tmp_path):
     assert 0 < half["draft_acceptance_rate"] < 1
     assert all(r["identical"] == 2 for per in s["exactness"]["by_method"].values() for r in per.values())
     assert len(per_prompt_rows(run)) == 3 * 2
+    # the summary names the alphas that ran, not the config's decoding.oracle_alpha (1.0 whatever the sweep was)
+    assert s["decoding"]["oracle_alphas"] == [1.0, 0.5] and "oracle_alpha" not in s["decoding"]
+    assert {m: d["oracle_alpha"] for m, d in s["methods"].items()} == {"spd_oracle_1": 1.0, "spd_oracle_0.5": 0.5,
+                                                                       "ar": None}
+    one = summarize(run_eval(load_config(None, overrides(
+        shape, tmp_path, "decoding.drafter=oracle", "eval.oracle_alphas=[0.25]", "eval.baselines=[]",
+        "eval.warmup_prompts=0", "data.num_prompts=1")), engine="reference"))
+    assert one["decoding"]["oracle_alphas"] == [0.25] and one["methods"]["spd_oracle_0.25"]["oracle_alpha"] == 0.25
 
 
 def test_sampling_skips_exactness_and_limits_baselines(heads, tmp_path):

@@ -8,11 +8,12 @@ Summary schema (``schema_version`` 1)::
      "model": {"name", "dir", "random_weights", "model_type", "num_layers", "hidden_size", "vocab_size", "dtype",
                "weight_bytes_per_token"},
      "partition": {"num_layers", "stage_layers", "anchors", "num_stages"},
-     "decoding": {"temperature", "top_k", "top_p", "seed", "max_new_tokens", "max_length", "drafter", "oracle_alpha",
-                  "eos_token_ids"},
+     "decoding": {"temperature", "top_k", "top_p", "seed", "max_new_tokens", "max_length", "drafter",
+                  "oracle_alphas", "eos_token_ids"},
      "prompt_sets": {set: {"num_prompts", "mean_prompt_tokens"}},
      "definitions": {metric: text},
-     "methods": {method: {"kind": "spd" | "baseline", "num_stages", "devices", "description", "num_prompts"}},
+     "methods": {method: {"kind": "spd" | "baseline", "num_stages", "devices", "description", "num_prompts",
+                          "oracle_alpha"}},
      "results": {method: {"overall": BLOCK, "by_set": {set: BLOCK}}},
      "exactness": {"checked", "reason", "reference", "by_method": {spd_method: {baseline: {"prompts", "identical",
                    "divergences": [{"prompt_set", "question_id", "index", "method_token", "baseline_token"}]}}}},
@@ -25,6 +26,11 @@ Summary schema (``schema_version`` 1)::
 
 Draft metrics (``num_drafts`` ... ``acceptance_by_depth``) are ``None`` for AR baselines. Pooled means sums over
 prompts first (``ΣN / ΣK``, ``Σ(N-1) / Σdecode_s``), then ratios.
+
+``methods[m].oracle_alpha`` is the alpha an oracle method (``spd_oracle_<alpha>``) ran with, ``None`` for the others;
+``decoding.oracle_alphas`` lists those alphas in run order (``None`` without oracle methods). Older summaries have
+neither, but ``decoding.oracle_alpha``: the config's value (still in ``config``), which an ``eval.oracle_alphas``
+sweep does not use.
 """
 
 from __future__ import annotations
@@ -172,10 +178,12 @@ def summarize(run, weight_bytes: int | None = None) -> dict:
     for i, p in enumerate(run.prompts):
         sets.setdefault(p.prompt_set, []).append(i)
     results, methods = {}, {}
+    alphas = [m.oracle_alpha for m in run.methods.values() if m.oracle_alpha is not None]
     for name, mr in run.methods.items():
         spd = mr.kind == "spd"
         methods[name] = {"kind": mr.kind, "num_stages": mr.num_stages, "devices": mr.devices,
-                         "description": mr.description, "num_prompts": len(mr.results)}
+                         "description": mr.description, "num_prompts": len(mr.results),
+                         "oracle_alpha": mr.oracle_alpha}
         scopes = {"overall": sorted(mr.results)}
         scopes.update({s: [i for i in idx if i in mr.results] for s, idx in sets.items()})
         blocks = {}
@@ -206,8 +214,9 @@ def summarize(run, weight_bytes: int | None = None) -> dict:
             "weight_bytes_per_token": weight_bytes,
         },
         "partition": {**part.to_dict(), "num_stages": part.num_stages},
-        "decoding": {k: getattr(cfg.decoding, k) for k in ("temperature", "top_k", "top_p", "seed", "max_new_tokens",
-                                                           "max_length", "drafter", "oracle_alpha", "eos_token_ids")},
+        "decoding": {**{k: getattr(cfg.decoding, k) for k in ("temperature", "top_k", "top_p", "seed",
+                                                              "max_new_tokens", "max_length", "drafter")},
+                     "oracle_alphas": alphas or None, "eos_token_ids": cfg.decoding.eos_token_ids},
         "prompt_sets": {s: {"num_prompts": len(idx),
                             "mean_prompt_tokens": sum(len(run.prompts[i].ids) for i in idx) / len(idx)}
                         for s, idx in sets.items()},

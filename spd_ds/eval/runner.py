@@ -73,6 +73,8 @@ class MethodRun:
         devices: devices the method runs on (for the bandwidth column).
         results: prompt index -> :class:`~spd_ds.decoding.cycle.GenerationResult`.
         wall_s: prompt index -> wall seconds of the whole ``generate`` call (synchronised), where measured.
+        oracle_alpha: the oracle drafter's acceptance probability of an oracle variant (``spd_oracle_<alpha>``), else
+            ``None``.
     """
 
     name: str
@@ -82,6 +84,7 @@ class MethodRun:
     devices: int = 1
     results: dict[int, GenerationResult] = dataclasses.field(default_factory=dict)
     wall_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    oracle_alpha: float | None = None
 
 
 @dataclasses.dataclass
@@ -394,7 +397,8 @@ def _run_reference(cfg, part, target, prompts, variants, methods, bar) -> None:
             head = builder.build_head(v.cfg, target.arch, vt.partition)
         base = builder.build_drafter(v.cfg, head, target.arch, device) if head is not None else None
         dec = SPDReferenceDecoder(vt, base, sampling, eos, max_len)
-        run = methods[v.name] = MethodRun(v.name, "spd", part.num_stages, v.description + ", reference decoder")
+        run = methods[v.name] = MethodRun(v.name, "spd", part.num_stages, v.description + ", reference decoder",
+                                          oracle_alpha=v.alpha)
         for j, p in enumerate(warm + prompts):
             i = j - len(warm)
             dec.sampling = sampling.for_request(requests[j])
@@ -556,7 +560,7 @@ def _run_distributed(cfg, arch, part, prompts, variants, methods, progress: bool
                 chunk = out[k * len(ids):(k + 1) * len(ids)][len(warm):]
                 run = methods[v.name] = MethodRun(v.name, "spd", part.num_stages,
                                                   v.description + f", DeepSpeed pipeline ({c.head.placement} head)",
-                                                  devices=part.num_stages)
+                                                  devices=part.num_stages, oracle_alpha=v.alpha)
                 for i, res in enumerate(chunk):
                     run.results[i] = res
         from spd_ds.eval.tp_baseline import NAME as TP_NAME, run_tp_baseline
