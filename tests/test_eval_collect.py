@@ -28,6 +28,9 @@ def test_suite_c_table(tmp_path):
     assert [(r["n"], r["head"], r["train_steps"], r["anchors"]) for r in rows] == [(2, "spd", 40, [0]),
                                                                                   (2, "ppsd", None, [0, 15])]
     assert rows[0]["acceptance_by_fill"] == [0.75, None] and rows[0]["eq_accept_len_by_set"]["humaneval"] == 2.0
+    na = dict(rows[0], equivalent_accept_length=None, draft_acceptance_rate=None, tokens_per_cycle=None,
+              eq_accept_len_by_set={"mt_bench": None})  # a run without drafts or cycles: null rates, '-' cells
+    assert "| [0] | 40 | - | - | - | 0.75 - | - | nan | nan |" in collect.suite_c_markdown([na])
     md = (out / "suite_c.md").read_text().splitlines()
     assert md[2] == "| 2 | SPD | [0] | 40 | 1.500 | 0.500 | 1.250 | 0.75 - | 1.500 | 2.000 | nan |"
     assert md[3].startswith("| 2 | PPSD | [0, 15] | None | 1.250 |") and len(md) == 4

@@ -94,6 +94,20 @@ def test_pooling_sums_before_dividing():
     assert ar["equivalent_accept_length"] is None and ar["acceptance_by_depth"] is None and ar["decode_tok_s"] == 4
 
 
+def test_metric_block_rates_need_drafts_and_cycles():
+    """A drafting method's rates are None (not 0) where nothing was verified or no cycle ran; counts stay 0."""
+    prefill_only = SPDMetrics(num_stages=2, num_new_tokens=1, prefill_s=0.1)
+    b = metric_block([prefill_only, prefill_only], spd=True, num_stages=2)
+    assert (b["num_drafts"], b["num_accepted_tokens"], b["num_cycles"]) == (0, 0, 0)
+    assert b["draft_acceptance_rate"] is None and b["tokens_per_cycle"] is None
+    assert b["equivalent_accept_length"] is None
+    full = metric_block([trace()], spd=True, num_stages=3)
+    assert full["draft_acceptance_rate"] == pytest.approx(6 / 9) and full["tokens_per_cycle"] == pytest.approx(10 / 12)
+    no_accept = metric_block([SPDMetrics(num_stages=2, num_new_tokens=3, num_cycles=4, num_drafts=2, num_rollbacks=2)],
+                             spd=True, num_stages=2)
+    assert no_accept["draft_acceptance_rate"] == 0.0 and no_accept["equivalent_accept_length"] == 1.5  # measured 0
+
+
 def test_summary_speedup_on_common_prompts(tmp_path):
     """speedup_vs_ar pools the SPD method over the prompts the baseline ran, not over all of them."""
     from spd_ds.config import load_config

@@ -173,6 +173,26 @@ def test_check_exact_false_compares_nothing(heads, tmp_path):
     assert [r["first_divergence"] for r in per_prompt_rows(run) if r["kind"] == "spd"] == [{"ar": None}] * 2
 
 
+def test_one_new_token_has_no_acceptance_figures(heads, tmp_path):
+    """decoding.max_new_tokens=1: the prefill token alone, no draft verified and no cycle run, so acceptance is not
+    applicable: null in summary.json and '-' in the printed table (it used to say 0, a head that accepts nothing)."""
+    from spd_ds.eval.report import summary_table
+
+    shape, spd, _ = heads
+    cfg = load_config(None, overrides(shape, tmp_path, f"head.checkpoint={spd}", "decoding.max_new_tokens=1",
+                                      "eval.baselines=[ar]", "eval.warmup_prompts=0", "eval.plots=false"))
+    s = json.loads(json.dumps(summarize(run_eval(cfg, engine="reference"))))  # as summary.json holds it
+    for b in [s["results"]["spd"]["overall"], *s["results"]["spd"]["by_set"].values()]:
+        assert (b["num_new_tokens"], b["num_drafts"], b["num_cycles"]) == (2, 0, 0)
+        assert b["draft_acceptance_rate"] is None and b["tokens_per_cycle"] is None
+        assert b["equivalent_accept_length"] is None
+    head, _, *rows = summary_table(s).splitlines()
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    spd_row = dict(zip(cols, (c.strip() for c in rows[0].strip("|").split("|"))))
+    assert spd_row["method"] == "spd"
+    assert [spd_row[c] for c in ("eq. accept len", "draft acc.", "tok/cycle")] == ["-", "-", "-"]
+
+
 def test_clear_errors(heads, tmp_path):
     from spd_ds.head import SpeculationHead
     from spd_ds.models.adapter import TargetArch

@@ -90,12 +90,13 @@ def suite_c_markdown(rows: Sequence[dict]) -> str:
     """The suite-(c) table of :func:`suite_c_rows` in markdown (one line per row, newline-terminated)."""
     md = ["| n | head | anchors | train steps | eq. accept len | draft acc. | tok/cycle | acceptance by fill 1..n | "
           "MT-Bench | HumanEval | GSM8K |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    f3 = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731 - None: no draft / no cycle (a summary's blocks)
     for r in rows:
         fills = " ".join("-" if x is None else f"{x:.2f}" for x in r["acceptance_by_fill"])
-        sets = " | ".join(f"{r['eq_accept_len_by_set'].get(k, float('nan')):.3f}" for k in SUITE_C_SETS)
-        md.append(f"| {r['n']} | {r['head'].upper()} | {r['anchors']} | {r['train_steps']} | "
-                  f"{r['equivalent_accept_length']:.3f} | {r['draft_acceptance_rate']:.3f} | "
-                  f"{r['tokens_per_cycle']:.3f} | {fills} | {sets} |")
+        sets = " | ".join(f3(r["eq_accept_len_by_set"].get(k, float("nan"))) for k in SUITE_C_SETS)
+        rates = " | ".join(f3(r[k]) for k in ("equivalent_accept_length", "draft_acceptance_rate", "tokens_per_cycle"))
+        md.append(f"| {r['n']} | {r['head'].upper()} | {r['anchors']} | {r['train_steps']} | {rates} | {fills} | "
+                  f"{sets} |")
     return "\n".join(md) + "\n"
 
 

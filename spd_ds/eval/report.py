@@ -24,8 +24,11 @@ Summary schema (``schema_version`` 1)::
              "prefill_s", "decode_s", "decode_tok_s", "mean_decode_tok_s", "cycle_time_split_ms", "achieved_gbps",
              "hbm_fraction", "speedup_vs_ar", "repeated_ngram_share" (added later: absent from older summaries)}
 
-Draft metrics (``num_drafts`` ... ``acceptance_by_depth``) are ``None`` for AR baselines. Pooled means sums over
-prompts first (``ΣN / ΣK``, ``Σ(N-1) / Σdecode_s``), then ratios.
+Draft metrics (``num_drafts`` ... ``acceptance_by_depth``) are ``None`` for AR baselines; for a drafting method
+``draft_acceptance_rate`` is ``None`` where no draft was verified and ``tokens_per_cycle`` and
+``equivalent_accept_length`` where no decode cycle ran (``decoding.max_new_tokens=1``: the prefill token alone). The
+tables print ``None`` as ``-``. Pooled means sums over prompts first (``ΣN / ΣK``, ``Σ(N-1) / Σdecode_s``), then
+ratios.
 
 ``methods[m].oracle_alpha`` is the alpha an oracle method (``spd_oracle_<alpha>``) ran with, ``None`` for the others;
 ``decoding.oracle_alphas`` lists those alphas in run order (``None`` without oracle methods). Older summaries have
@@ -86,7 +89,9 @@ def metric_block(items: Sequence[SPDMetrics], spd: bool, num_stages: int, weight
 
     Args:
         items: per-prompt :class:`~spd_ds.decoding.metrics.SPDMetrics`.
-        spd: whether the method drafts (else the draft metrics are ``None``).
+        spd: whether the method drafts (else the draft metrics are ``None``; for a drafting method the rates are
+            ``None`` where they are not applicable: ``draft_acceptance_rate`` without verified drafts,
+            ``tokens_per_cycle`` and ``equivalent_accept_length`` without decode cycles).
         num_stages: ``n`` of the method (1 for AR).
         weight_bytes: bytes read per AR token (for ``achieved_gbps``), ``None`` = not reported.
         devices, hbm_gbps: for ``hbm_fraction``.
@@ -102,9 +107,9 @@ def metric_block(items: Sequence[SPDMetrics], spd: bool, num_stages: int, weight
         "num_drafts": m.num_drafts if spd else None,
         "num_accepted_tokens": m.num_accepted_tokens if spd else None,
         "num_rollbacks": m.num_rollbacks if spd else None,
-        "draft_acceptance_rate": m.draft_acceptance_rate if spd else None,
-        "tokens_per_cycle": m.tokens_per_cycle if spd else None,
-        "equivalent_accept_length": m.equivalent_accept_length if spd else None,
+        "draft_acceptance_rate": m.draft_acceptance_rate if spd and m.num_drafts else None,
+        "tokens_per_cycle": m.tokens_per_cycle if spd and m.num_cycles else None,
+        "equivalent_accept_length": m.equivalent_accept_length if spd and m.num_cycles else None,
         "acceptance_by_depth": m.acceptance_by_depth() if spd else None,
         "prefill_s": m.prefill_s,
         "decode_s": m.decode_s,
