@@ -145,6 +145,37 @@ def test_missing_prompt_file_is_named_as_missing(tmp_path):
         load_prompts("nope", eval_dir=tmp_path)
 
 
+def test_empty_user_turn_is_refused_before_the_model(tmp_path):
+    """A blank user turn (empty or whitespace) used to be encoded and answered; it is refused while the records are
+    read, in one line naming the file, line, record index and turn, before any model is resolved (none exists here)."""
+    from spd_ds.config import ConfigError, load_config
+    from spd_ds.eval.runner import run_eval
+
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"turns": ["fine"]}\n{"question_id": "q2", "turns": [" \\n\\t"]}\n')
+    with pytest.raises(ValueError, match=r"mine.jsonl:2: record 1 has an empty user turn \(turns\[0\] is ' \\n\\t'\); "
+                                         r"write the prompt's text into it or remove the record$"):
+        load_prompts(f)
+    (tmp_path / "p.jsonl").write_text('{"prompt": ""}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:1: record 0 has an empty user turn \(turns\[0\] is ''\)"):
+        load_prompts(tmp_path / "p.jsonl")
+    q = write_prompt_set(tmp_path / "eval_data", "mt_bench", 3, turns=2)
+    recs = [json.loads(x) for x in q.read_text().splitlines()]
+    recs[2]["turns"][1] = ""
+    q.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    messages = {}
+    for sets in ("[mt_bench]", f"[{f}]"):  # a named set (its second turn is empty) and a file (a whitespace turn)
+        cfg = load_config(None, [f"eval.prompt_sets={sets}", f"data.eval_dir={tmp_path / 'eval_data'}",
+                                 f"model.name={tmp_path / 'no_model_here'}", "eval.progress=false"])
+        with pytest.raises(ConfigError) as e:
+            run_eval(cfg, engine="reference")
+        messages[sets] = str(e.value)
+    assert messages["[mt_bench]"].startswith(f"prompt set 'mt_bench': {q}:3: record 2 has an empty user turn "
+                                             "(turns[1] is ''); write the prompt's text into it or remove the record")
+    assert messages[f"[{f}]"].startswith(f"prompt set '{f}': {f}:2: record 1 has an empty user turn")
+    assert not any("\n" in m or "no_model_here" in m for m in messages.values())
+
+
 def test_prepare_eval_data_cli(tmp_path, source_dir, capsys):
     from spd_ds.commands import prepare_eval_data as mod
 

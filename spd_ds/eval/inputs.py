@@ -88,8 +88,9 @@ def load_eval_records(cfg: ExperimentConfig, tokenizer_free: bool = False) -> li
         ``(label, records)`` per set, in order; ``records`` is ``None`` for a ``random`` set (made later, it needs the
         vocabulary size).
     Raises:
-        ConfigError: no prompt sets, a set that holds no prompts, malformed records, or a named set on a model
-            without tokenizer.
+        ConfigError: no prompt sets, a set that holds no prompts, malformed records (an empty or whitespace-only
+            user turn included: the message names the set, ``file:line`` and the record's index), or a named set on
+            a model without tokenizer.
         FileNotFoundError / PromptSetUnavailableError: from :func:`spd_ds.eval.prompts.load_prompts` (with the
             default ``eval.prompt_sets``, a set that cannot be had after the first is skipped with a warning instead:
             gsm8k without the hub).

@@ -4,8 +4,9 @@ Each set lives in ``<eval_dir>/<name>/question.jsonl``, one JSON object a line::
 
     {"question_id": 81, "category": "writing", "turns": ["first user turn", "second user turn"]}
 
-``question_id`` and ``turns`` (a list of user turns) are always present; ``category`` and ``reference``
-when the source has them. The sets are not committed: :func:`materialize_prompt_set` obtains them.
+``question_id`` and ``turns`` (a list of user turns, none empty or whitespace only: such a record is refused when
+read) are always present; ``category`` and ``reference`` when the source has them. The sets are not committed:
+:func:`materialize_prompt_set` obtains them.
 
 =========== =================================================================== ========
 name        source                                                              records
@@ -111,10 +112,10 @@ def canonical_name(name: str) -> str | None:
 
 
 def _normalize(rec: dict, index: int) -> dict:
-    """Make sure a record has ``question_id`` and ``turns`` (list of str).
+    """Make sure a record has ``question_id`` and ``turns`` (list of str, none of them empty or whitespace only).
 
     Raises:
-        ValueError: the record is not a JSON object, or has no usable turns.
+        ValueError: the record is not a JSON object, has no usable turns, or has an empty user turn.
     """
     if not isinstance(rec, dict):
         names = {str: "string", bool: "boolean", int: "number", float: "number"}
@@ -132,6 +133,10 @@ def _normalize(rec: dict, index: int) -> dict:
         turns = [turns]
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
         raise ValueError(f"record {index} has no usable 'turns' (a non-empty list of strings)")
+    for k, t in enumerate(turns):  # a blank prompt would still be answered (after the chat template's markers)
+        if not t.strip():
+            raise ValueError(f"record {index} has an empty user turn (turns[{k}] is {t!r}); write the prompt's text "
+                             "into it or remove the record")
     out["turns"] = turns
     out.setdefault("question_id", out.get("id", out.get("task_id", index)))
     return out
@@ -148,7 +153,8 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
         Records, each with ``question_id`` and ``turns`` (other fields kept).
 
     Raises:
-        ValueError: a line is not JSON or has no usable turns.
+        ValueError: a line is not JSON, has no usable turns or an empty (whitespace-only) turn; one line naming
+            ``path:line`` and the record's index.
     """
     records: list[dict] = []
     with open(path, encoding="utf-8") as f:
