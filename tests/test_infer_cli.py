@@ -382,6 +382,16 @@ def test_prompt_ids_keep_their_type(tmp_path):
     assert load_prompt_texts(cfg, SimpleNamespace(prompt=None)) == [(81, "a"), ("x7", "b")]
 
 
+def test_blank_prompt_is_refused_before_the_model(tmp_path):
+    """An empty --prompt was answered (the chat template's markers alone); it is now one line, before any model."""
+    cmd = [sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi", "--prompt", "  ",
+           f"model.name={tmp_path / 'no_model_here'}"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --prompt number 2 is empty (") and "no_model_here" not in r.stderr, r.stderr[-2000:]
+
+
 def test_engine_reference_under_a_launcher_decodes_on_rank_0_alone(tmp_path):
     """--engine reference under a launcher of 2 ran the whole job on both ranks, both printing every answer and
     writing the same --output; now the other ranks end at once (as launch/eval.py's do) and rank 0 decodes."""

@@ -61,10 +61,14 @@ def load_prompt_texts(cfg, args) -> list[tuple[str, str]]:
     """(id, text) pairs: ``--prompt`` values, else the first turn of each record of ``data.prompts``.
 
     Raises:
-        ConfigError: no prompt at all (an empty file or set), or malformed records; raised before any model loads.
+        ConfigError: no prompt at all (an empty file or set), an empty or whitespace-only ``--prompt``, or malformed
+            records (an empty user turn included); raised before any model loads.
         FileNotFoundError / PromptSetUnavailableError: ``data.prompts`` is neither a file nor an obtainable set.
     """
     if args.prompt:
+        for i, p in enumerate(args.prompt):  # a blank prompt would still be answered (after the template's markers)
+            if not p.strip():
+                raise ConfigError(f"--prompt number {i + 1} is empty ({p!r}); give the prompt's text or leave it out")
         return [(f"prompt{i}", p) for i, p in enumerate(args.prompt)]
     from spd_ds import builder
     from spd_ds.eval.prompts import load_prompts
