@@ -115,6 +115,18 @@ def test_benchmark_cli_tiny_suite_b(tmp_path, family):
     assert {b for b, _, _ in same} == {"ar_graph", "hf_generate", "ar"} and all(x == y for _, x, y in same), p.stdout
 
 
+def test_eval_cli_pipeline_engine_in_one_process_counts_one_device(tmp_path):
+    """``--engine deepspeed`` in one process runs every stage there: one device for the bandwidth columns (the
+    summary said n)."""
+    shape = make_random_shape(tmp_path)
+    p = run(["launch/eval.py", "--engine", "deepspeed", *tiny(shape, tmp_path / "out", "eval.baselines=[ar]",
+                                                              "deepspeed.backend=gloo")])
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["engine"] == "deepspeed" and s["methods"]["spd"]["num_stages"] == 2, s["methods"]
+    assert s["methods"]["spd"]["devices"] == 1 and s["exactness"]["by_method"]["spd"]["ar"]["identical"] == 2
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="needs the deepspeed launcher")
 def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
@@ -139,7 +151,7 @@ def test_eval_cli_under_deepspeed_matches_reference(tmp_path):
 
     assert spd_rows(tmp_path / "ds") == spd_rows(tmp_path / "ref")
     s = json.loads((tmp_path / "ds" / "summary.json").read_text())
-    assert s["engine"] == "deepspeed" and s["methods"]["tp_ar"]["devices"] == 2
+    assert s["engine"] == "deepspeed" and s["methods"]["tp_ar"]["devices"] == s["methods"]["spd"]["devices"] == 2
     assert s["exactness"]["by_method"]["spd"]["tp_ar"]["identical"] == 2, s["exactness"]
     rows = [json.loads(x) for x in (tmp_path / "ds" / "per_prompt.jsonl").read_text().splitlines()]
     by = {m: [r["tokens"] for r in rows if r["method"] == m] for m in ("ar", "tp_ar")}

@@ -534,6 +534,7 @@ def _run_distributed(cfg, arch, part, prompts, variants, methods, progress: bool
     max_new = cfg.decoding.max_new_tokens
     requests = _requests(len(warm), len(prompts))
     bar = _Progress(len(variants) * len(ids), progress and head_rank, "spd")
+    devices = 1 if dist.get_world_size() == 1 else part.num_stages  # the devices the target's weights are read on
     try:
         oracle = [v for v in variants if v.alpha is not None]
         groups: list[tuple[list[_Variant], ExperimentConfig, object]] = []
@@ -560,7 +561,7 @@ def _run_distributed(cfg, arch, part, prompts, variants, methods, progress: bool
                 chunk = out[k * len(ids):(k + 1) * len(ids)][len(warm):]
                 run = methods[v.name] = MethodRun(v.name, "spd", part.num_stages,
                                                   v.description + f", DeepSpeed pipeline ({c.head.placement} head)",
-                                                  devices=part.num_stages, oracle_alpha=v.alpha)
+                                                  devices=devices, oracle_alpha=v.alpha)
                 for i, res in enumerate(chunk):
                     run.results[i] = res
         from spd_ds.eval.tp_baseline import NAME as TP_NAME, run_tp_baseline
