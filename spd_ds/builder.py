@@ -86,7 +86,8 @@ def set_sdpa_backends(backends: Sequence[str] | None, device_type: str = "cuda")
 
 
 def model_dir(cfg: ExperimentConfig) -> Path:
-    """Local HF directory of ``cfg.model.name`` (zoo name, local dir or hub id); see :func:`spd_ds.zoo.resolve_model`."""
+    """Local HF directory of ``cfg.model.name`` (zoo name, local dir or hub id); see
+    :func:`spd_ds.zoo.resolve_model`."""
     from spd_ds.zoo import resolve_model
 
     return resolve_model(cfg.model.name, cfg.model.cache_dir)

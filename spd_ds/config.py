@@ -458,7 +458,8 @@ def validate(cfg: ExperimentConfig) -> None:
     if cfg.data.num_prompts is not None and cfg.data.num_prompts < 1:
         raise ConfigError(f"data.num_prompts must be >= 1 (or null for all), got {cfg.data.num_prompts}")
     if cfg.eval.hbm_gbps is not None and cfg.eval.hbm_gbps <= 0:
-        raise ConfigError(f"eval.hbm_gbps must be > 0 (GB/s per GPU) or null for the GPU's own, got {cfg.eval.hbm_gbps}")
+        raise ConfigError("eval.hbm_gbps must be > 0 (GB/s per GPU) or null for the GPU's own, "
+                          f"got {cfg.eval.hbm_gbps}")
     if not 0.0 <= d.oracle_alpha <= 1.0:
         raise ConfigError(f"decoding.oracle_alpha must be in [0, 1], got {d.oracle_alpha}")
     if not 0.0 <= cfg.data.held_out_fraction < 1.0:
@@ -524,7 +525,8 @@ _BOUNDS = (
     ("train.kd_temperature", 0, True, False), ("train.epochs", 0, False, False), ("train.max_steps", 1, False, True),
     ("train.save_every", 1, False, False), ("train.log_every", 1, False, False),
     ("train.keep_checkpoints", 0, False, False), ("train.max_time_s", 0, True, True),
-    ("train.session_time_s", 0, False, True), ("train.loss_chunk", 1, False, False), ("train.prefetch", 0, False, False),
+    ("train.session_time_s", 0, False, True), ("train.loss_chunk", 1, False, False),
+    ("train.prefetch", 0, False, False),
     ("train.profile_steps", 1, False, True),
     ("data.micro_batch_size", 1, False, False), ("data.max_conversations", 1, False, True),
     ("data.num_workers", 0, False, False), ("data.min_seq_length", 1, False, False),

@@ -361,7 +361,12 @@ class SpeculationHead(nn.Module):
         return meta
 
     @classmethod
-    def load(cls, path: str | os.PathLike, arch: TargetArch, partition: StagePartition | None = None) -> "SpeculationHead":
+    def load(
+        cls,
+        path: str | os.PathLike,
+        arch: TargetArch,
+        partition: StagePartition | None = None,
+    ) -> "SpeculationHead":
         """Load a head saved by :meth:`save` for base model ``arch`` (after :meth:`check_base_model`).
 
         Args:

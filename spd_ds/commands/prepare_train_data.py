@@ -18,9 +18,9 @@ Examples::
         --data runs/train_data/sharegpt_prompts.jsonl.gz --out runs/sd --greedy 1 --samples 2 --time-budget 200
 
 ``export`` writes ``{"messages": [{role, content}, ...]}`` JSON lines (gzipped, deterministic bytes); ``regenerate``
-writes pre-tokenised ``{"input_ids", "assistant_mask"}`` lines (with the source's ``conv_id``); ``selfdistill`` writes a directory of shards
-(``spd_ds.train.selfdistill``). All are valid ``data.train_files`` entries; ``export-prompts`` writes
-``{"id", "rounds"}`` lines, input for ``selfdistill`` only.
+writes pre-tokenised ``{"input_ids", "assistant_mask"}`` lines (with the source's ``conv_id``); ``selfdistill``
+writes a directory of shards (``spd_ds.train.selfdistill``). All are valid ``data.train_files`` entries;
+``export-prompts`` writes ``{"id", "rounds"}`` lines, input for ``selfdistill`` only.
 """
 
 from __future__ import annotations

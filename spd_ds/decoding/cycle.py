@@ -112,7 +112,8 @@ def eos_set(eos: int | Iterable[int] | None) -> frozenset[int]:
 
 def first_token(logits: torch.Tensor, sampling: SamplingParams, position: int) -> int:
     """The target's token at ``position`` from its logits ``[V]`` (fp32): the argmax at T = 0, else a sample of the
-    warped distribution keyed by ``(seed, request, position, STREAM_TARGET)``. Used for the prefill token and by AR decoding."""
+    warped distribution keyed by ``(seed, request, position, STREAM_TARGET)``. Used for the prefill token and by AR
+    decoding."""
     if sampling.greedy:
         return int(torch.argmax(logits))
     return sample_from_probs(logits_to_probs(logits, sampling), sampling.uniform(position, STREAM_TARGET))

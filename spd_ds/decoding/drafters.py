@@ -12,7 +12,9 @@ from typing import Protocol, Sequence
 
 import torch
 
-from spd_ds.decoding.sampling import STREAM_DRAFT, STREAM_ORACLE, SamplingParams, keyed_uniform, logits_to_probs, sample_from_probs
+from spd_ds.decoding.sampling import (
+    STREAM_DRAFT, STREAM_ORACLE, SamplingParams, keyed_uniform, logits_to_probs, sample_from_probs,
+)
 from spd_ds.head import SpeculationHead
 
 
@@ -170,7 +172,8 @@ class OracleDrafter:
             raise ValueError(f"oracle alpha must be in [0, 1], got {alpha}")
         if base is None and vocab_size is None:
             raise ValueError("OracleDrafter needs a base drafter or the vocabulary size")
-        self.reference, self.alpha, self.base, self.vocab_size, self.seed = list(reference), alpha, base, vocab_size, seed
+        self.reference, self.alpha, self.base, self.vocab_size, self.seed = (list(reference), alpha, base,
+                                                                             vocab_size, seed)
 
     def start(self, prompt_feats: torch.Tensor) -> None:
         """Start the base drafter, if any (the oracle itself keeps no per-prompt state)."""

@@ -62,7 +62,8 @@ class SPDMetrics:
         self.num_cycles += cycles
 
     def observe_verify(self, fill: int, accepted: bool) -> None:
-        """One draft verified (paper §3.3): it was drafted with ``fill`` tokens in flight (1..n) and ``accepted`` or not.
+        """One draft verified (paper §3.3): it was drafted with ``fill`` tokens in flight (1..n) and ``accepted`` or
+        not.
 
         Raises:
             IndexError: ``fill`` beyond ``num_stages``.

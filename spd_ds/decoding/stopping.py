@@ -53,7 +53,8 @@ class StopStrings:
                                                          clean_up_tokenization_spaces=False))
 
     def hit(self, tokens: Sequence[int]) -> bool:
-        """Whether the text of ``tokens`` (int token ids: the generation so far, the newest last) contains a stop string.
+        """Whether the text of ``tokens`` (int token ids: the generation so far, the newest last) contains a stop
+        string.
 
         Called after every new token, so a stop string found here was completed by the newest token. Decodes the last
         :attr:`window` tokens (host work, no device access)."""

@@ -25,7 +25,8 @@ def verify_greedy(target_logits: torch.Tensor, draft: int) -> tuple[bool, int]:
     return best == draft, best
 
 
-def verify_sampling(p: torch.Tensor, q: torch.Tensor, draft: int, u_accept: float, u_resample: float) -> tuple[bool, int]:
+def verify_sampling(p: torch.Tensor, q: torch.Tensor, draft: int, u_accept: float,
+                    u_resample: float) -> tuple[bool, int]:
     """T > 0: speculative sampling with residual resampling (lossless w.r.t. ``p``).
 
     Args:

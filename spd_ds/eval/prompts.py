@@ -263,7 +263,8 @@ def _gsm8k(ps: PromptSet, cache_dir) -> list[dict]:
     advice = _source_advice("gsm8k")
     if _hub_offline():
         raise PromptSetUnavailableError(
-            f"prompt set 'gsm8k' needs the hub dataset {ps.hub_dataset} and the hub is offline (HF_HUB_OFFLINE); {advice}"
+            f"prompt set 'gsm8k' needs the hub dataset {ps.hub_dataset} and the hub is offline (HF_HUB_OFFLINE); "
+            f"{advice}"
         )
     if not _hub_reachable():
         raise PromptSetUnavailableError(

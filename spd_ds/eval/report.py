@@ -50,7 +50,8 @@ from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_tok_s
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-EXACT_BASELINES = ("ar", "ar_graph", "hf_generate", "tp_ar")  # token-producing AR baselines the SPD tokens are checked against
+# token-producing AR baselines the SPD tokens are checked against
+EXACT_BASELINES = ("ar", "ar_graph", "hf_generate", "tp_ar")
 
 DEFINITIONS = {
     "num_new_tokens": "N: verified tokens returned per prompt, INCLUDING the token taken from the prefill logits",

@@ -179,8 +179,8 @@ class _Variant:
 
 def spd_variants(cfg: ExperimentConfig, arch, alphas: Sequence[float] | None = None) -> list[_Variant]:
     """The drafting methods of a run: ``spd`` (the head of ``head.checkpoint``, untrained if none; not with
-    ``eval.spd=false``) and ``ppsd`` (``eval.ppsd_checkpoint``), or with ``decoding.drafter=oracle`` one ``spd_oracle_<alpha>`` per alpha
-    (``alphas``, default ``eval.oracle_alphas`` or ``[decoding.oracle_alpha]``).
+    ``eval.spd=false``) and ``ppsd`` (``eval.ppsd_checkpoint``), or with ``decoding.drafter=oracle`` one
+    ``spd_oracle_<alpha>`` per alpha (``alphas``, default ``eval.oracle_alphas`` or ``[decoding.oracle_alpha]``).
 
     Raises:
         ConfigError: alpha outside [0, 1], unreadable PPSD checkpoint, a PPSD head for other stages than the SPD
@@ -232,7 +232,8 @@ def prepare(cfg: ExperimentConfig):
 
     if cfg.decoding.stop:
         raise ConfigError("decoding.stop is for launch/infer.py and the Python API; eval and benchmark runs measure "
-                          f"fixed protocols without stop strings: remove decoding.stop (got {list(cfg.decoding.stop)!r})")
+                          "fixed protocols without stop strings: remove decoding.stop "
+                          f"(got {list(cfg.decoding.stop)!r})")
     warn_unused_prompts(cfg)
     cfg = resolve_model_name(cfg)
     # the prompt records first: an empty or missing set fails before any model is fetched or loaded

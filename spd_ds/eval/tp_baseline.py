@@ -9,8 +9,9 @@ the whole target: :class:`~spd_ds.decoding.ar_graph.ARGraphDecoder` over static 
 (:class:`TPShardTarget`), one CUDA graph per token on GPU (the all-reduces captured inside it), the same static
 forward eagerly on CPU. If a rank cannot capture its graph, every rank falls back to transformers ``generate``
 (dynamic cache, eager), timed as :class:`spd_ds.eval.baselines.HFGenerateBaseline` times it; the method's
-description says which ran. All ranks decode the same prompt in lockstep; rank 0 keeps the results. The split changes the order of the reductions, so in bf16 its tokens may part from ``ar`` at
-near-ties: it is a speed baseline, its exactness is reported, not required.
+description says which ran. All ranks decode the same prompt in lockstep; rank 0 keeps the results. The split
+changes the order of the reductions, so in bf16 its tokens may part from ``ar`` at near-ties: it is a speed
+baseline, its exactness is reported, not required.
 
 It runs in :func:`spd_ds.eval.runner.run_eval` with the pipeline engine, after the pipeline sessions and before the
 single-process baselines; asking for it in a single-process run is a :class:`~spd_ds.config.ConfigError`.

@@ -396,8 +396,8 @@ def _load_config(model_dir: Path):
         if isinstance(mt, str) and mt and mt not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(f"model_type {mt!r} is not supported; spd-ds splits "
                                         f"{', '.join(SUPPORTED_MODEL_TYPES)}") from None
-        raise ModelFileError(f"{p} cannot be read as a transformers config ({one_line(e, 300)}); fix or re-download the "
-                             "model") from None
+        raise ModelFileError(f"{p} cannot be read as a transformers config ({one_line(e, 300)}); "
+                             "fix or re-download the model") from None
 
 
 class TextPositionRotary(nn.Module):
@@ -439,7 +439,8 @@ class TargetStage(nn.Module):
     the dict holds the raw (pre-final-norm) outputs of the captured layers.
     """
 
-    def __init__(self, arch: TargetArch, layers: Sequence[int], dtype: torch.dtype, device, capture: Iterable[int] = ()):
+    def __init__(self, arch: TargetArch, layers: Sequence[int], dtype: torch.dtype, device,
+                 capture: Iterable[int] = ()):
         super().__init__()
         self.arch = arch
         self.layer_ids = list(layers)
@@ -489,7 +490,8 @@ class TargetEnds(nn.Module):
     ``embed(ids [1, q] int64) -> [1, q, H]``; ``logits(h_raw [.., H]) -> fp32 [.., V]`` applies the final norm first.
     """
 
-    def __init__(self, arch: TargetArch, dtype: torch.dtype, device, with_embedding: bool = True, with_lm_head: bool = True):
+    def __init__(self, arch: TargetArch, dtype: torch.dtype, device, with_embedding: bool = True,
+                 with_lm_head: bool = True):
         super().__init__()
         H, V = arch.hidden_size, arch.vocab_size
         self.embedding = nn.Embedding(V, H) if with_embedding else None

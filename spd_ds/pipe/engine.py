@@ -101,7 +101,8 @@ class SPDPipelineEngine(PipelineEngine):
         H = (next(iter(stages.values())).arch.hidden_size if stages
              else int(mod.head_ends.ends.embedding.weight.shape[1]))
         pool = new_graph_pool() if (cuda and static_cache and cuda_graphs) else None
-        runners = {s: StageRunner(st, int(max_len), static_cache, cuda_graphs and cuda, pool) for s, st in stages.items()}
+        runners = {s: StageRunner(st, int(max_len), static_cache, cuda_graphs and cuda, pool)
+                   for s, st in stages.items()}
         self.is_head = self.stage_id == 0
         rank_of = self._rank_of
         self.watchdog = Watchdog(2 * self.timeout_s, rank_name(plan, self.stage_id, rank_of(self.stage_id)))

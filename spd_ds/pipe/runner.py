@@ -334,7 +334,8 @@ def run_distributed_inference(cfg: ExperimentConfig, prompt_token_lists: Sequenc
                               drafter_factory: DrafterFactory | None = None, with_ar: bool = False,
                               requests: Sequence[int] | None = None, on_generation: GenerationCallback | None = None,
                               on_token: Callable[[int, int], None] | None = None
-                              ) -> list[GenerationResult] | tuple[list[GenerationResult], list[GenerationResult]] | None:
+                              ) -> list[GenerationResult] | tuple[list[GenerationResult],
+                                                                  list[GenerationResult]] | None:
     """Generate for every prompt with SPD through DeepSpeed's pipeline engine. Call it on every rank.
 
     Args:

@@ -68,7 +68,8 @@ class StageRunner:
 
     @torch.no_grad()
     def prefill(self, hidden: torch.Tensor):
-        """Prompt states ``[1, q, H]`` at positions ``0..q-1`` (the cache starts empty). Returns ``(hidden, captured)``."""
+        """Prompt states ``[1, q, H]`` at positions ``0..q-1`` (the cache starts empty). Returns
+        ``(hidden, captured)``."""
         q = hidden.shape[1]
         if self.static:
             self.graph_stage.reset()
