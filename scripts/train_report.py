@@ -9,6 +9,7 @@ predicted acceptance against training tokens with decoder-measured points (suite
     python scripts/train_report.py runs/heads/s3 runs/heads/p3 --png docs/img/n3.png \
         --measured s3:3600:runs/ev_n3/benchmark.json --measured p3:3200:ppsd:runs/ev_n3/benchmark.json
     python scripts/train_report.py docs/train_logs/{s3l2,w3l2,x3l2} --convergence   # one head's runs, in order
+    python scripts/train_report.py z2l2=docs/train_logs/z2l2/h200_33 --png out.png --measured z2l2:3600:b.json
 """
 
 from __future__ import annotations
@@ -181,7 +182,9 @@ def main(argv=None) -> int:
     """Print the report line of every run (``--json``: its dict); with ``--png`` also write the plot. Exit status 0;
     2 (argparse) for a bad ``--measured``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("runs", nargs="+", metavar="[LABEL=]RUN",
+                    help="a training run's directory; LABEL= names it in the plot, --measured and the report lines "
+                         "(default: the directory's name)")
     ap.add_argument("--name", default=None, help="label printed before the figures")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a line")
     ap.add_argument("--png", type=Path, help="write the predicted-acceptance curves (and --measured points) here")
@@ -194,6 +197,9 @@ def main(argv=None) -> int:
                     help="treat the runs as one head's history, in order, and print how much its predicted acceptance "
                          "rose over the last 20 %% of all steps and of the last run (target: < 1 %%)")
     args = ap.parse_args(argv)
+    labels = [r.split("=", 1)[0] if "=" in r and "/" not in r.split("=", 1)[0] else None for r in args.runs]
+    args.runs = [Path(r.split("=", 1)[1]) if lab else Path(r) for r, lab in zip(args.runs, labels)]
+    names = {i: lab or run.name for i, (run, lab) in enumerate(zip(args.runs, labels))}
     missing = [str(r) for r in args.runs if not ((r / "train_log.jsonl").exists() or (r / "train_summary.json").exists())]
     if missing:
         ap.error(f"not a training run (no train_log.jsonl or train_summary.json): {', '.join(missing)}")
@@ -205,7 +211,7 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps(c))
         else:
-            print(f"{args.name or args.runs[-1].name}: best predicted acceptance {c['best']:.4f} (step "
+            print(f"{args.name or names[len(args.runs) - 1]}: best predicted acceptance {c['best']:.4f} (step "
                   f"{c['best_step']:,} of {c['total_steps']:,}); rise over the last 20 % of all steps "
                   f"{100 * c['rise']:.2f} % (from {c['value_at_start']:.4f} at step {c['start_step']:,.0f}; "
                   f"{100 * c['rise_from_low']:.2f} % from the span's low {c['low_in_span']:.4f}), over "
@@ -218,9 +224,9 @@ def main(argv=None) -> int:
     if args.png:
         from spd_ds.eval.plots import plot_training_acceptance
 
-        by_name = {run.name: run for run in args.runs}
+        by_name = {names[i]: run for i, run in enumerate(args.runs)}
         if len(by_name) != len(args.runs):
-            ap.error("runs must have distinct directory names (the plot labels them by name)")
+            ap.error("runs must have distinct names (the plot labels them by directory name or LABEL=)")
         points = []
         for m in args.measured:
             name, step, path = (m.split(":", 2) + ["", ""])[:3]
@@ -235,17 +241,18 @@ def main(argv=None) -> int:
             except (OSError, ValueError) as e:
                 ap.error(f"--measured {m}: {e}")
             points.append((name, (init_steps(run) + int(step)) * tokens_per_step(run), acc))
-        plot_training_acceptance([(run.name, validation_curve(run)) for run in args.runs], points, args.png,
+        plot_training_acceptance([(name, validation_curve(run)) for name, run in by_name.items()], points, args.png,
                                  caption=args.caption, loop_free={
-                                     run.name: validation_curve(run, "val_pred_acceptance_noloop") for run in args.runs})
+                                     name: validation_curve(run, "val_pred_acceptance_noloop")
+                                     for name, run in by_name.items()})
         print(f"wrote {args.png}")
-    for run in args.runs:
+    for i, run in enumerate(args.runs):
         r = report(run)
         if args.json:
             print(json.dumps(r))
             continue
         last = r.get("last", {})
-        print(f"{args.name or run.name}: steps {r.get('steps')}/{r.get('total_steps')} finished={r.get('finished')} "
+        print(f"{args.name or names[i]}: steps {r.get('steps')}/{r.get('total_steps')} finished={r.get('finished')} "
               f"median {r.get('median_tokens_per_s', 0):,.0f} tok/s, loss {last.get('loss')}, "
               f"agree {last.get('top1_agreement')} by fill {last.get('agreement_by_fill')}; "
               f"val {r.get('val_last')}; best {r.get('best')}")

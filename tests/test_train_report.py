@@ -206,6 +206,8 @@ def test_convergence_over_a_chain_of_warm_started_runs(tmp_path, capsys):
     assert c["rise"] == pytest.approx(0.54 / 0.526 - 1)
     # within b alone the span starts at its step 400 (0.55)
     assert c["last_run_start_step"] == pytest.approx(800) and c["rise_last_run"] == pytest.approx(0.54 / 0.55 - 1)
+    assert tr.main([str(a), f"second={b}", "--convergence"]) == 0  # named by the last run's label
+    assert capsys.readouterr().out.startswith("second: best predicted acceptance 0.5400")
     assert tr.main([str(a), str(b), "--convergence"]) == 0
     # the span's low is its start (b's later validations, 0.55 and 0.53, lie above it)
     assert c["low_in_span"] == pytest.approx(0.526) and c["rise_from_low"] == pytest.approx(c["rise"])
@@ -267,3 +269,24 @@ def test_a_crash_cut_log_line_is_skipped_and_a_folder_without_a_run_is_refused(t
         tr.main([str(run), str(tmp_path / "empty"), str(tmp_path / "nosuchrun")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "not a training run" in err and "empty" in err and "nosuchrun" in err
+
+
+def test_labels_name_runs_whose_directories_share_a_name(tmp_path, capsys, monkeypatch):
+    """Runs kept as ``<head>/<machine>_<session>/`` share their directory's name: ``LABEL=DIR`` names them in the
+    plot, --measured and the report lines (without labels the plot refuses them: it labels by name)."""
+    tr = _load()
+    for h in ("z2l2", "a2l2"):
+        (tmp_path / h).mkdir()
+    a, b = (_run_dir(tmp_path / h, "h200_33") for h in ("z2l2", "a2l2"))
+    png = tmp_path / "acc.png"
+    with pytest.raises(SystemExit):
+        tr.main([str(a), str(b), "--png", str(png)])
+    assert "distinct names" in capsys.readouterr().err
+    drawn = {}
+    monkeypatch.setattr("spd_ds.eval.plots.plot_training_acceptance",
+                        lambda curves, points, *a, **k: drawn.update(curves=[c for c, _ in curves], points=points))
+    assert tr.main([f"z2l2={a}", f"a2l2={b}", "--png", str(png), "--measured",
+                    f"a2l2:300:{_bench(tmp_path, 0.35)}"]) == 0
+    assert drawn["curves"] == ["z2l2", "a2l2"] and [p[0] for p in drawn["points"]] == ["a2l2"]
+    out = capsys.readouterr().out
+    assert "z2l2: steps 300/300" in out and "a2l2: steps 300/300" in out
