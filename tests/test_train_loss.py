@@ -74,6 +74,10 @@ def test_lr_schedule_and_ds_config(tmp_path):
         load_ds_config({"optimizer": {"type": "AdamW"}}, 1)
     with pytest.raises(ConfigError, match="fp16"):
         load_ds_config({"fp16": {"enabled": True}}, 1)
+    for stage in (3, "2", True):  # ZeRO-3 ran and wrote a head of empty (0-element) weights
+        with pytest.raises(ConfigError, match="zero_optimization.stage .* must be 0, 1 or 2"):
+            load_ds_config({"zero_optimization": {"stage": stage}}, 1)
+    assert load_ds_config({"zero_optimization": {"stage": 1}}, 1)["zero_optimization"]["stage"] == 1
     with pytest.raises(ConfigError, match="not found"):
         load_ds_config(str(tmp_path / "none.json"), 1)
     bad = tmp_path / "bad.json"
