@@ -128,3 +128,32 @@ def test_an_unreadable_checkpoint_is_left_to_the_resume(tmp_path):
     assert checkpoint_progress(ck) is None and finished_run(run, ck, None) is None
     (ck / "latest").write_text("step99")
     assert checkpoint_progress(ck) is None
+
+
+def test_a_resume_with_another_seed_or_objective_is_refused(tmp_path):
+    """The seed shuffles the epoch plan and draws the fills, and the objective is the loss: a resume with others
+    used to go on silently, training the rest of the run on another data order or loss than the run's."""
+    from types import SimpleNamespace
+
+    from spd_ds.config import load_config
+    from spd_ds.train.resume import run_identity
+
+    arch = SimpleNamespace(fingerprint=lambda: "sha:target")
+    part = SimpleNamespace(to_dict=lambda: {"stage_layers": [2, 2]})
+    ids = torch.arange(96)
+    head = SimpleNamespace(num_layers=1, draft_vocab_size=96, draft_ids=ids, lm_head_from_target=False)
+
+    def identity(*overrides: str) -> dict:
+        return run_identity(load_config(None, list(overrides)), arch, part, head, 1, 1, 1)
+
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0, identity())
+    check_resume(ck, identity())
+    check_resume(ck, identity("train.lr=0.5", "train.eval_every=7"))  # the schedule's are warned of after loading
+    for override, said in (("train.seed=7", "train.seed 42 (now 7)"),
+                           ("train.kd_temperature=2.0", "train.kd_temperature 1.0 (now 2.0)"),
+                           ("train.full_pipeline_prob=1.0", "train.full_pipeline_prob 0.5 (now 1.0)"),
+                           ("train.outside_vocab=drop", "train.outside_vocab weight (now drop)")):
+        with pytest.raises(ConfigError) as e:
+            check_resume(ck, identity(override))
+        assert f"was trained with other settings: {said}. Resume with the run's own settings" in str(e.value)
+        assert "\n" not in str(e.value)

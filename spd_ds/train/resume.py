@@ -63,11 +63,14 @@ def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: in
     shape and draft ids (:data:`DRAFT_VOCAB`: their :func:`draft_vocab_digest` and where they came from; the
     teacher's targets are built from the configured ids while the checkpoint restores the head's own), the world size
     (ZeRO-2 partitions the optimizer state by it, and the data plan shards by it) and what shapes the data plan
-    (rows, row length, packing, gradient accumulation, teacher pipe degree): resuming with another value would load
-    state that means something else, or fail inside DeepSpeed. Written beside every checkpoint (:data:`RUN_FILE`)
-    and compared by :func:`check_resume`.
+    (rows, row length, packing, gradient accumulation, teacher pipe degree), ``train.seed`` (the epoch plan's
+    shuffle, the fills drawn, the held-out split) and the objective (``train.kd_temperature``,
+    ``train.full_pipeline_prob``, ``train.outside_vocab``): resuming with another value would load state that means
+    something else, fail inside DeepSpeed, or silently train the rest of the run on another data order or loss than
+    the uninterrupted run. Written beside every checkpoint (:data:`RUN_FILE`) and compared by :func:`check_resume`
+    (a key that an older run's file lacks is not compared).
     """
-    dc = cfg.data
+    dc, tc = cfg.data, cfg.train
     identity = {
         "model.name (weights)": arch.fingerprint(), "partition": part.to_dict(),
         "head.num_layers": head.num_layers, "head (draft vocabulary size)": head.draft_vocab_size,
@@ -76,6 +79,8 @@ def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: in
         "world size": world, "train.teacher_pipe_degree": degree,
         "data.micro_batch_size": dc.micro_batch_size, "data.max_seq_length": dc.max_seq_length,
         "data.pack": dc.pack, "data.skip_loops": dc.skip_loops, "gradient_accumulation_steps": gas,
+        "train.seed": tc.seed, "train.kd_temperature": tc.kd_temperature,
+        "train.full_pipeline_prob": tc.full_pipeline_prob, "train.outside_vocab": tc.outside_vocab,
     }
     return json.loads(json.dumps(identity))  # as it reads back from the file (tuples become lists)
 
