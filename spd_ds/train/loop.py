@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from spd_ds.config import ConfigError, ExperimentConfig, read_json_object, to_yaml
+from spd_ds.config import ConfigError, ExperimentConfig, to_yaml
 from spd_ds.models.masks import check_stage_attention
 from spd_ds.train.chat import EmptyMaskError, set_chat_template
 from spd_ds.train.batching import BatchPlanner, batches_on_device
+from spd_ds.train.ds_config import load_ds_config
 from spd_ds.train.data import check_selfdistill_target, check_sources, load_records, tokenize_records
 from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.profiling import start_profiler, write_profile
@@ -51,48 +52,6 @@ LOG_FILE = "train_log.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------------- setup pieces
-def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
-    """The head engine's DeepSpeed config, with ``train_micro_batch_size_per_gpu`` set to our rows per micro-batch
-    (``data.micro_batch_size``, divided among the teacher's pipeline stages) and ``train_batch_size`` left to
-    DeepSpeed (micro-batch x accumulation x ranks); a file that sets either is told so through ``warn(message)``.
-
-    Raises:
-        ConfigError: a missing file or one that is not a JSON object, an ``optimizer``/``scheduler`` section
-            (spd-ds passes its own), fp16, ``zero_optimization.stage`` other than 0, 1 or 2 (ZeRO-3 partitions
-            the head's weights, and the head written from them would be empty), ``gradient_accumulation_steps``
-            below 1.
-    """
-    if isinstance(path_or_dict, dict):
-        cfg = dict(path_or_dict)
-    else:
-        p = Path(path_or_dict or "ds_configs/zero2.json")
-        if not p.exists():
-            raise ConfigError(f"DeepSpeed config {p} not found; pass --deepspeed_config ds_configs/zero2.json")
-        cfg = read_json_object(p, "DeepSpeed config", "fix the file or pass another --deepspeed_config")
-    for key in ("optimizer", "scheduler"):
-        if key in cfg:
-            raise ConfigError(f"remove the '{key}' section from the DeepSpeed config: spd-ds passes a torch AdamW "
-                              "and a warmup/linear schedule (set train.lr / train.warmup_steps)")
-    if cfg.get("fp16", {}).get("enabled"):
-        raise ConfigError("fp16 is not supported for head training; use bf16 (or train.autocast=bf16)")
-    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
-    if isinstance(stage, bool) or stage not in (0, 1, 2):  # ZeRO-3 partitions the weights the head is saved from
-        raise ConfigError(f"zero_optimization.stage in the DeepSpeed config must be 0, 1 or 2, got {stage!r}: ZeRO-3 "
-                          "would save empty head weights; use ds_configs/zero2.json")
-    ignored = [f"{k}={cfg[k]}" for k in ("train_batch_size", "train_micro_batch_size_per_gpu") if k in cfg]
-    if ignored and warn is not None:
-        warn(f"the DeepSpeed config's {' and '.join(ignored)} {'are' if len(ignored) > 1 else 'is'} ignored: spd-ds "
-             "sets the batch from data.micro_batch_size (rows per micro-batch) and the config's "
-             "gradient_accumulation_steps; set those instead")
-    cfg.pop("train_batch_size", None)
-    cfg["train_micro_batch_size_per_gpu"] = int(micro_batch_rows)
-    gas = cfg.setdefault("gradient_accumulation_steps", 1)
-    if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
-        raise ConfigError(f"gradient_accumulation_steps in the DeepSpeed config must be an integer >= 1, got {gas!r}")
-    cfg.setdefault("steps_per_print", 1 << 30)
-    return cfg
-
-
 class WarmupLinear:
     """Learning-rate multiplier for ``LambdaLR``: linear warmup over ``warmup`` steps, then (after an optional stable
     phase at the full rate) linear decay to 0.
