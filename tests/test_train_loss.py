@@ -78,6 +78,14 @@ def test_lr_schedule_and_ds_config(tmp_path):
         with pytest.raises(ConfigError, match="zero_optimization.stage .* must be 0, 1 or 2"):
             load_ds_config({"zero_optimization": {"stage": stage}}, 1)
     assert load_ds_config({"zero_optimization": {"stage": 1}}, 1)["zero_optimization"]["stage"] == 1
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    # DeepSpeed raised ZeRORuntimeException (a traceback) after the model and data had loaded
+    with pytest.raises(ConfigError, match='offload_optimizer .device .cpu.. .* "zero_force_ds_cpu_optimizer": false'):
+        load_ds_config(offload, 1)
+    assert load_ds_config({**offload, "zero_force_ds_cpu_optimizer": False}, 1)["zero_force_ds_cpu_optimizer"] is False
+    load_ds_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}, 1)
+    with pytest.raises(ConfigError, match="zero_optimization in the DeepSpeed config must be a JSON object, got 2"):
+        load_ds_config({"zero_optimization": 2}, 1)
     with pytest.raises(ConfigError, match="not found"):
         load_ds_config(str(tmp_path / "none.json"), 1)
     bad = tmp_path / "bad.json"

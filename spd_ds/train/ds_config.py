@@ -16,8 +16,9 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
     Raises:
         ConfigError: a missing file or one that is not a JSON object, an ``optimizer``/``scheduler`` section
             (spd-ds passes its own), fp16, ``zero_optimization.stage`` other than 0, 1 or 2 (ZeRO-3 partitions
-            the head's weights, and the head written from them would be empty), ``gradient_accumulation_steps``
-            below 1.
+            the head's weights, and the head written from them would be empty), ``zero_optimization.offload_optimizer``
+            without ``"zero_force_ds_cpu_optimizer": false`` (DeepSpeed refuses to offload a client optimizer, after
+            the model and data are loaded), ``gradient_accumulation_steps`` below 1.
     """
     if isinstance(path_or_dict, dict):
         cfg = dict(path_or_dict)
@@ -32,10 +33,19 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
                               "and a warmup/linear schedule (set train.lr / train.warmup_steps)")
     if cfg.get("fp16", {}).get("enabled"):
         raise ConfigError("fp16 is not supported for head training; use bf16 (or train.autocast=bf16)")
-    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    zero = cfg.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        raise ConfigError(f"zero_optimization in the DeepSpeed config must be a JSON object, got {zero!r}")
+    stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2):  # ZeRO-3 partitions the weights the head is saved from
         raise ConfigError(f"zero_optimization.stage in the DeepSpeed config must be 0, 1 or 2, got {stage!r}: ZeRO-3 "
                           "would save empty head weights; use ds_configs/zero2.json")
+    offload = zero.get("offload_optimizer") or {}
+    device = offload.get("device", "none") if isinstance(offload, dict) else offload
+    if device not in (None, "none") and cfg.get("zero_force_ds_cpu_optimizer", True) is not False:
+        raise ConfigError(f"zero_optimization.offload_optimizer (device {device!r}) in the DeepSpeed config needs "
+                          '"zero_force_ds_cpu_optimizer": false beside it (spd-ds passes a torch AdamW, which '
+                          "DeepSpeed otherwise refuses to offload); add it, or remove offload_optimizer")
     ignored = [f"{k}={cfg[k]}" for k in ("train_batch_size", "train_micro_batch_size_per_gpu") if k in cfg]
     if ignored and warn is not None:
         warn(f"the DeepSpeed config's {' and '.join(ignored)} {'are' if len(ignored) > 1 else 'is'} ignored: spd-ds "
