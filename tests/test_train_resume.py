@@ -157,3 +157,30 @@ def test_a_resume_with_another_seed_or_objective_is_refused(tmp_path):
             check_resume(ck, identity(override))
         assert f"was trained with other settings: {said}. Resume with the run's own settings" in str(e.value)
         assert "\n" not in str(e.value)
+
+
+def test_a_resume_with_another_zero_stage_or_bf16_switch_is_refused(tmp_path):
+    """The DeepSpeed config's ZeRO stage and bf16 switch decide the optimizer checkpoint's layout: a resume with
+    another bf16 switch was reported as a damaged checkpoint (a missing bf16_ optimizer file; the advice, to resume
+    the checkpoint before, failed the same way), ZeRO-2 to 0 as an AttributeError traceback."""
+    from types import SimpleNamespace
+
+    from spd_ds.config import load_config
+    from spd_ds.train.ds_config import load_ds_config
+    from spd_ds.train.resume import run_identity
+
+    arch = SimpleNamespace(fingerprint=lambda: "sha:target")
+    part = SimpleNamespace(to_dict=lambda: {"stage_layers": [2, 2]})
+    head = SimpleNamespace(num_layers=1, draft_vocab_size=96, draft_ids=torch.arange(96), lm_head_from_target=False)
+
+    def identity(ds: dict) -> dict:
+        return run_identity(load_config(None, []), arch, part, head, 1, 1, 1, load_ds_config(ds, 2))
+
+    zero2 = {"zero_optimization": {"stage": 2}}
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0, identity(zero2))
+    check_resume(ck, identity({**zero2, "gradient_clipping": 0.5}))
+    for ds, said in (({**zero2, "bf16": {"enabled": True}}, "--deepspeed_config bf16.enabled False (now True)"),
+                     ({}, "--deepspeed_config zero_optimization.stage 2 (now 0)")):
+        with pytest.raises(ConfigError) as e:
+            check_resume(ck, identity(ds))
+        assert f"was trained with other settings: {said}. Resume with the run's own settings" in str(e.value)

@@ -232,7 +232,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         raise ConfigError(f"data.micro_batch_size={dc.micro_batch_size} must be a multiple of "
                           f"train.teacher_pipe_degree={degree} (each pipeline rank trains the head on its share)")
     gas = int(ds_base["gradient_accumulation_steps"])
-    identity = run_identity(cfg, arch, part, head, world, degree, gas)
+    identity = run_identity(cfg, arch, part, head, world, degree, gas, ds_base)
     if resume and (ckpt_dir / "latest").exists():  # every rank reads the same file: all raise together
         check_resume(ckpt_dir, identity)
     check_selfdistill_target(dc.train_files, arch.fingerprint(), str(arch.model_dir))

@@ -16,6 +16,8 @@ from spd_ds.train.history import SUMMARY_FILE, read_train_log
 from spd_ds.train.validate import BEST_DIR
 
 RUN_FILE = "run.json"  # in every checkpoint folder: what a resume must share with it (run_identity)
+DS_STAGE = "--deepspeed_config zero_optimization.stage"  # run_identity's keys for the head engine's DeepSpeed config
+DS_BF16 = "--deepspeed_config bf16.enabled"
 DRAFT_VOCAB = "head.draft_vocab"  # run_identity's key for the draft ids: {"blake2b", "size", "from" (their source)}
 
 
@@ -56,7 +58,8 @@ def _vocab_source(cfg: ExperimentConfig, head) -> str:
     return f"that of head.checkpoint={hc.checkpoint}" if hc.checkpoint else "full"
 
 
-def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: int, gas: int) -> dict:
+def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: int, gas: int,
+                 ds_config: dict | None = None) -> dict:
     """What a resumed run must share with its checkpoint, as JSON values keyed by the settings that decide them.
 
     The target's weights (:meth:`~spd_ds.models.adapter.TargetArch.fingerprint`), the stage partition, the head's
@@ -65,10 +68,13 @@ def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: in
     (ZeRO-2 partitions the optimizer state by it, and the data plan shards by it) and what shapes the data plan
     (rows, row length, packing, gradient accumulation, teacher pipe degree), ``train.seed`` (the epoch plan's
     shuffle, the fills drawn, the held-out split) and the objective (``train.kd_temperature``,
-    ``train.full_pipeline_prob``, ``train.outside_vocab``): resuming with another value would load state that means
-    something else, fail inside DeepSpeed, or silently train the rest of the run on another data order or loss than
-    the uninterrupted run. Written beside every checkpoint (:data:`RUN_FILE`) and compared by :func:`check_resume`
-    (a key that an older run's file lacks is not compared).
+    ``train.full_pipeline_prob``, ``train.outside_vocab``), and with ``ds_config`` (the head engine's DeepSpeed
+    config) its ZeRO stage and bf16 switch, which decide the optimizer checkpoint's layout and file names: resuming
+    with another value would load state that means something else, fail inside DeepSpeed (a bf16 switch changed: a
+    missing ``bf16_`` optimizer file, reported as a damaged checkpoint; ZeRO-2 to 0: an ``AttributeError``), or
+    silently train the rest of the run on another data order or loss than the uninterrupted run. Written beside every
+    checkpoint (:data:`RUN_FILE`) and compared by :func:`check_resume` (a key that an older run's file lacks is not
+    compared).
     """
     dc, tc = cfg.data, cfg.train
     identity = {
@@ -82,6 +88,9 @@ def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: in
         "train.seed": tc.seed, "train.kd_temperature": tc.kd_temperature,
         "train.full_pipeline_prob": tc.full_pipeline_prob, "train.outside_vocab": tc.outside_vocab,
     }
+    if ds_config is not None:
+        identity[DS_STAGE] = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+        identity[DS_BF16] = bool((ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled", False))
     return json.loads(json.dumps(identity))  # as it reads back from the file (tuples become lists)
 
 
@@ -278,6 +287,6 @@ def truncate_log(path: Path, step: int) -> None:
     path.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
 
 
-__all__ = ["RUN_FILE", "DRAFT_VOCAB", "draft_vocab_digest", "run_identity", "check_resume", "check_checkpoint_files",
-           "check_optimizer_shards", "damaged_checkpoint_advice", "check_resumed_schedule", "checkpoint_progress",
-           "finished_message", "finished_run", "truncate_log", "rng_state", "set_rng_state"]
+__all__ = ["RUN_FILE", "DRAFT_VOCAB", "DS_STAGE", "DS_BF16", "draft_vocab_digest", "run_identity", "check_resume",
+           "check_checkpoint_files", "check_optimizer_shards", "damaged_checkpoint_advice", "check_resumed_schedule",
+           "checkpoint_progress", "finished_message", "finished_run", "truncate_log", "rng_state", "set_rng_state"]
