@@ -490,3 +490,47 @@ def test_missing_sources_are_refused_before_loading(tmp_path):
             check_sources([missing])
     with pytest.raises(DataError, match="^data.train_files holds an empty entry"):  # Path('') is the working dir
         check_sources([str(tmp_path / "a.jsonl"), ""])
+
+
+def test_regenerated_answers_of_another_world_size_are_not_reused(tmp_path, monkeypatch):
+    """data.regenerate keeps each rank's answers in the run directory for a rerun. A rerun after a crash before the
+    first checkpoint with another world size used to read the old run's part-000 alone (records 0::2 of 2 ranks):
+    half the data, silently. Now the parts live in a folder keyed by the world size, settings and records."""
+    from types import SimpleNamespace
+
+    import deepspeed.comm
+
+    import spd_ds.train.regenerate as regen
+    from spd_ds.config import load_config
+    from spd_ds.train.loop import _regenerate_shared
+
+    calls = []
+
+    def fake_regenerate(records, model_dir, tokenizer, **kw):
+        calls.append(len(records))
+        return [{"input_ids": [1, 2, 3], "assistant_mask": [0, 1, 1], "conv_id": r["id"]} for r in records]
+
+    class Crash(Exception):
+        pass
+
+    def crash(*a, **k):
+        raise Crash
+
+    monkeypatch.setattr(regen, "regenerate_records", fake_regenerate)
+    monkeypatch.setattr(deepspeed.comm, "barrier", crash)
+    cfg = load_config(None, ["data.regenerate=true"])
+    arch = SimpleNamespace(model_dir=tmp_path, fingerprint=lambda: "sha:target")
+    tok = SimpleNamespace(chat_template="{{ messages }}")
+    records = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(4)]
+
+    def run(rank, world, recs=records):
+        return _regenerate_shared(cfg, recs, tok, arch, tmp_path / "run", rank, world, "cpu", [2])
+
+    for rank in (0, 1):  # two ranks: each answers its half, then the run crashes
+        with pytest.raises(Crash):
+            run(rank, 2)
+    assert calls == [2, 2]
+    monkeypatch.setattr(deepspeed.comm, "barrier", lambda *a, **k: None)
+    assert sorted(r["conv_id"] for r in run(0, 1)) == ["c0", "c1", "c2", "c3"] and calls == [2, 2, 4]  # one rank
+    assert len(run(0, 1)) == 4 and calls == [2, 2, 4]  # the same inputs again: read, not answered again
+    assert sorted(r["conv_id"] for r in run(0, 1, records[:3])) == ["c0", "c1", "c2"] and calls[-1] == 3

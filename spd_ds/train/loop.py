@@ -513,15 +513,20 @@ def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro:
 
 def _regenerate_shared(cfg: ExperimentConfig, records, tokenizer, arch, out_dir: Path, rank: int, world: int, device,
                        eos: list[int]):
-    """``data.regenerate``: every rank answers records ``rank::world`` with the target; all ranks read all answers."""
+    """``data.regenerate``: every rank answers records ``rank::world`` with the target, unless a part of the same
+    inputs is already written (:func:`~spd_ds.train.regenerate.regenerated_dir`); all ranks read all answers."""
     import deepspeed.comm as dist
 
     from spd_ds.models.adapter import resolve_dtype
     from spd_ds.train.data import iter_json_records, write_jsonl_gz
-    from spd_ds.train.regenerate import regenerate_records
+    from spd_ds.train.regenerate import regenerate_records, regenerated_dir
 
     dc = cfg.data
-    part_dir = out_dir / "regenerated"
+    part_dir = regenerated_dir(out_dir, world, {  # answers of other inputs (e.g. another world size) are not read
+        "model": arch.fingerprint(), "dtype": cfg.model.dtype, "max_new_tokens": dc.regenerate_max_new_tokens,
+        "temperature": dc.regenerate_temperature, "batch_size": dc.regenerate_batch_size, "seed": cfg.train.seed,
+        "max_prompt_tokens": dc.regenerate_max_prompt_tokens, "eos": eos,
+        "chat_template": getattr(tokenizer, "chat_template", None)}, records)
     mine = part_dir / f"part-{rank:03d}.jsonl.gz"
     if not mine.exists():
         recs = regenerate_records(records[rank::world], arch.model_dir, tokenizer,

@@ -14,7 +14,10 @@ Only the first turn is regenerated (later turns would need the target's answers 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -32,6 +35,24 @@ def first_turn_prompt(messages: Sequence[dict]) -> list[dict] | None:
         if m["role"] != "system":
             return None
     return None
+
+
+def regenerated_dir(out_dir, world: int, settings: dict, records: Sequence[dict]) -> Path:
+    """The folder under ``<out_dir>/regenerated`` that holds ``data.regenerate``'s answers (one
+    ``part-<rank>.jsonl.gz`` per rank, each answering records ``rank::world``) for these inputs: named by a blake2b
+    digest of the world size, ``settings`` (the generation settings, target and chat template: JSON values) and
+    ``records`` (every record's JSON). A rerun with the same inputs (a resume, or a rerun after a crash before the
+    first checkpoint) finds the answers already written; other inputs, e.g. another world size, whose parts shard the
+    records otherwise, get a folder of their own instead of reading parts that answer other records.
+
+    Returns:
+        ``Path(out_dir) / "regenerated" / <16 hex digits>``.
+    """
+    h = hashlib.blake2b(json.dumps({"world": int(world), **settings}, sort_keys=True, default=str).encode(),
+                        digest_size=8)
+    for r in records:
+        h.update(json.dumps(r, sort_keys=True, default=str).encode())
+    return Path(out_dir) / "regenerated" / h.hexdigest()
 
 
 @torch.no_grad()
