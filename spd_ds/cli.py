@@ -184,6 +184,27 @@ def checks_outputs(environ=None) -> bool:
     return rank == 0 or local_world_size(environ) >= world
 
 
+@contextlib.contextmanager
+def removed_if_left_empty(path: str | os.PathLike):
+    """Context of a run that creates output folder ``path`` (:func:`ensure_output_dir`): if the run raises (a refused
+    setting, a crash, Ctrl-C) and leaves the folders it created empty, they are removed, innermost first, so that a
+    refused run leaves nothing behind; folders that existed before, or hold anything, are kept. The error propagates.
+    """
+    new, q = [], Path(path).absolute()
+    while not q.exists() and q != q.parent:  # the folders this run would create, innermost first
+        new.append(q)
+        q = q.parent
+    try:
+        yield
+    except BaseException:
+        for d in new:
+            try:
+                d.rmdir()  # only an empty folder; another rank may have removed it already
+            except OSError:
+                break
+        raise
+
+
 def ensure_output_dir(path: str | os.PathLike, what: str) -> str:
     """Create output folder ``path`` (and its parents) at the start of a run, so that a path that cannot hold the
     results fails in one line before any model is loaded, not after the run.

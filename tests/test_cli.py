@@ -475,3 +475,38 @@ def test_an_error_line_is_one_write(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert cli.run_cli(lambda argv: (_ for _ in ()).throw(ConfigError("bad value")), [], user_errors=(ConfigError,)) == 2
     assert writes == ["error (rank 1 of 2): bad value\n"]
+
+
+def test_removed_if_left_empty(tmp_path):
+    """The folders a failing run created and left empty go; what existed or holds a file stays; success keeps all."""
+    with pytest.raises(ConfigError):
+        with cli.removed_if_left_empty(tmp_path / "a" / "b"):
+            cli.ensure_output_dir(tmp_path / "a" / "b", "x")
+            raise ConfigError("refused")
+    assert tmp_path.exists() and not (tmp_path / "a").exists()
+    with pytest.raises(KeyboardInterrupt):
+        with cli.removed_if_left_empty(tmp_path / "a" / "b"):
+            cli.ensure_output_dir(tmp_path / "a" / "b", "x")
+            (tmp_path / "a" / "keep.txt").write_text("")
+            raise KeyboardInterrupt
+    assert (tmp_path / "a" / "keep.txt").exists() and not (tmp_path / "a" / "b").exists()
+    with cli.removed_if_left_empty(tmp_path / "c"):
+        cli.ensure_output_dir(tmp_path / "c", "x")
+    assert (tmp_path / "c").is_dir()
+
+
+@pytest.mark.parametrize("job", ["train", "eval"])
+def test_a_refused_run_leaves_no_empty_output_folder(tmp_path, job):
+    """A run refused after its output folder was made (to check it early) left that folder behind, empty."""
+    out = tmp_path / "runs" / "new"
+    if job == "train":  # refused when the DeepSpeed config is read, after train.output_dir is checked
+        (tmp_path / "z3.json").write_text('{"zero_optimization": {"stage": 3}}')
+        cmd = ["launch/train.py", "--config", "launch/configs/train_smollm2_n2.yaml", "--deepspeed_config",
+               str(tmp_path / "z3.json"), f"train.output_dir={out}"]
+    else:  # refused when the prompt set is read, after eval.output_dir is checked
+        (tmp_path / "empty.jsonl").write_text("")
+        cmd = ["launch/eval.py", "--config", str(CONFIG), f"eval.prompt_sets=[{tmp_path / 'empty.jsonl'}]",
+               f"eval.output_dir={out}", f"model.name={tmp_path / 'no_model_here'}"]
+    p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert not (tmp_path / "runs").exists(), list(tmp_path.rglob("*"))

@@ -27,8 +27,8 @@ import logging
 import sys
 
 
-from spd_ds.cli import (checks_outputs, decoding_user_errors, ensure_output_dir, experiment_parser, run_cli,
-                        rank_and_world, setup_logging, setup_process)
+from spd_ds.cli import (checks_outputs, decoding_user_errors, ensure_output_dir, experiment_parser,
+                        rank_and_world, removed_if_left_empty, run_cli, setup_logging, setup_process)
 from spd_ds.config import ConfigError, load_config
 
 log = logging.getLogger("spd_ds.eval")
@@ -73,8 +73,14 @@ def _main(argv=None) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.strict_exact:
         _check_strict_exact(cfg)
-    if checks_outputs():  # before the model loads, not after the run (spd_ds.cli.checks_outputs: which ranks)
-        ensure_output_dir(cfg.eval.output_dir, "eval.output_dir")
+    with removed_if_left_empty(cfg.eval.output_dir):  # a refused run leaves no empty eval.output_dir
+        if checks_outputs():  # before the model loads, not after the run (spd_ds.cli.checks_outputs: which ranks)
+            ensure_output_dir(cfg.eval.output_dir, "eval.output_dir")
+        return _evaluate(cfg, args)
+
+
+def _evaluate(cfg, args) -> int:
+    """The evaluation of ``_main`` once its output folder is checked; returns the exit status."""
     from spd_ds.eval.report import bandwidth_line, exactness_lines, summary_table, write_reports
     from spd_ds.eval.runner import run_eval
 

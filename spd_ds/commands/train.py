@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from spd_ds.cli import experiment_parser, setup_process
+    from spd_ds.cli import experiment_parser, removed_if_left_empty, setup_process
 
     ap = experiment_parser(__doc__.split("\n\n")[0], overrides_help="section.key=value overrides, e.g. train.lr=3e-4",
                            config_help="experiment YAML (sections model, partition, head, data, train)")
@@ -41,7 +41,8 @@ def _main(argv: list[str] | None = None) -> int:
     from spd_ds.train.loop import train
 
     try:
-        train(cfg, args.deepspeed_config, resume=True if args.resume else None)
+        with removed_if_left_empty(cfg.train.output_dir):  # a refused run leaves no empty train.output_dir
+            train(cfg, args.deepspeed_config, resume=True if args.resume else None)
     finally:
         import torch.distributed as tdist
 
