@@ -134,7 +134,10 @@ def test_oracle_sweep_in_one_run(heads, tmp_path):
     half = s["results"]["spd_oracle_0.5"]["overall"]
     assert 0 < half["draft_acceptance_rate"] < 1
     assert all(r["identical"] == 2 for per in s["exactness"]["by_method"].values() for r in per.values())
-    assert len(per_prompt_rows(run)) == 3 * 2
+    rows = per_prompt_rows(run)
+    assert len(rows) == 3 * 2
+    assert [r["draft_acceptance_rate"] for r in rows if r["method"] == "spd_oracle_1"] == [1.0, 1.0]
+    assert all(r["draft_acceptance_rate"] is None and r["tokens_per_cycle"] is None for r in rows if r["method"] == "ar")
     # the summary names the alphas that ran, not the config's decoding.oracle_alpha (1.0 whatever the sweep was)
     assert s["decoding"]["oracle_alphas"] == [1.0, 0.5] and "oracle_alpha" not in s["decoding"]
     assert {m: d["oracle_alpha"] for m, d in s["methods"].items()} == {"spd_oracle_1": 1.0, "spd_oracle_0.5": 0.5,
@@ -191,6 +194,10 @@ def test_one_new_token_has_no_acceptance_figures(heads, tmp_path):
     spd_row = dict(zip(cols, (c.strip() for c in rows[0].strip("|").split("|"))))
     assert spd_row["method"] == "spd"
     assert [spd_row[c] for c in ("eq. accept len", "draft acc.", "tok/cycle")] == ["-", "-", "-"]
+    rates = ("draft_acceptance_rate", "tokens_per_cycle", "equivalent_accept_length")
+    rows = per_prompt_rows(run_eval(cfg, engine="reference"))  # per_prompt.jsonl's rows say the same (they said 0.0)
+    assert {r["kind"] for r in rows} == {"spd", "baseline"}
+    assert all(r[k] is None for r in rows for k in rates), [[r[k] for k in rates] for r in rows]
 
 
 def test_clear_errors(heads, tmp_path):

@@ -282,7 +282,9 @@ def exactness(run) -> dict:
 def per_prompt_rows(run) -> list[dict]:
     """One JSON-able row per (method, prompt): ids, tokens, decoded text (with a tokenizer), metrics, wall time and,
     for SPD methods where exactness is checked (:func:`unchecked_reason` is ``None``: T = 0, ``eval.check_exact``, an
-    AR baseline ran), ``first_divergence`` from each AR baseline that ran the prompt; otherwise no such key."""
+    AR baseline ran), ``first_divergence`` from each AR baseline that ran the prompt; otherwise no such key. The
+    rates are ``None`` where :func:`metric_block` gives ``None``: AR baselines' draft rates, and a drafting method's
+    without verified drafts or decode cycles."""
     from spd_ds.eval.runner import first_divergence
 
     rows = []
@@ -297,6 +299,11 @@ def per_prompt_rows(run) -> list[dict]:
             if run.tokenizer is not None:
                 row["text"] = run.tokenizer.decode(res.tokens, skip_special_tokens=True)
             row.update(res.metrics.to_dict())
+            m = res.metrics  # not-applicable rates are None, as in the summary's blocks (metric_block)
+            if mr.kind != "spd" or not m.num_drafts:
+                row["draft_acceptance_rate"] = None
+            if mr.kind != "spd" or not m.num_cycles:
+                row["tokens_per_cycle"] = row["equivalent_accept_length"] = None
             if mr.kind == "spd":
                 row["acceptance_by_depth"] = res.metrics.acceptance_by_depth()
                 row["cycle_time_split_ms"] = res.metrics.cycle_time_split_ms()
