@@ -188,7 +188,12 @@ def checks_outputs(environ=None) -> bool:
 def removed_if_left_empty(path: str | os.PathLike):
     """Context of a run that creates output folder ``path`` (:func:`ensure_output_dir`): if the run raises (a refused
     setting, a crash, Ctrl-C) and leaves the folders it created empty, they are removed, innermost first, so that a
-    refused run leaves nothing behind; folders that existed before, or hold anything, are kept. The error propagates.
+    refused run leaves nothing behind; folders that existed before, or hold anything, are kept.
+
+    Args:
+        path: the output folder (relative to the working directory or absolute), before the run creates it.
+    Raises:
+        Whatever the run raises, unchanged (after the cleanup); the cleanup itself raises nothing.
     """
     new, q = [], Path(path).absolute()
     while not q.exists() and q != q.parent:  # the folders this run would create, innermost first

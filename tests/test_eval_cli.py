@@ -127,6 +127,21 @@ def test_eval_cli_pipeline_engine_in_one_process_counts_one_device(tmp_path):
     assert s["methods"]["spd"]["devices"] == 1 and s["exactness"]["by_method"]["spd"]["ar"]["identical"] == 2
 
 
+def test_eval_cli_pipeline_engine_oracle_sweep_names_its_alphas(tmp_path):
+    """The pipeline engine's oracle sweep (one session for all alphas) records each method's alpha and the list in
+    the summary, as the reference decoder's does (tests/test_eval_summary.py); its rows match AR at T = 0."""
+    shape = make_random_shape(tmp_path)
+    p = run(["launch/eval.py", "--engine", "deepspeed", *tiny(shape, tmp_path / "out", "eval.baselines=[ar]",
+                                                              "deepspeed.backend=gloo", "decoding.drafter=oracle",
+                                                              "eval.oracle_alphas=[1,0.5]")])
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["engine"] == "deepspeed" and s["decoding"]["oracle_alphas"] == [1.0, 0.5]
+    assert {m: d["oracle_alpha"] for m, d in s["methods"].items()} == {"spd_oracle_1": 1.0, "spd_oracle_0.5": 0.5,
+                                                                       "ar": None}
+    assert all(r["identical"] == 2 for per in s["exactness"]["by_method"].values() for r in per.values())
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="needs the deepspeed launcher")
 def test_eval_cli_under_deepspeed_matches_reference(tmp_path):

@@ -84,15 +84,28 @@ DEFINITIONS["repeated_ngram_share"] = (
 
 
 # ---------------------------------------------------------------------------------------------- metric blocks
+def rates(m: SPDMetrics, spd: bool) -> dict:
+    """The ratios of ``m`` as the reports give them, ``None`` where not applicable: every one for a method that does
+    not draft (``spd`` false: AR baselines), ``draft_acceptance_rate`` without a verified draft, ``tokens_per_cycle``
+    and ``equivalent_accept_length`` without a decode cycle (``decoding.max_new_tokens=1``). One rule for the summary's
+    blocks (:func:`metric_block`) and ``per_prompt.jsonl`` (:func:`per_prompt_rows`).
+
+    Returns:
+        ``{"draft_acceptance_rate", "tokens_per_cycle", "equivalent_accept_length"}``: floats (a fraction, tokens per
+        cycle, tokens per n cycles) or ``None``.
+    """
+    return {"draft_acceptance_rate": m.draft_acceptance_rate if spd and m.num_drafts else None,
+            "tokens_per_cycle": m.tokens_per_cycle if spd and m.num_cycles else None,
+            "equivalent_accept_length": m.equivalent_accept_length if spd and m.num_cycles else None}
+
+
 def metric_block(items: Sequence[SPDMetrics], spd: bool, num_stages: int, weight_bytes: int | None = None,
                  devices: int = 1, hbm_gbps: float | None = None) -> dict:
     """Pooled metrics of one method over some prompts (a summary ``BLOCK``, without ``speedup_vs_ar``).
 
     Args:
         items: per-prompt :class:`~spd_ds.decoding.metrics.SPDMetrics`.
-        spd: whether the method drafts (else the draft metrics are ``None``; for a drafting method the rates are
-            ``None`` where they are not applicable: ``draft_acceptance_rate`` without verified drafts,
-            ``tokens_per_cycle`` and ``equivalent_accept_length`` without decode cycles).
+        spd: whether the method drafts (else the draft metrics are ``None``; the rates follow :func:`rates`).
         num_stages: ``n`` of the method (1 for AR).
         weight_bytes: bytes read per AR token (for ``achieved_gbps``), ``None`` = not reported.
         devices, hbm_gbps: for ``hbm_fraction``.
@@ -108,9 +121,7 @@ def metric_block(items: Sequence[SPDMetrics], spd: bool, num_stages: int, weight
         "num_drafts": m.num_drafts if spd else None,
         "num_accepted_tokens": m.num_accepted_tokens if spd else None,
         "num_rollbacks": m.num_rollbacks if spd else None,
-        "draft_acceptance_rate": m.draft_acceptance_rate if spd and m.num_drafts else None,
-        "tokens_per_cycle": m.tokens_per_cycle if spd and m.num_cycles else None,
-        "equivalent_accept_length": m.equivalent_accept_length if spd and m.num_cycles else None,
+        **rates(m, spd),
         "acceptance_by_depth": m.acceptance_by_depth() if spd else None,
         "prefill_s": m.prefill_s,
         "decode_s": m.decode_s,
@@ -283,8 +294,7 @@ def per_prompt_rows(run) -> list[dict]:
     """One JSON-able row per (method, prompt): ids, tokens, decoded text (with a tokenizer), metrics, wall time and,
     for SPD methods where exactness is checked (:func:`unchecked_reason` is ``None``: T = 0, ``eval.check_exact``, an
     AR baseline ran), ``first_divergence`` from each AR baseline that ran the prompt; otherwise no such key. The
-    rates are ``None`` where :func:`metric_block` gives ``None``: AR baselines' draft rates, and a drafting method's
-    without verified drafts or decode cycles."""
+    rates follow :func:`rates`."""
     from spd_ds.eval.runner import first_divergence
 
     rows = []
@@ -299,11 +309,7 @@ def per_prompt_rows(run) -> list[dict]:
             if run.tokenizer is not None:
                 row["text"] = run.tokenizer.decode(res.tokens, skip_special_tokens=True)
             row.update(res.metrics.to_dict())
-            m = res.metrics  # not-applicable rates are None, as in the summary's blocks (metric_block)
-            if mr.kind != "spd" or not m.num_drafts:
-                row["draft_acceptance_rate"] = None
-            if mr.kind != "spd" or not m.num_cycles:
-                row["tokens_per_cycle"] = row["equivalent_accept_length"] = None
+            row.update(rates(res.metrics, mr.kind == "spd"))  # None where not applicable, as in the summary
             if mr.kind == "spd":
                 row["acceptance_by_depth"] = res.metrics.acceptance_by_depth()
                 row["cycle_time_split_ms"] = res.metrics.cycle_time_split_ms()
