@@ -184,3 +184,39 @@ def test_a_resume_with_another_zero_stage_or_bf16_switch_is_refused(tmp_path):
         with pytest.raises(ConfigError) as e:
             check_resume(ck, identity(ds))
         assert f"was trained with other settings: {said}. Resume with the run's own settings" in str(e.value)
+
+
+def test_a_resume_with_another_dtype_compute_or_validation_set_is_refused(tmp_path):
+    """The teacher's dtype makes the targets, autocast and the attention kernels the head's and the teacher's
+    numbers, and train.eval_batches the held-out micro-batches whose figures pick the best head (the checkpoint's
+    best was picked on its run's): a resume with others used to go on silently."""
+    from types import SimpleNamespace
+
+    from spd_ds.config import load_config
+    from spd_ds.train.resume import AUTOCAST, run_identity
+
+    arch = SimpleNamespace(fingerprint=lambda: "sha:target")
+    part = SimpleNamespace(to_dict=lambda: {"stage_layers": [2, 2]})
+    head = SimpleNamespace(num_layers=1, draft_vocab_size=96, draft_ids=torch.arange(96), lm_head_from_target=False)
+
+    def identity(*overrides: str, autocast=None, attention="dense", teacher="sdpa") -> dict:
+        compute = {"autocast": autocast, "attention": attention, "teacher_attention": teacher}
+        return run_identity(load_config(None, list(overrides)), arch, part, head, 1, 1, 1, None, compute)
+
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0, identity())
+    check_resume(ck, identity("model.dtype=fp32", "train.eval_every=7"))  # the same dtype by its other name
+    for new, said in ((identity("model.dtype=bfloat16"), "model.dtype float32 (now bfloat16)"),
+                      (identity(autocast=torch.bfloat16), f"{AUTOCAST} off (now bfloat16)"),
+                      (identity(attention="flex"), "train.attention dense (now flex)"),
+                      (identity(teacher="flex"), "train.teacher_attention sdpa (now flex)"),
+                      (identity("train.eval_batches=4"), "train.eval_batches 16 (now 4)"),
+                      (identity("train.eval_batches=null"), "train.eval_batches 16 (now None)")):
+        with pytest.raises(ConfigError) as e:
+            check_resume(ck, new)
+        assert f"was trained with other settings: {said}. Resume with the run's own settings" in str(e.value)
+        assert "\n" not in str(e.value)
+    old = identity()  # a run.json written before these keys: not compared
+    for key in ("model.dtype", "train.eval_batches", AUTOCAST, "train.attention", "train.teacher_attention"):
+        del old[key]
+    ck = _checkpoint(tmp_path / "older", 6, 12, 1.0, old)
+    check_resume(ck, identity("model.dtype=bfloat16", "train.eval_batches=4", autocast=torch.bfloat16))

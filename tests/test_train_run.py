@@ -208,6 +208,24 @@ def test_resume_with_other_settings_is_refused(run_a, setup, tmp_path):
 
 
 @pytest.mark.slow
+def test_resume_with_another_dtype_compute_or_validation_set_is_refused(run_a, setup):
+    """model.dtype (the teacher's targets), train.autocast and the attention kernels (the numbers the run trains
+    with) and train.eval_batches (the held-out figures the best head is picked on) are the run's: a resume that
+    changes them stops in one line naming each (exit 2) before DeepSpeed loads anything; it used to go on."""
+    tmp, model, data = setup
+    cfg, _ = _stopped_at_step6(run_a[0], tmp / "k", model, data)
+    proc = _launch(cfg, "--resume", "model.dtype=bfloat16", "train.autocast=bf16", "train.teacher_attention=flex",
+                   "train.eval_batches=2")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "was trained with other settings" in line]
+    assert said and all(part in said[0] for part in (
+        "model.dtype float32 (now bfloat16)", "train.eval_batches 16 (now 2)",
+        "train.autocast (head compute dtype) off (now bfloat16)", "train.teacher_attention sdpa (now flex)",
+        "Resume with the run's own settings")), said
+    assert "resumed from" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
 def test_resume_of_a_missing_or_damaged_checkpoint_is_one_line(run_a, setup):
     """`latest` naming no checkpoint, or a checkpoint file cut short, is one line naming it and the checkpoint to
     resume instead (exit 2); DeepSpeed alone said `AssertionError` or a PytorchStreamReader error."""

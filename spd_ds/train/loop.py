@@ -232,7 +232,14 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         raise ConfigError(f"data.micro_batch_size={dc.micro_batch_size} must be a multiple of "
                           f"train.teacher_pipe_degree={degree} (each pipeline rank trains the head on its share)")
     gas = int(ds_base["gradient_accumulation_steps"])
-    identity = run_identity(cfg, arch, part, head, world, degree, gas, ds_base)
+    try:  # the compute on this device (auto resolved): part of what a resume must keep
+        attention = resolve_attention(tc.attention, device)
+        tattn = teacher_attention(tc.teacher_attention, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    autocast = _autocast_dtype(tc.autocast, device)
+    identity = run_identity(cfg, arch, part, head, world, degree, gas, ds_base,
+                            {"autocast": autocast, "attention": attention, "teacher_attention": tattn})
     if resume and (ckpt_dir / "latest").exists():  # every rank reads the same file: all raise together
         check_resume(ckpt_dir, identity)
     check_selfdistill_target(dc.train_files, arch.fingerprint(), str(arch.model_dir))
@@ -242,7 +249,6 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
     # 3. the teacher: a PipelineModule run by DeepSpeed's PipelineEngine (frozen, no optimizer)
     backend = compile_backend(tc.compile_teacher, device)
-    tattn = teacher_attention(tc.teacher_attention, device)
     tmod = build_teacher_module(arch, part, tdtype, degree, head.draft_ids.tolist(), tc.kd_temperature,
                                 dynamic_shape=not dc.pack, compile_backend=backend, attention=tattn)
     loss_backend = compile_backend(tc.compile_loss, device)
@@ -282,13 +288,11 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         raise ConfigError(f"no optimizer step to take: {len(planner.plan(0))} micro-batches per rank per epoch, "
                           f"gradient_accumulation_steps={gas}; use more data or smaller batches")
     try:
-        attention = resolve_attention(tc.attention, device)
         set_flex_compile(tc.flex_compile, shapes=2 * n + 2)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     # autocast goes inside the module: DeepSpeed's engine switches an outer torch.autocast off around its forward
-    student = HeadTrainModule(head, attention, fallback=tc.attention == "auto",
-                              autocast=_autocast_dtype(tc.autocast, device))
+    student = HeadTrainModule(head, attention, fallback=tc.attention == "auto", autocast=autocast)
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     schedule = WarmupLinear(tc.warmup_steps, total_steps, tc.lr_stable_fraction)

@@ -18,6 +18,7 @@ from spd_ds.train.validate import BEST_DIR
 RUN_FILE = "run.json"  # in every checkpoint folder: what a resume must share with it (run_identity)
 DS_STAGE = "--deepspeed_config zero_optimization.stage"  # run_identity's keys for the head engine's DeepSpeed config
 DS_BF16 = "--deepspeed_config bf16.enabled"
+AUTOCAST = "train.autocast (head compute dtype)"  # run_identity's key for the resolved train.autocast
 DRAFT_VOCAB = "head.draft_vocab"  # run_identity's key for the draft ids: {"blake2b", "size", "from" (their source)}
 
 
@@ -49,6 +50,11 @@ def draft_vocab_digest(draft_ids: torch.Tensor) -> str:
     return "blake2b:" + hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
 
 
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (``None``: ``"off"``), as :func:`run_identity` records a dtype."""
+    return "off" if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def _vocab_source(cfg: ExperimentConfig, head) -> str:
     """Where the head's draft ids came from, for messages: the ``head.draft_vocab`` file (or ``full``), else the
     vocabulary of ``head.checkpoint`` (which keeps its own unless its LM head is the target's)."""
@@ -59,7 +65,7 @@ def _vocab_source(cfg: ExperimentConfig, head) -> str:
 
 
 def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: int, gas: int,
-                 ds_config: dict | None = None) -> dict:
+                 ds_config: dict | None = None, compute: dict | None = None) -> dict:
     """What a resumed run must share with its checkpoint, as JSON values keyed by the settings that decide them.
 
     The target's weights (:meth:`~spd_ds.models.adapter.TargetArch.fingerprint`), the stage partition, the head's
@@ -68,14 +74,22 @@ def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: in
     (ZeRO-2 partitions the optimizer state by it, and the data plan shards by it) and what shapes the data plan
     (rows, row length, packing, gradient accumulation, teacher pipe degree), ``train.seed`` (the epoch plan's
     shuffle, the fills drawn, the held-out split) and the objective (``train.kd_temperature``,
-    ``train.full_pipeline_prob``, ``train.outside_vocab``), and with ``ds_config`` (the head engine's DeepSpeed
-    config) its ZeRO stage and bf16 switch, which decide the optimizer checkpoint's layout and file names: resuming
-    with another value would load state that means something else, fail inside DeepSpeed (a bf16 switch changed: a
-    missing ``bf16_`` optimizer file, reported as a damaged checkpoint; ZeRO-2 to 0: an ``AttributeError``), or
-    silently train the rest of the run on another data order or loss than the uninterrupted run. Written beside every
+    ``train.full_pipeline_prob``, ``train.outside_vocab``), the teacher's dtype (``model.dtype``: the targets and
+    features the head learns from), the held-out micro-batches per validation (``train.eval_batches``: a best head
+    restored from the checkpoint was picked on them, and the resumed run's figures are compared with it), and with
+    ``ds_config`` (the head engine's DeepSpeed config) its ZeRO stage and bf16 switch, which decide the optimizer
+    checkpoint's layout and file names; with ``compute`` the run's compute as resolved on this device:
+    ``{"autocast": torch.dtype | None, "attention": "flex" | "dense", "teacher_attention": "sdpa" | "flex"}``
+    (``train.autocast``, ``train.attention``, ``train.teacher_attention``; ``auto`` resolved, so a move between CPU
+    and CUDA that changes them counts). Resuming with another value would load state that means something else, fail
+    inside DeepSpeed (a bf16 switch changed: a missing ``bf16_`` optimizer file, reported as a damaged checkpoint;
+    ZeRO-2 to 0: an ``AttributeError``), or silently train the rest of the run on another data order, loss, precision
+    or kernels than the uninterrupted run (and pick its best head on other validation figures). Written beside every
     checkpoint (:data:`RUN_FILE`) and compared by :func:`check_resume` (a key that an older run's file lacks is not
     compared).
     """
+    from spd_ds.models.adapter import resolve_dtype
+
     dc, tc = cfg.data, cfg.train
     identity = {
         "model.name (weights)": arch.fingerprint(), "partition": part.to_dict(),
@@ -87,7 +101,12 @@ def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: in
         "data.pack": dc.pack, "data.skip_loops": dc.skip_loops, "gradient_accumulation_steps": gas,
         "train.seed": tc.seed, "train.kd_temperature": tc.kd_temperature,
         "train.full_pipeline_prob": tc.full_pipeline_prob, "train.outside_vocab": tc.outside_vocab,
+        "model.dtype": _dtype_name(resolve_dtype(cfg.model.dtype)), "train.eval_batches": tc.eval_batches,
     }
+    if compute is not None:
+        identity[AUTOCAST] = _dtype_name(compute["autocast"])
+        identity["train.attention"] = compute["attention"]
+        identity["train.teacher_attention"] = compute["teacher_attention"]
     if ds_config is not None:
         identity[DS_STAGE] = (ds_config.get("zero_optimization") or {}).get("stage", 0)
         identity[DS_BF16] = bool((ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled", False))
@@ -287,6 +306,7 @@ def truncate_log(path: Path, step: int) -> None:
     path.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
 
 
-__all__ = ["RUN_FILE", "DRAFT_VOCAB", "DS_STAGE", "DS_BF16", "draft_vocab_digest", "run_identity", "check_resume",
-           "check_checkpoint_files", "check_optimizer_shards", "damaged_checkpoint_advice", "check_resumed_schedule",
-           "checkpoint_progress", "finished_message", "finished_run", "truncate_log", "rng_state", "set_rng_state"]
+__all__ = ["RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "DS_STAGE", "DS_BF16", "draft_vocab_digest", "run_identity",
+           "check_resume", "check_checkpoint_files", "check_optimizer_shards", "damaged_checkpoint_advice",
+           "check_resumed_schedule", "checkpoint_progress", "finished_message", "finished_run", "truncate_log",
+           "rng_state", "set_rng_state"]
