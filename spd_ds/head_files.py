@@ -148,7 +148,8 @@ def read_config(path: str | os.PathLike) -> dict:
     Raises:
         FileNotFoundError: ``path`` is a file, does not exist or holds no ``head_config.json`` (the message names
             the run's ``best_head`` / ``head`` folders when ``path`` is a training output_dir, a checkpoint or another
-            file or folder of a run).
+            file or folder of a run; for a missing folder whose ``<name>.old`` holds a head, that backup: a run
+            stopped while replacing its ``best_head``).
         HeadCheckpointError: not a JSON object, a key missing or of the wrong type, a bad partition.
         HeadMismatchError: another head format version (a newer one: upgrade spd-ds; the message names this one).
     """
@@ -157,6 +158,11 @@ def read_config(path: str | os.PathLike) -> dict:
     if d.is_file():
         raise FileNotFoundError(_file_message(d))
     if not d.exists():
+        backup = d.with_name(d.name + ".old")  # spd_ds.train.validate.BEST_BACKUP: a best head being replaced
+        if (backup / HEAD_CONFIG).is_file():
+            raise FileNotFoundError(f"head.checkpoint {d} does not exist, but {backup} holds the head it replaced "
+                                    "(the run stopped while replacing it); resume the run (--resume puts it back) or "
+                                    f"give {backup}")
         raise FileNotFoundError(f"head.checkpoint {d} does not exist; give a head folder (head_config.json + "
                                 "head.safetensors) written by launch/train.py")
     if not p.is_file():

@@ -14,8 +14,10 @@ finite-horizon prediction (``num_new_tokens``) counts them exactly; the stationa
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
 
 import pytest
 import torch
@@ -627,3 +629,61 @@ def test_best_head_is_saved_in_the_save_dtype_without_touching_the_module(tiny, 
     assert stored["aggr.0.weight"].dtype == torch.bfloat16 and stored["draft_mask"].dtype == torch.bool
     assert torch.equal(stored["aggr.0.weight"], head.state_dict()["aggr.0.weight"].bfloat16())
     assert torch.equal(SpeculationHead.load(tmp_path / "bf16", arch).draft_ids, head.draft_ids)
+
+
+def test_a_crash_while_the_best_head_is_replaced_leaves_it_recoverable(tmp_path, monkeypatch):
+    """best_head/ used to be removed before its successor was renamed into place: a crash between the two left the run
+    without a best head. Now the previous one waits as best_head.old/ until the new one is in place; the crash state
+    (best_head/ missing, best_head.old/ and a best_head.tmp/) is put back by recover_best_head (train does it at its
+    start, so --resume restores it) and reading it names the backup."""
+    from pathlib import Path
+
+    import spd_ds.train.validate as validate
+    from spd_ds.head import SpeculationHead
+    from spd_ds.models.adapter import TargetArch
+    from spd_ds.partition import StagePartition
+
+    arch = TargetArch(make_tiny_model(tmp_path, "llama", num_layers=4))
+    part = StagePartition.build(4, 2)
+    torch.manual_seed(0)
+    first = SpeculationHead(arch, part, 1)
+    torch.manual_seed(1)
+    second = SpeculationHead(arch, part, 1)
+    run = tmp_path / "run"
+    v = validate.Validator(None, [], 2, 1, run, is_logger=True)
+    v.best = {"step": 4}
+    v._save_best(first)
+    best, backup, tmp = run / "best_head", run / "best_head.old", run / "best_head.tmp"
+    rename = Path.rename
+
+    def crash_before_the_new_head_is_in_place(self, target):
+        if self.name == "best_head.tmp" and Path(target).name == "best_head":
+            raise OSError("killed")
+        return rename(self, target)
+
+    v.best = {"step": 8}
+    with monkeypatch.context() as m:
+        m.setattr(Path, "rename", crash_before_the_new_head_is_in_place)
+        with pytest.raises(OSError, match="killed"):
+            v._save_best(second)
+    assert not best.exists() and (tmp / "head.safetensors").is_file()  # the crash state
+    assert json.loads((backup / "best.json").read_text())["step"] == 4  # the previous best is kept under a name
+    with pytest.raises(FileNotFoundError) as e:
+        SpeculationHead.read_config(best)
+    assert f"{backup} holds the head it replaced" in str(e.value) and "--resume puts it back" in str(e.value)
+
+    said = validate.recover_best_head(run)
+    assert said.startswith(f"restored {best} from {backup}") and "\n" not in said
+    assert sorted(p.name for p in run.iterdir()) == ["best_head"]  # no backup or half-written head left over
+    assert json.loads((best / "best.json").read_text())["step"] == 4
+    restored = SpeculationHead.load(best, arch).state_dict()
+    assert all(torch.equal(t, restored[k]) for k, t in first.state_dict().items())
+    assert validate.recover_best_head(run) is None  # in place: nothing to do
+
+    v._save_best(second)  # the next replacement goes through and leaves the new head alone
+    assert sorted(p.name for p in run.iterdir()) == ["best_head"]
+    assert json.loads((best / "best.json").read_text())["step"] == 8
+    restored = SpeculationHead.load(best, arch).state_dict()
+    assert all(torch.equal(t, restored[k]) for k, t in second.state_dict().items())
+    shutil.copytree(best, backup)  # a crash after the new head was in place: the backup is a leftover
+    assert validate.recover_best_head(run) is None and sorted(p.name for p in run.iterdir()) == ["best_head"]

@@ -300,6 +300,29 @@ def test_resume_of_a_finished_run_changes_nothing(run_a, setup):
 
 
 @pytest.mark.slow
+def test_resume_restores_a_best_head_whose_replacement_was_cut_short(run_a, setup):
+    """A crash while best_head/ was being replaced (renamed to best_head.old/, its successor half written in
+    best_head.tmp/) used to leave the run without a best head; --resume puts the previous one back first, says so,
+    and leaves no leftover."""
+    tmp, model, data = setup
+    (tmp / "r").mkdir()
+    shutil.copytree(run_a[0], tmp / "r" / "run")
+    run = tmp / "r" / "run"
+    cfg = _experiment(tmp / "r", model, data)
+    kept = {f.name: f.read_bytes() for f in (run / "best_head").iterdir()}
+    (run / "best_head").rename(run / "best_head.old")
+    (run / "best_head.tmp").mkdir()
+    (run / "best_head.tmp" / "head.safetensors").write_bytes(b"cut short")
+    proc = _launch(cfg, "--resume")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert f"restored {run / 'best_head'} from {run / 'best_head.old'}" in said and said.count("restored ") == 1
+    assert f"(its heads: {run / 'best_head'}, {run / 'head'})" in said  # then the run is found finished, as it is
+    assert {f.name: f.read_bytes() for f in (run / "best_head").iterdir()} == kept
+    assert not (run / "best_head.old").exists() and not (run / "best_head.tmp").exists()
+
+
+@pytest.mark.slow
 def test_resume_with_other_draft_ids_of_the_same_size_is_refused(setup):
     """The checkpoint restores the head's draft ids while the teacher's targets come from head.draft_vocab: a resume
     with another vocabulary of the same size (it used to train on, silently wrong) stops in one line naming both,

@@ -45,7 +45,7 @@ from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
 from spd_ds.train.resume import (RUN_FILE, check_resume, check_resumed_schedule, damaged_checkpoint_advice,
                                   finished_message, finished_run, rng_state, run_identity, set_rng_state, truncate_log)
-from spd_ds.train.validate import Validator
+from spd_ds.train.validate import Validator, recover_best_head
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "train_log.jsonl"
@@ -181,6 +181,10 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     # checked on every rank before any collective
     if checks_outputs():
         ensure_output_dir(out_dir, "train.output_dir")
+    if rank_and_world()[0] == 0:  # a crash while best_head/ was replaced: the previous best back in place
+        restored = recover_best_head(out_dir)
+        if restored:
+            _say(restored, 0)
     ds_base = load_ds_config(ds_config, dc.micro_batch_size,  # the file's errors now, not after the model loads
                              lambda msg: _say(msg, rank_and_world()[0]))
     if not resume and (ckpt_dir / "latest").exists():

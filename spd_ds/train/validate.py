@@ -40,6 +40,8 @@ from spd_ds.train.teacher import with_loss_index
 
 BEST_DIR = "best_head"
 BEST_FILE = "best.json"
+BEST_TMP = BEST_DIR + ".tmp"  # the next best head while it is written
+BEST_BACKUP = BEST_DIR + ".old"  # the best head being replaced, until its successor is in place
 BEST_KEY = "val_pred_accept_length_noloop"  # what picks the best head: L' outside loops (tracks the benchmark's)
 
 
@@ -72,6 +74,35 @@ def held_out_batches(lengths: Sequence[int], seq_len: int, rows_per_batch: int, 
     mine = [(b, True) for b in batches[dp_rank::dp_world]]
     per_rank = math.ceil(len(batches) / dp_world)
     return mine + [(batches[0], False)] * (per_rank - len(mine))
+
+
+def recover_best_head(out_dir: str | Path) -> str | None:
+    """Put a run's best head back in place after a crash while it was being replaced.
+
+    :meth:`Validator._save_best` writes the new head to ``best_head.tmp/``, renames ``best_head/`` to
+    ``best_head.old/``, renames ``best_head.tmp/`` to ``best_head/`` and removes ``best_head.old/``: whenever
+    ``best_head/`` is missing between two of those steps, ``best_head.old/`` holds the previous best (the one the run's
+    newest checkpoint knows, since that replacement came after it). This restores it, and removes what the crash left
+    over: a ``best_head.old/`` beside a ``best_head/`` (the replacement had finished), a ``best_head.tmp/``
+    (written in part, or never moved into place; a resumed run writes it again when that head is again the best).
+
+    Args:
+        out_dir: the run's ``train.output_dir``.
+    Returns:
+        A line saying what was restored, or ``None`` when ``best_head/`` was in place (or never written).
+    Raises:
+        OSError: the file system refused a rename or removal.
+    """
+    out = Path(out_dir)
+    best, backup, tmp = out / BEST_DIR, out / BEST_BACKUP, out / BEST_TMP
+    said = None
+    if backup.is_dir() and not best.exists():
+        backup.rename(best)
+        said = (f"restored {best} from {backup} (the run stopped while replacing its best head: the previous best "
+                "is back in place)")
+    shutil.rmtree(backup, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return said
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
@@ -327,12 +358,17 @@ class Validator:
         return val
 
     def _save_best(self, head) -> None:
-        tmp = self.best_dir.with_name(BEST_DIR + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        """Write ``head`` as the run's ``best_head/`` without a moment when neither the old nor the new one is on
+        disk under a known name (:func:`recover_best_head` puts the old one back after a crash)."""
+        out = self.best_dir.parent
+        recover_best_head(out)
+        tmp, backup = out / BEST_TMP, out / BEST_BACKUP
         head.save(tmp, dtype=self.save_dtype)
         (tmp / BEST_FILE).write_text(json.dumps({**self.best, "init_steps": self.init_steps}, indent=1))
-        shutil.rmtree(self.best_dir, ignore_errors=True)
+        if self.best_dir.exists():
+            self.best_dir.rename(backup)
         tmp.rename(self.best_dir)
+        shutil.rmtree(backup, ignore_errors=True)
 
     def postfix(self) -> dict:
         """Progress-bar fields of the last evaluation (empty before the first)."""
@@ -361,5 +397,5 @@ class Validator:
         return {"best": best, "last_validation": self.last}
 
 
-__all__ = ["BEST_DIR", "BEST_FILE", "BEST_KEY", "held_out_batches", "fill_tables", "agreement_table", "evaluate",
-           "Validator"]
+__all__ = ["BEST_DIR", "BEST_FILE", "BEST_KEY", "BEST_TMP", "BEST_BACKUP", "recover_best_head", "held_out_batches",
+           "fill_tables", "agreement_table", "evaluate", "Validator"]
