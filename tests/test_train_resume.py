@@ -220,3 +220,27 @@ def test_a_resume_with_another_dtype_compute_or_validation_set_is_refused(tmp_pa
         del old[key]
     ck = _checkpoint(tmp_path / "older", 6, 12, 1.0, old)
     check_resume(ck, identity("model.dtype=bfloat16", "train.eval_batches=4", autocast=torch.bfloat16))
+
+
+def test_a_run_from_step_0_refuses_an_earlier_runs_results(tmp_path):
+    """train_summary.json or head/ without a checkpoint: an earlier run's results (refused, as checkpoints are without
+    --resume); best_head/ alone (and an unfinished replacement's .old/.tmp): an earlier attempt's, to be replaced."""
+    from spd_ds.train.resume import check_fresh_output, stale_best_heads
+
+    run = tmp_path / "run"
+    check_fresh_output(run, None)  # no folder yet
+    assert stale_best_heads(run) == []
+    for name in ("best_head", "best_head.old", "best_head.tmp"):
+        (run / name).mkdir(parents=True)
+    check_fresh_output(run, str(tmp_path / "elsewhere"))
+    assert stale_best_heads(run) == [run / "best_head", run / "best_head.old", run / "best_head.tmp"]
+    for start in (run / "best_head", run / "best_head.old" / "x"):
+        with pytest.raises(ConfigError, match=r"is in .*best_head.*, the best head of an earlier attempt"):
+            check_fresh_output(run, str(start))
+    (run / "head").mkdir()
+    _summary(run)
+    with pytest.raises(ConfigError) as e:
+        check_fresh_output(run, None)
+    assert str(e.value) == (f"{run} holds an earlier run's results (train_summary.json, head) and no checkpoint to "
+                            "resume; set another train.output_dir (head.checkpoint=<its head or best_head> "
+                            "warm-starts from it), or remove them to train there anew")

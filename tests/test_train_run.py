@@ -323,6 +323,41 @@ def test_resume_restores_a_best_head_whose_replacement_was_cut_short(run_a, setu
 
 
 @pytest.mark.slow
+def test_a_run_from_step_0_refuses_an_earlier_runs_results_and_replaces_a_stale_best_head(run_a, setup):
+    """A fresh run (or --resume without a checkpoint) where an earlier run finished and its checkpoints were removed
+    used to go on beside its train_summary.json and heads (a reader took them for the new run's, and with
+    train.eval_every=0 its best_head/ stayed for good): it stops in one line, changing nothing, as a folder holding
+    checkpoints does. A best_head/ alone (an attempt that crashed before its first checkpoint) is removed, saying so,
+    unless head.checkpoint is in it."""
+    tmp, model, data = setup
+    (tmp / "o").mkdir()
+    run = tmp / "o" / "run"
+    shutil.copytree(run_a[0], run, ignore=shutil.ignore_patterns("checkpoints"))
+    cfg = _experiment(tmp / "o", model, data, max_steps=2, eval_every=0, save_every=100)
+
+    def files() -> dict:
+        return {str(f.relative_to(run)): f.read_bytes() for f in run.rglob("*") if f.is_file()}
+
+    before = files()
+    for extra in ((), ("--resume",)):
+        proc = _launch(cfg, *extra)
+        assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"{run} holds an earlier run's results (train_summary.json, head) and no checkpoint to resume; set " \
+            "another train.output_dir" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert files() == before
+    (run / "train_summary.json").unlink()
+    shutil.rmtree(run / "head")  # what a crash before the first checkpoint leaves: a best head, a log, config.yaml
+    proc = _launch(cfg, f"head.checkpoint={run / 'best_head'}")
+    assert proc.returncode == 2 and f"head.checkpoint={run / 'best_head'} is in {run / 'best_head'}" in proc.stderr
+    proc = _launch(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"removed {run / 'best_head'}: the best head of an earlier attempt" in proc.stdout + proc.stderr
+    assert not (run / "best_head").exists() and (run / "head" / "head.safetensors").is_file()
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["best"] is None and sorted(_losses(run)) == [1, 2]
+
+
+@pytest.mark.slow
 def test_resume_with_other_draft_ids_of_the_same_size_is_refused(setup):
     """The checkpoint restores the head's draft ids while the teacher's targets come from head.draft_vocab: a resume
     with another vocabulary of the same size (it used to train on, silently wrong) stops in one line naming both,

@@ -43,8 +43,9 @@ from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
-from spd_ds.train.resume import (RUN_FILE, check_resume, check_resumed_schedule, damaged_checkpoint_advice,
-                                  finished_message, finished_run, rng_state, run_identity, set_rng_state, truncate_log)
+from spd_ds.train.resume import (RUN_FILE, check_fresh_output, check_resume, check_resumed_schedule,
+                                  damaged_checkpoint_advice, finished_message, finished_run, rng_state, run_identity,
+                                  set_rng_state, stale_best_heads, truncate_log)
 from spd_ds.train.validate import Validator, recover_best_head
 
 CHECKPOINTS = "checkpoints"
@@ -181,8 +182,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     # checked on every rank before any collective
     if checks_outputs():
         ensure_output_dir(out_dir, "train.output_dir")
-    if rank_and_world()[0] == 0:  # a crash while best_head/ was replaced: the previous best back in place
-        restored = recover_best_head(out_dir)
+    if rank_and_world()[0] == 0 and (ckpt_dir / "latest").exists():  # (a run from step 0: stale_best_heads)
+        restored = recover_best_head(out_dir)  # a crash while best_head/ was replaced: the previous one put back
         if restored:
             _say(restored, 0)
     ds_base = load_ds_config(ds_config, dc.micro_batch_size,  # the file's errors now, not after the model loads
@@ -190,6 +191,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if not resume and (ckpt_dir / "latest").exists():
         raise ConfigError(f"{ckpt_dir} already holds a run; continue it with --resume (train.resume=true) or set "
                           "another train.output_dir")
+    if not (ckpt_dir / "latest").exists():  # a run from step 0: no earlier run's results beside its own
+        check_fresh_output(out_dir, cfg.head.checkpoint)
     if resume and (ckpt_dir / "latest").exists():  # a finished run: nothing to build, nothing written (every rank)
         done = finished_run(out_dir, ckpt_dir, tc.max_time_s)
         if done:
@@ -361,6 +364,11 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     log_path = out_dir / LOG_FILE
     if is_logger:  # a fresh run starts a fresh log; a resumed one drops what came after its checkpoint
         truncate_log(log_path, step)
+    if is_logger and step == 0:  # and no best head of an earlier attempt (check_fresh_output refused the rest)
+        for d in stale_best_heads(out_dir):
+            shutil.rmtree(d)
+            _say(f"removed {d}: the best head of an earlier attempt in this train.output_dir, which stopped before "
+                 "its first checkpoint (this run validates anew)", rank)
     meter = Meter.zeros(n, device)
     # t_start: start of the whole run, earlier invocations included, so that train.max_time_s and the learning-rate
     # decay by time fraction count the run's total time across resumes (not each invocation's); t_run: this one

@@ -1,5 +1,6 @@
 """Resuming a head-distillation run: what a checkpoint must share with the invocation that resumes it, the
-schedule it keeps, its log, and the RNG states it restores (used by :func:`spd_ds.train.loop.train`)."""
+schedule it keeps, its log, and the RNG states it restores; and what a run from step 0 refuses or replaces in its
+output folder (used by :func:`spd_ds.train.loop.train`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.train.history import SUMMARY_FILE, read_train_log
-from spd_ds.train.validate import BEST_DIR
+from spd_ds.train.validate import BEST_BACKUP, BEST_DIR, BEST_TMP
 
 RUN_FILE = "run.json"  # in every checkpoint folder: what a resume must share with it (run_identity)
 DS_STAGE = "--deepspeed_config zero_optimization.stage"  # run_identity's keys for the head engine's DeepSpeed config
@@ -295,6 +296,43 @@ def finished_run(out_dir: Path, ckpt_dir: Path, max_time_s: float | None) -> str
     return None if progress is None else finished_message(out_dir, *progress, max_time_s)
 
 
+def check_fresh_output(out_dir: Path, head_checkpoint: str | None) -> None:
+    """Refuse to start a run at step 0 (no checkpoint under ``out_dir``) where an earlier run's results lie.
+
+    ``train_summary.json`` and ``head/`` are written when a run ends: beside no checkpoint (removed to save space,
+    say) they are a finished run's results, which this run would replace at its end and mix with its own until then,
+    as a folder holding checkpoints is refused without ``--resume``. A ``best_head/`` alone is what a run that crashed
+    before its first checkpoint left; the run started again there replaces it (:func:`stale_best_heads`), unless
+    ``head.checkpoint`` is in it.
+
+    Args:
+        out_dir: ``train.output_dir``.
+        head_checkpoint: ``head.checkpoint`` (``None``: none).
+    Raises:
+        ConfigError: one line naming what is there and what to do (another ``train.output_dir``, or remove them);
+            raised on every rank before any collective.
+    """
+    found = [name for name in (SUMMARY_FILE, "head") if (Path(out_dir) / name).exists()]
+    if found:
+        raise ConfigError(f"{out_dir} holds an earlier run's results ({', '.join(found)}) and no checkpoint to resume; "
+                          "set another train.output_dir (head.checkpoint=<its head or best_head> warm-starts from "
+                          "it), or remove them to train there anew")
+    if head_checkpoint:
+        start = Path(head_checkpoint).resolve()
+        for d in stale_best_heads(out_dir):
+            if start == d.resolve() or d.resolve() in start.parents:
+                raise ConfigError(f"head.checkpoint={head_checkpoint} is in {d}, the best head of an earlier attempt "
+                                  "that this run replaces; copy it out of train.output_dir or set another "
+                                  "train.output_dir")
+
+
+def stale_best_heads(out_dir: Path) -> list[Path]:
+    """The best heads of an earlier attempt in ``out_dir`` (``best_head/``, and the ``best_head.old/`` and
+    ``best_head.tmp/`` of a replacement it did not finish) that a run starting at step 0 removes: its validation
+    writes its own, and until then a reader would take them for its."""
+    return [d for d in (Path(out_dir) / name for name in (BEST_DIR, BEST_BACKUP, BEST_TMP)) if d.exists()]
+
+
 def truncate_log(path: Path, step: int) -> None:
     """Start ``train_log.jsonl`` for a run at optimizer step ``step``: a fresh run (``step = 0``) removes it, a
     resumed one keeps the records up to its checkpoint's step, so that the steps a crash had logged after it are
@@ -308,5 +346,5 @@ def truncate_log(path: Path, step: int) -> None:
 
 __all__ = ["RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "DS_STAGE", "DS_BF16", "draft_vocab_digest", "run_identity",
            "check_resume", "check_checkpoint_files", "check_optimizer_shards", "damaged_checkpoint_advice",
-           "check_resumed_schedule", "checkpoint_progress", "finished_message", "finished_run", "truncate_log",
-           "rng_state", "set_rng_state"]
+           "check_resumed_schedule", "checkpoint_progress", "finished_message", "finished_run", "check_fresh_output",
+           "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]
