@@ -200,6 +200,41 @@ def test_one_new_token_has_no_acceptance_figures(heads, tmp_path):
     assert all(r[k] is None for r in rows for k in rates), [[r[k] for k in rates] for r in rows]
 
 
+def test_one_new_token_has_no_speed_figures(heads, tmp_path):
+    """decoding.max_new_tokens=1: no decode token (tok/s counts decode tokens only, the prefill token excluded) and
+    no decode cycle, so tok/s, cycle ms, GB/s and the x columns are not applicable: null in summary.json and
+    per_prompt.jsonl, '-' in eval's and the benchmark's tables (they said 0), and the time plot still draws.
+    hf_generate times a few microseconds after its one token: still no decode token, so still null."""
+    from spd_ds.eval.benchmark import SuiteRun, render
+    from spd_ds.eval.report import summary_table
+
+    shape, spd, _ = heads
+    cfg = load_config(None, overrides(shape, tmp_path, f"head.checkpoint={spd}", "decoding.max_new_tokens=1",
+                                      "eval.baselines=[ar,hf_generate]", "eval.warmup_prompts=0"))
+    run = run_eval(cfg, engine="reference")
+    s = json.loads(json.dumps(write_reports(run, tmp_path / "out", plots=True)))  # as summary.json holds it
+    assert (tmp_path / "out" / "cycle_time_split.png").stat().st_size > 0
+    for name, res in s["results"].items():
+        for b in [res["overall"], *res["by_set"].values()]:
+            assert b["num_new_tokens"] == 2, name
+            assert (b["decode_tok_s"], b["mean_decode_tok_s"], b["cycle_time_split_ms"]) == (None, None, None), name
+            assert b["achieved_gbps"] is None and set(b["speedup_vs_ar"].values()) <= {None}, name
+    assert set(s["results"]["spd"]["overall"]["speedup_vs_ar"]) == {"ar", "hf_generate"}
+    head, _, *rows = summary_table(s).splitlines()
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    for row in rows:
+        cells = dict(zip(cols, (c.strip() for c in row.strip("|").split("|"))))
+        assert [cells[c] for c in ("tok/s", "x ar", "x hf_generate", "cycle ms")] == ["-"] * 4, row
+    for r in per_prompt_rows(run):
+        assert r["decode_tok_s"] is None and r.get("cycle_time_split_ms") is None, r
+    bench = render([SuiteRun("a", "tiny n=2", [], summary=s)]).split("\n\n")[0].splitlines()
+    cols = [c.strip() for c in bench[0].strip("|").split("|")]
+    for row in bench[2:]:
+        if row.startswith("|"):
+            cells = dict(zip(cols, (c.strip() for c in row.strip("|").split("|"))))
+            assert [cells[c] for c in ("tok/s", "x hf_generate", "cycle ms")] == ["-"] * 3, row
+
+
 def test_clear_errors(heads, tmp_path):
     from spd_ds.head import SpeculationHead
     from spd_ds.models.adapter import TargetArch

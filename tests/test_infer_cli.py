@@ -182,6 +182,33 @@ def test_speed_lines_explain_the_numbers():
                      "EOS or a stop string at once), so there is no speed or acceptance to report"]
 
 
+def test_one_new_token_totals_and_rows_say_null_not_zero(smollm2_dir, tmp_path, capsys):
+    """decoding.max_new_tokens=1: no draft verified and no decode token, so the printed totals and the --output rows
+    give the rates and tok/s as null, as eval's reports do (spd_ds.eval.report.rates, speeds); they said 0.0. The
+    AR row's decode clock ran a few microseconds after its one token (as hf_generate's does): still no decode token."""
+    from types import SimpleNamespace
+
+    from spd_ds.builder import load_tokenizer
+    from spd_ds.config import load_config
+    from spd_ds.decoding.metrics import SPDMetrics
+    from spd_ds.decoding.reference import GenerationResult
+
+    infer = _infer_module()
+    spd = [GenerationResult([7], "length", SPDMetrics(2, num_new_tokens=1, prefill_s=0.2))]
+    ar = [GenerationResult([7], "length", SPDMetrics(1, num_new_tokens=1, prefill_s=0.1, decode_s=3e-7))]
+    args = SimpleNamespace(output=str(tmp_path / "answers.jsonl"), stream=False)
+    infer.report(load_config(CONFIG), load_tokenizer(smollm2_dir), [("q1", "Hi")], spd, args, ar)
+    out = capsys.readouterr().out
+    totals = json.loads(out.split("=== totals\n", 1)[1].split("\n}\n", 1)[0] + "}")
+    row = json.loads((tmp_path / "answers.jsonl").read_text())
+    nulls = ("draft_acceptance_rate", "tokens_per_cycle", "equivalent_accept_length", "decode_tok_s",
+             "ar_decode_tok_s")
+    assert {k: totals[k] for k in nulls + ("equivalent_accept_length_decode", "speedup_vs_ar")} == dict.fromkeys(
+        nulls + ("equivalent_accept_length_decode", "speedup_vs_ar"))
+    assert {k: row[k] for k in nulls} == dict.fromkeys(nulls)
+    assert totals["num_new_tokens"] == 1 and totals["prefill_s"] == 0.2  # what there is, still given
+
+
 def _damaged_head(tmp_path, damage: str) -> Path:
     import shutil
 

@@ -386,9 +386,11 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
     ``--output`` JSONL.
 
     ``ar_results``: AR generations of the same prompts in the same run (under DeepSpeed through the same pipeline),
-    or ``None``.
+    or ``None``. The totals and rows give rates and tok/s that do not apply (no draft verified, no decode token:
+    ``decoding.max_new_tokens=1``) as null, by eval's rule (:func:`spd_ds.eval.report.rates`, ``speeds``).
     """
     from spd_ds import builder
+    from spd_ds.eval.report import rates as report_rates, speeds
 
     greedy = cfg.decoding.temperature == 0
     ar_tokens = [r.tokens for r in ar_results] if ar_results is not None and greedy else None
@@ -411,19 +413,24 @@ def report(cfg, tok, prompts, results, args, ar_results=None, ar_name="AR decodi
                  "(the prefill's token alone: no decode cycle)")
         print(f"{head}{m.num_new_tokens} tokens {rates}, finish {res.finish_reason}"
               + ("" if same is None else f", identical to AR: {'yes' if same else 'NO'}"))
+        # the rates and tok/s are None where not applicable (no draft verified, no decode token), as in eval's reports
         row = {"question_id": qid, "text": answer, "tokens": res.tokens, "finish_reason": res.finish_reason,
-               "identical_to_ar": same, **m.to_dict()}
+               "identical_to_ar": same, **m.to_dict(), **report_rates(m, True),
+               "decode_tok_s": speeds([m], True)["decode_tok_s"]}
         if ar_results is not None:
-            row["ar_decode_tok_s"] = ar_results[i].metrics.decode_tok_s
+            row["ar_decode_tok_s"] = speeds([ar_results[i].metrics], False)["decode_tok_s"]
         rows.append(row)
     print("\n=== totals")
+    metrics = [r.metrics for r in results]
     totals = {k: v for k, v in total.to_dict().items() if not isinstance(v, list)}
-    totals["decode_tok_s"] = pooled_decode_tok_s([r.metrics for r in results])  # prefill token excluded per prompt
-    totals["equivalent_accept_length_decode"] = pooled_decode_accept_length([r.metrics for r in results])
+    totals.update(report_rates(total, True))
+    totals["decode_tok_s"] = speeds(metrics, True)["decode_tok_s"]  # prefill token excluded per prompt
+    totals["equivalent_accept_length_decode"] = (pooled_decode_accept_length(metrics) if total.num_cycles
+                                                 else None)
     if ar_results is not None:
-        totals["ar_decode_tok_s"] = pooled_decode_tok_s([r.metrics for r in ar_results])
+        totals["ar_decode_tok_s"] = speeds([r.metrics for r in ar_results], False)["decode_tok_s"]
         totals["speedup_vs_ar"] = (totals["decode_tok_s"] / totals["ar_decode_tok_s"]
-                                   if totals["ar_decode_tok_s"] > 0 else None)
+                                   if totals["decode_tok_s"] is not None and totals["ar_decode_tok_s"] else None)
     print(json.dumps(totals, indent=1))
     if ar_tokens is not None:
         n_same = sum(r["identical_to_ar"] for r in rows)

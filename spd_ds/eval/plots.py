@@ -79,7 +79,8 @@ def cycle_time_split_data(summary: dict) -> list[dict]:
     Args:
         summary: a dict from :func:`spd_ds.eval.report.summarize`.
     Returns:
-        One ``{"name", "kind", "segments": [(label, ms)], "total_ms", "decode_tok_s"}`` per method, in run order.
+        One ``{"name", "kind", "segments": [(label, ms)], "total_ms", "decode_tok_s"}`` per method, in run order
+        (``decode_tok_s`` ``None`` and one segment of 0 ms where the method returned no decode token).
     """
     out = []
     for name, r in summary["results"].items():
@@ -119,8 +120,8 @@ def cycle_time_split_figure(summary: dict):
             ax.barh(y, v, left=left, color=colors[lab], label=lab if lab not in seen else None)
             seen.add(lab)
             left += v
-        ax.annotate(f" {row['total_ms']:.2f} ms ({row['decode_tok_s']:.1f} tok/s)", (left, y), va="center",
-                    fontsize=7)
+        tok_s = "-" if row["decode_tok_s"] is None else f"{row['decode_tok_s']:.1f}"  # None: no decode token
+        ax.annotate(f" {row['total_ms']:.2f} ms ({tok_s} tok/s)", (left, y), va="center", fontsize=7)
     ax.set_yticks(range(len(data)))
     ax.set_yticklabels([row["name"] for row in data])
     ax.invert_yaxis()

@@ -26,8 +26,10 @@ Summary schema (``schema_version`` 1)::
 
 Draft metrics (``num_drafts`` ... ``acceptance_by_depth``) are ``None`` for AR baselines; for a drafting method
 ``draft_acceptance_rate`` is ``None`` where no draft was verified and ``tokens_per_cycle`` and
-``equivalent_accept_length`` where no decode cycle ran (``decoding.max_new_tokens=1``: the prefill token alone). The
-tables print ``None`` as ``-``. Pooled means sums over prompts first (``ΣN / ΣK``, ``Σ(N-1) / Σdecode_s``), then
+``equivalent_accept_length`` where no decode cycle ran (``decoding.max_new_tokens=1``: the prefill token alone). Without
+a decode token (the same case, or EOS at once) the speeds are ``None`` too: ``decode_tok_s``, ``mean_decode_tok_s``,
+``cycle_time_split_ms``, ``achieved_gbps``, ``hbm_fraction`` and ``speedup_vs_ar`` (:func:`speeds`). The tables print
+``None`` as ``-``. Pooled means sums over prompts first (``ΣN / ΣK``, ``Σ(N-1) / Σdecode_s``), then
 ratios.
 
 ``methods[m].oracle_alpha`` is the alpha an oracle method (``spd_oracle_<alpha>``) ran with, ``None`` for the others;
@@ -99,21 +101,45 @@ def rates(m: SPDMetrics, spd: bool) -> dict:
             "equivalent_accept_length": m.equivalent_accept_length if spd and m.num_cycles else None}
 
 
+def speeds(items: Sequence[SPDMetrics], spd: bool) -> dict:
+    """The speeds of some generations as the reports give them, ``None`` where not applicable: ``decode_tok_s`` and
+    ``mean_decode_tok_s`` where no generation returned a token after its prefill token (``decoding.max_new_tokens=1``,
+    or EOS at once: the rate counts decode tokens only, so it has nothing to measure), ``cycle_time_split_ms`` for a
+    method that does not draft (``spd`` false) or without a decode cycle. Where :func:`rates` gives the ratios, this
+    gives the speeds: one rule for the summary's blocks, ``per_prompt.jsonl`` and ``launch/infer.py``'s output.
+
+    Args:
+        items: per-prompt :class:`~spd_ds.decoding.metrics.SPDMetrics` (one for a single prompt).
+        spd: whether the method drafts.
+    Returns:
+        ``{"decode_tok_s": Σ(N_i - 1) / Σdecode_s_i, "mean_decode_tok_s": the mean of the per-prompt rates of the
+        prompts with decode tokens, "cycle_time_split_ms": dict of milliseconds per cycle}``, each value or ``None``.
+    """
+    items = list(items)
+    decoded = [m for m in items if m.num_new_tokens > 1]
+    per = [m.decode_tok_s for m in decoded if m.decode_s > 0]
+    m = SPDMetrics.pooled(items)
+    return {"decode_tok_s": pooled_decode_tok_s(items) if decoded else None,
+            "mean_decode_tok_s": sum(per) / len(per) if per else None,
+            "cycle_time_split_ms": m.cycle_time_split_ms() if spd and m.num_cycles else None}
+
+
 def metric_block(items: Sequence[SPDMetrics], spd: bool, num_stages: int, weight_bytes: int | None = None,
                  devices: int = 1, hbm_gbps: float | None = None) -> dict:
     """Pooled metrics of one method over some prompts (a summary ``BLOCK``, without ``speedup_vs_ar``).
 
     Args:
         items: per-prompt :class:`~spd_ds.decoding.metrics.SPDMetrics`.
-        spd: whether the method drafts (else the draft metrics are ``None``; the rates follow :func:`rates`).
+        spd: whether the method drafts (else the draft metrics are ``None``; the rates follow :func:`rates`, the
+            speeds :func:`speeds`).
         num_stages: ``n`` of the method (1 for AR).
         weight_bytes: bytes read per AR token (for ``achieved_gbps``), ``None`` = not reported.
         devices, hbm_gbps: for ``hbm_fraction``.
     """
     m = SPDMetrics.pooled(items, num_stages)
-    per = [x.decode_tok_s for x in items if x.decode_s > 0]
-    tok_s = pooled_decode_tok_s(items)
-    gbps = weight_bytes * tok_s / 1e9 if weight_bytes else None
+    speed = speeds(items, spd)
+    tok_s = speed["decode_tok_s"]
+    gbps = weight_bytes * tok_s / 1e9 if weight_bytes and tok_s is not None else None
     block = {
         "num_prompts": len(items),
         "num_new_tokens": m.num_new_tokens,
@@ -125,9 +151,7 @@ def metric_block(items: Sequence[SPDMetrics], spd: bool, num_stages: int, weight
         "acceptance_by_depth": m.acceptance_by_depth() if spd else None,
         "prefill_s": m.prefill_s,
         "decode_s": m.decode_s,
-        "decode_tok_s": tok_s,
-        "mean_decode_tok_s": sum(per) / len(per) if per else 0.0,
-        "cycle_time_split_ms": m.cycle_time_split_ms() if spd else None,
+        **speed,
         "achieved_gbps": gbps,
         "hbm_fraction": gbps / (hbm_gbps * devices) if gbps is not None and hbm_gbps else None,
         "speedup_vs_ar": {},
@@ -171,8 +195,8 @@ def repeated_ngram_share(answers: Sequence[Sequence[int]], n: int = REPEAT_NGRAM
     return repeated / positions if positions else None
 
 
-def _pooled_tok_s(run, method, indices: Iterable[int]) -> float:
-    return pooled_decode_tok_s([method.results[i].metrics for i in indices])
+def _pooled_tok_s(run, method, indices: Iterable[int]) -> float | None:
+    return speeds([method.results[i].metrics for i in indices], False)["decode_tok_s"]
 
 
 def summarize(run, weight_bytes: int | None = None) -> dict:
@@ -213,8 +237,8 @@ def summarize(run, weight_bytes: int | None = None) -> dict:
                     common = [i for i in idx if i in base.results]
                     if not common:
                         continue
-                    bt = _pooled_tok_s(run, base, common)
-                    b["speedup_vs_ar"][base.name] = _pooled_tok_s(run, mr, common) / bt if bt > 0 else None
+                    bt, mt = _pooled_tok_s(run, base, common), _pooled_tok_s(run, mr, common)
+                    b["speedup_vs_ar"][base.name] = mt / bt if mt is not None and bt else None
             blocks[scope] = b
         results[name] = {"overall": blocks.pop("overall"), "by_set": blocks}
     return {
@@ -294,7 +318,7 @@ def per_prompt_rows(run) -> list[dict]:
     """One JSON-able row per (method, prompt): ids, tokens, decoded text (with a tokenizer), metrics, wall time and,
     for SPD methods where exactness is checked (:func:`unchecked_reason` is ``None``: T = 0, ``eval.check_exact``, an
     AR baseline ran), ``first_divergence`` from each AR baseline that ran the prompt; otherwise no such key. The
-    rates follow :func:`rates`."""
+    rates follow :func:`rates`, ``decode_tok_s`` and ``cycle_time_split_ms`` :func:`speeds`."""
     from spd_ds.eval.runner import first_divergence
 
     rows = []
@@ -310,9 +334,11 @@ def per_prompt_rows(run) -> list[dict]:
                 row["text"] = run.tokenizer.decode(res.tokens, skip_special_tokens=True)
             row.update(res.metrics.to_dict())
             row.update(rates(res.metrics, mr.kind == "spd"))  # None where not applicable, as in the summary
+            speed = speeds([res.metrics], mr.kind == "spd")
+            row["decode_tok_s"] = speed["decode_tok_s"]
             if mr.kind == "spd":
                 row["acceptance_by_depth"] = res.metrics.acceptance_by_depth()
-                row["cycle_time_split_ms"] = res.metrics.cycle_time_split_ms()
+                row["cycle_time_split_ms"] = speed["cycle_time_split_ms"]
                 if checked:
                     row["first_divergence"] = {b.name: first_divergence(res.tokens, b.results[i].tokens)
                                                for b in bases if i in b.results}
