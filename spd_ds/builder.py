@@ -175,6 +175,10 @@ def draft_vocab_ids(draft_vocab: str) -> list[int] | None:
     """
     if draft_vocab == FULL_VOCAB:
         return None
+    if not Path(draft_vocab).exists():
+        raise ConfigError(f"head.draft_vocab={draft_vocab} does not exist; give a draft-vocabulary JSON (draft_vocab/ "
+                          "holds one, launch/build_draft_vocab.py writes one), head.draft_vocab=full (every id), or "
+                          "leave it null (a loaded head's own ids, every id for a new head)")
     try:
         return load_draft_vocab(draft_vocab)
     except OSError as e:
@@ -188,6 +192,30 @@ def draft_vocab_ids(draft_vocab: str) -> list[int] | None:
                           "(docs/training.md, section Draft vocabulary)") from None
     except (ValueError, TypeError) as e:  # load_draft_vocab's messages name the file and what is wrong
         raise ConfigError(f"head.draft_vocab: {e}") from None
+
+
+def check_head_inputs(cfg: ExperimentConfig) -> None:
+    """The head files the config names, checked before any model is resolved or loaded and before any collective
+    (every rank runs it; it reads one or two small JSON files): ``head.checkpoint`` is a head folder whose
+    ``head_config.json`` reads, ``head.draft_vocab`` is ``full`` or a draft-vocabulary JSON that reads. Resolves both
+    paths in ``cfg`` as :func:`build_partition` and :func:`build_head` do (from the working directory, else the
+    repository).
+
+    Raises:
+        ConfigError: a head folder or draft vocabulary that is missing or unreadable (one line naming the key, the
+            path and what to give instead; :func:`draft_vocab_ids`).
+        HeadCheckpointError / HeadMismatchError: a damaged ``head_config.json`` or another head format version
+            (:meth:`SpeculationHead.read_config`).
+    """
+    cfg.head.checkpoint = resolve_path(cfg.head.checkpoint)
+    cfg.head.draft_vocab = resolve_path(cfg.head.draft_vocab)
+    if cfg.head.checkpoint:
+        try:
+            SpeculationHead.read_config(cfg.head.checkpoint)
+        except FileNotFoundError as e:  # a path that is no head folder
+            raise ConfigError(str(e)) from None
+    if cfg.head.draft_vocab:
+        draft_vocab_ids(cfg.head.draft_vocab)
 
 
 def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartition) -> SpeculationHead:

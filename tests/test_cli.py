@@ -510,3 +510,23 @@ def test_a_refused_run_leaves_no_empty_output_folder(tmp_path, job):
     p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     assert not (tmp_path / "runs").exists(), list(tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("job", ["infer", "eval", "benchmark", "train"])
+def test_missing_draft_vocab_is_one_line_before_the_model(tmp_path, job):
+    """A head.draft_vocab that does not exist (a config saved by a training run elsewhere names one): one line naming
+    the file and what to give, exit 2, before the model is resolved (the model named here does not exist) and, in
+    training, before the process group. It used to come after the target loaded (train: after the process group)."""
+    missing = tmp_path / "vocab" / "sharegpt_16k.json"
+    over = [f"head.draft_vocab={missing}", f"model.name={tmp_path / 'no_model_here'}"]
+    cmd = {"infer": ["launch/infer.py", "--config", str(CONFIG), *over],  # with the shipped head.checkpoint
+           "eval": ["launch/eval.py", "--config", str(CONFIG), f"eval.output_dir={tmp_path / 'out'}", *over],
+           "benchmark": ["launch/benchmark.py", "--suite", "c", "--stages", "2", "--out", str(tmp_path / "out"),
+                         *over],
+           "train": ["launch/train.py", "--config", "launch/configs/train_smollm2_n2.yaml", "--deepspeed_config",
+                     "ds_configs/zero2.json", f"train.output_dir={tmp_path / 'out'}", *over]}[job]
+    p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: head.draft_vocab={missing} does not exist; give a draft-vocabulary JSON"), last
+    assert "no_model_here" not in p.stderr and "Traceback" not in p.stderr

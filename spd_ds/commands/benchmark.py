@@ -166,7 +166,9 @@ def _main(argv=None) -> int:
                 log.warning("suite %s (%s): no tp_ar baseline: %s", sr.suite, sr.label, tp_why)
     t0 = time.time()
     cfgs = [bm.config_of(sr, args.config) for sr in runs]
-    for cfg in cfgs:  # every suite's partition (and its head's) against its model, before the first suite runs
+    for cfg in cfgs:  # every suite's head files, then its partition (and its head's) against its model, before
+        builder.check_head_inputs(cfg)  # the first suite runs
+    for cfg in cfgs:
         builder.build_partition(cfg, builder.build_arch(resolve_model_name(cfg)))
     piped = [k for k, sr in enumerate(runs) if engine == "deepspeed" and sr.suite in ("a", "b")]
     head = rank_and_world()[0] == 0

@@ -240,6 +240,8 @@ def _main(argv=None) -> int:
     if engine == "reference" and rank_and_world()[0] != 0:
         return 0  # --engine reference under a launcher: rank 0 alone decodes (as launch/eval.py does)
 
+    if cfg.decoding.drafter == "head":  # on every rank, before the model is resolved and before any collective
+        builder.check_head_inputs(cfg)
     arch = builder.build_arch(cfg)
     tok = builder.prompt_tokenizer(cfg, arch)
     ids = [builder.encode_prompt(tok, text, cfg.decoding.chat_template) for _, text in prompts]

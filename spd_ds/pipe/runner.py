@@ -165,7 +165,7 @@ class SPDSession:
 
     def __init__(self, cfg: ExperimentConfig, drafter_factory: DrafterFactory | None = None,
                  prompts: Sequence[Sequence[int]] | None = None, max_new_tokens: int | None = None) -> None:
-        from spd_ds.builder import build_arch, build_partition, eos_token_ids, sampling_params
+        from spd_ds.builder import build_arch, build_partition, check_head_inputs, eos_token_ids, sampling_params
         from spd_ds.models.adapter import resolve_dtype
 
         self.cfg, self.drafter_factory = cfg, drafter_factory
@@ -173,6 +173,8 @@ class SPDSession:
             raise ConfigError(f"head.placement must be 'colocated' or 'dedicated', got {cfg.head.placement!r}")
         if cfg.deepspeed.timeout_s <= 0:
             raise ConfigError(f"deepspeed.timeout_s must be > 0, got {cfg.deepspeed.timeout_s}")
+        if cfg.decoding.drafter == "head" or drafter_factory is not None:  # the head's files before the model's
+            check_head_inputs(cfg)
         self.arch = build_arch(cfg)
         self.partition = build_partition(cfg, self.arch)
         self.arch.check_weights()  # every stage's tensors, on every rank: the loading rank's error line everywhere

@@ -164,7 +164,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    from spd_ds.builder import build_arch, build_head, build_partition, eos_token_ids, load_tokenizer
+    from spd_ds.builder import (build_arch, build_head, build_partition, check_head_inputs, eos_token_ids,
+                                load_tokenizer)
     from spd_ds.cli import checks_outputs, ensure_output_dir, rank_and_world
     from spd_ds.compile_cache import load_compile_cache, save_compile_cache
     from spd_ds.models.adapter import resolve_dtype
@@ -201,6 +202,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
     # 1. processes and devices
     check_sources(dc.train_files)  # a missing file is one line before any process group or model load
+    check_head_inputs(cfg)  # so is a missing head.checkpoint or head.draft_vocab
     check_stage_attention(cfg.model.attn_implementation, decoding=False)  # the teacher's masks are sdpa's
     init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
     rank, world = dist.get_rank(), dist.get_world_size()
