@@ -194,18 +194,18 @@ def draft_vocab_ids(draft_vocab: str) -> list[int] | None:
         raise ConfigError(f"head.draft_vocab: {e}") from None
 
 
-def check_head_inputs(cfg: ExperimentConfig) -> None:
+def check_head_inputs(cfg: ExperimentConfig, ppsd: bool = False) -> None:
     """The head files the config names, checked before any model is resolved or loaded and before any collective
-    (every rank runs it; it reads one or two small JSON files): ``head.checkpoint`` is a head folder whose
-    ``head_config.json`` reads, ``head.draft_vocab`` is ``full`` or a draft-vocabulary JSON that reads. Resolves both
-    paths in ``cfg`` as :func:`build_partition` and :func:`build_head` do (from the working directory, else the
-    repository).
+    (every rank runs it; it reads a few small JSON files): ``head.checkpoint`` (and with ``ppsd``, the evaluations'
+    ``eval.ppsd_checkpoint``) is a head folder whose ``head_config.json`` reads, ``head.draft_vocab`` is ``full`` or a
+    draft-vocabulary JSON that reads. Resolves ``head.checkpoint`` and ``head.draft_vocab`` in ``cfg`` as
+    :func:`build_partition` and :func:`build_head` do (from the working directory, else the repository).
 
     Raises:
         ConfigError: a head folder or draft vocabulary that is missing or unreadable (one line naming the key, the
             path and what to give instead; :func:`draft_vocab_ids`).
         HeadCheckpointError / HeadMismatchError: a damaged ``head_config.json`` or another head format version
-            (:meth:`SpeculationHead.read_config`).
+            (:meth:`SpeculationHead.read_config`; for ``eval.ppsd_checkpoint`` a ConfigError naming it).
     """
     cfg.head.checkpoint = resolve_path(cfg.head.checkpoint)
     cfg.head.draft_vocab = resolve_path(cfg.head.draft_vocab)
@@ -216,6 +216,11 @@ def check_head_inputs(cfg: ExperimentConfig) -> None:
             raise ConfigError(str(e)) from None
     if cfg.head.draft_vocab:
         draft_vocab_ids(cfg.head.draft_vocab)
+    if ppsd and cfg.eval.ppsd_checkpoint:
+        try:
+            SpeculationHead.read_config(cfg.eval.ppsd_checkpoint)
+        except (FileNotFoundError, ValueError) as e:  # as spd_ds.eval.inputs.ppsd_partition says it, later
+            raise ConfigError(f"eval.ppsd_checkpoint: {e}") from None
 
 
 def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartition) -> SpeculationHead:

@@ -73,6 +73,21 @@ def test_eval_cli_empty_prompt_set_is_an_error_before_the_model(tmp_path):
     assert last.startswith(f"error: prompt set '{f}' holds no prompts") and "no_model_here" not in p.stderr
 
 
+@pytest.mark.parametrize("key", ["head.checkpoint", "eval.ppsd_checkpoint"])
+def test_eval_cli_missing_head_folder_is_an_error_before_the_model(tmp_path, key):
+    """A head folder (SPD's or the PPSD head's) that does not exist: one line naming the key, exit 2, before any model
+    is resolved (the model named here does not exist); it came after the model's config was read."""
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"turns": ["hi"]}\n')
+    p = run(["launch/eval.py", f"eval.prompt_sets=[{f}]", f"{key}={tmp_path / 'no_head_here'}",
+             f"model.name={tmp_path / 'no_model_here'}", f"eval.output_dir={tmp_path / 'out'}"])
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: " + ("eval.ppsd_checkpoint: " if key.startswith("eval") else "")
+                           + f"head.checkpoint {tmp_path / 'no_head_here'} does not exist; give a head folder"), last
+    assert "no_model_here" not in p.stderr
+
+
 @pytest.mark.slow
 def test_eval_cli_smollm2_prompt_sets(tmp_path, smollm2_dir):
     from spd_ds.eval.prompts import materialize_prompt_set

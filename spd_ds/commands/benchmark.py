@@ -167,7 +167,8 @@ def _main(argv=None) -> int:
     t0 = time.time()
     cfgs = [bm.config_of(sr, args.config) for sr in runs]
     for cfg in cfgs:  # every suite's head files, then its partition (and its head's) against its model, before
-        builder.check_head_inputs(cfg)  # the first suite runs
+        if cfg.decoding.drafter == "head":  # the first suite runs
+            builder.check_head_inputs(cfg, ppsd=True)
     for cfg in cfgs:
         builder.build_partition(cfg, builder.build_arch(resolve_model_name(cfg)))
     piped = [k for k, sr in enumerate(runs) if engine == "deepspeed" and sr.suite in ("a", "b")]

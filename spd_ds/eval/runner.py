@@ -226,8 +226,8 @@ def prepare(cfg: ExperimentConfig):
     Returns:
         ``(cfg, arch, partition, tokenizer | None, prompts)``.
     Raises:
-        ConfigError and the prompt loaders' errors (an empty prompt set, a missing head folder or draft vocabulary:
-        before the model is resolved).
+        ConfigError and the prompt loaders' errors (an empty prompt set, a missing head folder, PPSD head folder
+        or draft vocabulary: before the model is resolved).
     """
     from spd_ds.models.adapter import is_random_model_dir
 
@@ -239,8 +239,8 @@ def prepare(cfg: ExperimentConfig):
     cfg = resolve_model_name(cfg)
     # the prompt records first: an empty or missing set fails before any model is fetched or loaded
     sets = load_eval_records(cfg, tokenizer_free=is_random_model_dir(cfg.model.name))
-    if cfg.decoding.drafter == "head":  # the head's files too (every rank, before any collective)
-        builder.check_head_inputs(cfg)
+    if cfg.decoding.drafter == "head":  # the heads' files too (every rank, before any collective)
+        builder.check_head_inputs(cfg, ppsd=True)
     arch = builder.build_arch(cfg)
     part = builder.build_partition(cfg, arch)
     random_weights = getattr(arch, "random_weights", False)
