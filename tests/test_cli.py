@@ -46,6 +46,18 @@ def test_overrides_before_and_after_options():
         launcher_module("benchmark").parse_args(["--prompt-sets", "model.device=cpu"])
 
 
+def test_benchmark_overrides_after_options_that_take_several_values():
+    """An override after --stages, --suite or --alphas was taken for one of its values: argparse said "argument
+    --stages: invalid int value: 'decoding.temperature=1'", as if the stage count were wrong."""
+    bench = launcher_module("benchmark").parse_args(["--suite", "c", "model.device=cpu", "--stages", "2", "3",
+                                                     "decoding.temperature=1", "--alphas", "1", "0.5", "x.y=2",
+                                                     "--out", "o", "x.y=3"])
+    assert bench.suite == ["c"] and bench.stages == [2, 3] and bench.alphas == [1.0, 0.5] and bench.out == "o"
+    assert bench.overrides == ["model.device=cpu", "decoding.temperature=1", "x.y=2", "x.y=3"]
+    with pytest.raises(SystemExit):  # nothing but overrides after --stages
+        launcher_module("benchmark").parse_args(["--stages", "model.device=cpu"])
+
+
 def test_infer_takes_overrides_after_options():
     """The issue's command line: overrides after ``--no-compare-ar`` reach the config (the unknown key proves it:
     argparse no longer says ``unrecognized arguments``)."""

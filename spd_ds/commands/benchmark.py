@@ -25,9 +25,9 @@ machine with 2 GPUs::
 
     deepspeed --num_gpus 2 launch/benchmark.py --suite a b --out outputs/benchmark
 
-``section.key=value`` overrides apply to every suite (e.g. ``data.eval_dir=/data/eval``); put them before options
-that take several values (``--suite``, ``--alphas``, ``--stages``), which would take them as values (after
-``--prompt-sets`` they are recognised as overrides). Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json``
+``section.key=value`` overrides apply to every suite (e.g. ``data.eval_dir=/data/eval``), anywhere on the command
+line: after an option that takes several values (``--suite``, ``--alphas``, ``--stages``, ``--prompt-sets``) they
+are recognised as overrides, not taken as its values. Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json``
 (rows + stage forward times) and each evaluation's reports under ``--out``/``<suite>`` (suite c: ``--out``/``c<n>``,
 one folder per n).
 """
@@ -55,6 +55,7 @@ log = logging.getLogger("spd_ds.benchmark")
 
 DEFAULT_MODEL_B = "random:qwen3-4b"  # suite b's target shape (4B parameters: a GPU's)
 OVERRIDE_WORD = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_][\w.]*=")  # section.key=value (no path has this start)
+SEVERAL_VALUES = ("--suite", "--alphas", "--stages", "--prompt-sets")  # options that take every word up to the next
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,17 +96,30 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     """The parsed command line (``argv``: default ``sys.argv[1:]``; ``--help`` documents every option).
 
-    ``--prompt-sets`` takes every word up to the next option, so ``section.key=value`` words after it are taken back
-    out of the prompt sets and applied as the overrides they are (``--prompt-sets gsm8k data.eval_dir=DIR``)."""
+    The options of :data:`SEVERAL_VALUES` take every word up to the next option, so ``section.key=value`` words among
+    them are taken out first and applied as the overrides they are (``--prompt-sets gsm8k data.eval_dir=DIR``,
+    ``--stages 2 decoding.temperature=1``; argparse read the latter as a bad stage count)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    words = args.prompt_sets
-    args.prompt_sets = [w for w in words if not OVERRIDE_WORD.match(w)]
-    moved = [*args.overrides, *(w for w in words if OVERRIDE_WORD.match(w))]
-    args.overrides = sorted(moved, key=argv.index)  # in command-line order: a later override wins
-    if not args.prompt_sets:
-        build_parser().error("--prompt-sets needs at least one prompt set name or jsonl path")
+    rest, moved, several = [], [], False
+    for w in argv:
+        if w.startswith("-") and not _is_number(w):  # an option (a negative number is a value: --alphas -1 is refused
+            several = w in SEVERAL_VALUES           # by its check, not taken for an option)
+        elif several and OVERRIDE_WORD.match(w):
+            moved.append(w)
+            continue
+        rest.append(w)
+    ap = build_parser()
+    args = ap.parse_args(rest)
+    args.overrides = sorted([*args.overrides, *moved], key=argv.index)  # in command-line order: a later one wins
     return args
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
 
 
 def main(argv=None) -> int:
