@@ -92,6 +92,24 @@ def test_bad_names_and_sources(tmp_path):
     assert prompts.canonical_name("MT-Bench") == "mt_bench"
 
 
+def test_an_eval_data_folder_that_cannot_be_written_is_one_line(tmp_path, source_dir):
+    """data.eval_dir under a file (or read-only): the set cannot be written there. It ended launch/infer.py with
+    "error: [Errno 20] Not a directory: '.../mt_bench'", naming neither the set nor the setting to change."""
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "eval_data"
+    for source in (source_dir, None):  # a copy of a prepared folder; a set from its registry package
+        with pytest.raises(PromptSetUnavailableError) as ei:
+            if source is None:
+                load_prompts("humaneval", limit=1, eval_dir=bad)  # materialises it first, as infer and eval do
+            else:
+                materialize_prompt_set("mt_bench", bad, source_dir=source)
+        msg = str(ei.value)
+        if "cannot download registry package" in msg:
+            pytest.skip(f"no registry access: {msg}")
+        assert msg.startswith("prompt set ") and f"cannot be written to {bad}" in msg and "\n" not in msg, msg
+        assert "(Not a directory); give an eval-data folder that can be made and written (data.eval_dir=DIR" in msg
+
+
 def test_load_prompts_by_name_path_and_limit(tmp_path, source_dir):
     eval_dir = tmp_path / "eval_data"
     for name in ("mt_bench", "humaneval"):  # from the registry, as the product gets them

@@ -311,7 +311,8 @@ def materialize_prompt_set(
     Raises:
         ValueError: unknown name, or a source file with malformed records.
         PromptSetUnavailableError: (one line) the set cannot be obtained, e.g. no registry access, or
-            gsm8k with the hub offline and no ``source_dir``, or ``source_dir`` lacking the file.
+            gsm8k with the hub offline and no ``source_dir``, or ``source_dir`` lacking the file; or it cannot be
+            written under ``out_dir`` (a file in the way, no write permission).
     """
     canon = canonical_name(name)
     if canon is None:
@@ -325,16 +326,30 @@ def materialize_prompt_set(
             raise PromptSetUnavailableError(f"prompt set {canon!r}: {src} does not exist")
         read_jsonl_prompts(src)  # validate before copying
         if src.resolve() != dest.resolve():
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, dest)
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+                shutil.copyfile(src, tmp)
+                os.replace(tmp, dest)
+            except OSError as e:
+                raise _unwritable(canon, dest, e) from None
         return dest
     records = _BUILDERS[canon](PROMPT_SETS[canon], cache_dir)
     if not records:
         raise PromptSetUnavailableError(f"prompt set {canon!r}: the source holds no records")
-    _write_jsonl(records, dest)
+    try:
+        _write_jsonl(records, dest)
+    except OSError as e:
+        raise _unwritable(canon, dest, e) from None
     return dest
+
+
+def _unwritable(canon: str, dest: Path, e: OSError) -> PromptSetUnavailableError:
+    """The one-line error of a prompt set that cannot be written to ``dest`` (its eval-data folder is under a file,
+    read-only, ...): what failed and which setting chooses the folder."""
+    return PromptSetUnavailableError(f"prompt set {canon!r} cannot be written to {dest} ({e.strerror or e}); give an "
+                                     "eval-data folder that can be made and written (data.eval_dir=DIR, or "
+                                     "launch/prepare_eval_data.py --out-dir DIR)")
 
 
 def load_prompts(
