@@ -13,11 +13,11 @@
 # and later heads may be carried by later calls. CHAIN (at `start`) names the heads, in order, from:
 #   w2 w3 wp3 w4 w6 wp6 (one-layer towers: SPD n = 2, 3, 4, 6; PPSD n = 3, 6) and w2l2 w3l2 (two-layer, n = 2, 3),
 #   x2l2 x3l2, y2l2 y3l2, z2l2 z3l2, a2l2 a3l2 (a third, fourth, fifth and sixth 3,600 steps of the two-layer heads,
-#   each from the one before: x <- w, y <- x, z <- y, a <- z), b2l2 c2l2 (a seventh and eighth of the n = 2 one:
-#   b <- a, c <- b);
+#   each from the one before: x <- w, y <- x, z <- y, a <- z), b2l2 c2l2 d2l2 e2l2 (the seventh to tenth of the
+#   n = 2 one: b <- a, c <- b, d <- c, e <- d);
 # default "w2 w3 wp3 w4". Head <name> starts from $WORK/warm/<src> (w2 <- s2, wp3 <- p3, w3l2 <- s3l2, x3l2 <- w3l2).
-# A continued head that is another's warm start (w*l2, x*l2, y*l2, z*l2, a2l2, b2l2) puts its best head into $WORK/warm too, so
-# CHAIN="s2l2 w2l2 x2l2" is the whole 10,800 steps on a machine that holds no warm start.
+# A continued head that is another's warm start (w*l2, x*l2, y*l2, z*l2, a2l2 ... d2l2) puts its best head into
+# $WORK/warm too, so CHAIN="s2l2 w2l2 x2l2" is the whole 10,800 steps on a machine that holds no warm start.
 # A warm start's own name in CHAIN (s2 s3 p3 s4 s6 p6 s2l2 s3l2) trains it first, fresh, with the equal-tokens recipe
 # (lr 1e-3, 3,600 steps: docs/training.md "SPD and PPSD at equal tokens"), and puts its best head into $WORK/warm:
 # CHAIN="s4 w4" = the whole 7,200 steps on a machine that holds no warm start (a run repeats exactly on one H200).
@@ -33,7 +33,8 @@ WORK=${WORK:-/root/spd_work}
 REPO=${REPO:-/root/spd_repo}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 declare -A SRC=([w2]=s2 [w3]=s3 [wp3]=p3 [w4]=s4 [w6]=s6 [wp6]=p6 [w2l2]=s2l2 [w3l2]=s3l2 [x2l2]=w2l2 [x3l2]=w3l2
-                [y2l2]=x2l2 [y3l2]=x3l2 [z2l2]=y2l2 [z3l2]=y3l2 [a2l2]=z2l2 [a3l2]=z3l2 [b2l2]=a2l2 [c2l2]=b2l2)
+                [y2l2]=x2l2 [y3l2]=x3l2 [z2l2]=y2l2 [z3l2]=y3l2 [a2l2]=z2l2 [a3l2]=z3l2 [b2l2]=a2l2 [c2l2]=b2l2
+                [d2l2]=c2l2 [e2l2]=d2l2)
 declare -A SHAPE=([w2]="partition.num_stages=2" [w3]="partition.num_stages=3"
                   [wp3]="partition.num_stages=3,partition.anchors=[0,10]" [w4]="partition.num_stages=4"
                   [w6]="partition.num_stages=6" [wp6]="partition.num_stages=6,partition.anchors=[0,5]"
@@ -42,7 +43,8 @@ declare -A SHAPE=([w2]="partition.num_stages=2" [w3]="partition.num_stages=3"
                   [y2l2]="partition.num_stages=2" [y3l2]="partition.num_stages=3"
                   [z2l2]="partition.num_stages=2" [z3l2]="partition.num_stages=3"
                   [a2l2]="partition.num_stages=2" [a3l2]="partition.num_stages=3"
-                  [b2l2]="partition.num_stages=2" [c2l2]="partition.num_stages=2")
+                  [b2l2]="partition.num_stages=2" [c2l2]="partition.num_stages=2"
+                  [d2l2]="partition.num_stages=2" [e2l2]="partition.num_stages=2")
 declare -A FRESH=()  # the warm starts trained fresh: their continuation's shape (+ the two-layer tower of *l2)
 for w in "${!SRC[@]}"; do
   [[ -n "${SRC[${SRC[$w]}]:-}" ]] && continue  # its warm start is itself a continuation, not trained fresh
