@@ -10,14 +10,12 @@
 #   bash scripts/gpu_continue_heads.sh fetch     # what is new under $WORK, packed into $OUT (<= 8 files)
 #
 # The chain waits (up to 30 min) for each head's warm start to appear in $WORK/warm, so `warm` may come after `start`
-# and later heads may be carried by later calls. CHAIN (at `start`) names the heads, in order, from:
-#   w2 w3 wp3 w4 w6 wp6 (one-layer towers: SPD n = 2, 3, 4, 6; PPSD n = 3, 6) and w2l2 w3l2 (two-layer, n = 2, 3),
-#   x2l2 x3l2, y2l2 y3l2, z2l2 z3l2, a2l2 a3l2 (a third, fourth, fifth and sixth 3,600 steps of the two-layer heads,
-#   each from the one before: x <- w, y <- x, z <- y, a <- z), b2l2 c2l2 d2l2 e2l2 (the seventh to tenth of the
-#   n = 2 one: b <- a, c <- b, d <- c, e <- d);
-# default "w2 w3 wp3 w4". Head <name> starts from $WORK/warm/<src> (w2 <- s2, wp3 <- p3, w3l2 <- s3l2, x3l2 <- w3l2).
-# A continued head that is another's warm start (w*l2, x*l2, y*l2, z*l2, a2l2 ... d2l2) puts its best head into
-# $WORK/warm too, so CHAIN="s2l2 w2l2 x2l2" is the whole 10,800 steps on a machine that holds no warm start.
+# and later heads may be carried by later calls. CHAIN (at `start`) names the heads, in order. A head's name is its
+# run's letter and its base: bases 2 3 4 6 (one-layer SPD towers, n = 2, 3, 4, 6), p3 p6 (one-layer PPSD, n = 3, 6),
+# 2l2 3l2 (two-layer SPD, n = 2, 3); letters w x y z a b c d e f g h for the 2nd to 13th run, each warm-started from
+# the run before (w2 <- s2, x2 <- w2, wp3 <- p3, xp3 <- wp3, e2l2 <- d2l2, ...); default "w2 w3 wp3 w4". Every
+# continued head puts its best head into $WORK/warm too, so CHAIN="s2l2 w2l2 x2l2" is the whole 10,800 steps on a
+# machine that holds no warm start.
 # A warm start's own name in CHAIN (s2 s3 p3 s4 s6 p6 s2l2 s3l2) trains it first, fresh, with the equal-tokens recipe
 # (lr 1e-3, 3,600 steps: docs/training.md "SPD and PPSD at equal tokens"), and puts its best head into $WORK/warm:
 # CHAIN="s4 w4" = the whole 7,200 steps on a machine that holds no warm start (a run repeats exactly on one H200).
@@ -32,19 +30,18 @@ set -uo pipefail
 WORK=${WORK:-/root/spd_work}
 REPO=${REPO:-/root/spd_repo}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-declare -A SRC=([w2]=s2 [w3]=s3 [wp3]=p3 [w4]=s4 [w6]=s6 [wp6]=p6 [w2l2]=s2l2 [w3l2]=s3l2 [x2l2]=w2l2 [x3l2]=w3l2
-                [y2l2]=x2l2 [y3l2]=x3l2 [z2l2]=y2l2 [z3l2]=y3l2 [a2l2]=z2l2 [a3l2]=z3l2 [b2l2]=a2l2 [c2l2]=b2l2
-                [d2l2]=c2l2 [e2l2]=d2l2)
-declare -A SHAPE=([w2]="partition.num_stages=2" [w3]="partition.num_stages=3"
-                  [wp3]="partition.num_stages=3,partition.anchors=[0,10]" [w4]="partition.num_stages=4"
-                  [w6]="partition.num_stages=6" [wp6]="partition.num_stages=6,partition.anchors=[0,5]"
-                  [w2l2]="partition.num_stages=2" [w3l2]="partition.num_stages=3"
-                  [x2l2]="partition.num_stages=2" [x3l2]="partition.num_stages=3"
-                  [y2l2]="partition.num_stages=2" [y3l2]="partition.num_stages=3"
-                  [z2l2]="partition.num_stages=2" [z3l2]="partition.num_stages=3"
-                  [a2l2]="partition.num_stages=2" [a3l2]="partition.num_stages=3"
-                  [b2l2]="partition.num_stages=2" [c2l2]="partition.num_stages=2"
-                  [d2l2]="partition.num_stages=2" [e2l2]="partition.num_stages=2")
+declare -A BASE_SHAPE=([2]="partition.num_stages=2" [3]="partition.num_stages=3" [4]="partition.num_stages=4"
+                       [6]="partition.num_stages=6" [p3]="partition.num_stages=3,partition.anchors=[0,10]"
+                       [p6]="partition.num_stages=6,partition.anchors=[0,5]" [2l2]="partition.num_stages=2"
+                       [3l2]="partition.num_stages=3")
+RUN_LETTERS="w x y z a b c d e f g h"  # the 2nd, 3rd, ... 13th run of a head: <letter><base> (w2, x2l2, ap3, ...)
+declare -A SRC=() SHAPE=()  # a continuation's warm start (the run before it) and its shape
+for base in "${!BASE_SHAPE[@]}"; do
+  prev=$base; [[ $base == p* ]] || prev=s$base  # the fresh run: s2, s4l2 ...; PPSD's p3, p6
+  for letter in $RUN_LETTERS; do
+    SRC[$letter$base]=$prev; SHAPE[$letter$base]=${BASE_SHAPE[$base]}; prev=$letter$base
+  done
+done
 declare -A FRESH=()  # the warm starts trained fresh: their continuation's shape (+ the two-layer tower of *l2)
 for w in "${!SRC[@]}"; do
   [[ -n "${SRC[${SRC[$w]}]:-}" ]] && continue  # its warm start is itself a continuation, not trained fresh
@@ -97,7 +94,8 @@ case "${1:-}" in
     done
     for name in ${CHAIN//+/ }; do
       [[ -n "${SRC[$name]:-}${FRESH[$name]:-}" ]] || {
-        echo "gpu_continue_heads.sh: unknown head '$name' in CHAIN; known: ${!FRESH[*]} ${!SRC[*]}" >&2; exit 2; }
+        echo "gpu_continue_heads.sh: unknown head '$name' in CHAIN; give a fresh run (${!FRESH[*]}) or a" \
+             "continuation <letter><base> (letters $RUN_LETTERS; bases ${!BASE_SHAPE[*]})" >&2; exit 2; }
     done
     if [[ -n "${DRY:-}" ]]; then chain_script "$CHAIN"; exit 0; fi
     mkdir -p "$WORK" && rm -rf "$REPO" "$REPO.tmp" && cp -r "$HERE" "$REPO.tmp" && mv "$REPO.tmp" "$REPO"

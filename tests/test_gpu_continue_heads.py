@@ -88,7 +88,7 @@ def test_a_continued_head_is_the_warm_start_of_a_third_run(tmp_path):
     assert _copy(lines, work, "x3l2") > lines.index(train[2])
 
 
-def test_fourth_to_sixth_runs_continue_the_one_before_and_the_last_is_kept_nowhere(tmp_path):
+def test_fourth_to_sixth_runs_continue_the_one_before_and_each_is_kept(tmp_path):
     lines, train, work = _dry_chain(tmp_path, "y3l2 z3l2 a3l2 y2l2")
     assert len(train) == 4
     # y3l2 waits for a carried x3l2 (nothing in this chain trains it), z3l2 for y3l2 trained just before it
@@ -100,7 +100,7 @@ def test_fourth_to_sixth_runs_continue_the_one_before_and_the_last_is_kept_nowhe
     assert all("head.num_layers" not in x for x in train)  # the tower depth comes from the warm start's config
     assert lines.index(train[0]) < _copy(lines, work, "y3l2") < lines.index(train[1])
     assert lines.index(train[1]) < _copy(lines, work, "z3l2") < lines.index(train[2])
-    assert not any(f"heads/a3l2/best_head {work}/warm" in x for x in lines)  # nothing continues a3l2
+    assert _copy(lines, work, "a3l2") > lines.index(train[2])  # b3l2's warm start
 
 
 def test_sixth_run_waits_for_a_carried_fifth(tmp_path):
@@ -111,3 +111,16 @@ def test_sixth_run_waits_for_a_carried_fifth(tmp_path):
     assert f"z2l2:partition.num_stages=2,head.checkpoint={work}/warm/y2l2,train.lr=5.0e-4" in train[1]
     assert lines.index(train[1]) < _copy(lines, work, "z2l2") < lines.index(_wait(work, "z2l2")) < lines.index(train[2])
     assert f"a2l2:partition.num_stages=2,head.checkpoint={work}/warm/z2l2,train.lr=5.0e-4" in train[2]
+
+
+def test_any_head_continues_run_after_run_by_letter(tmp_path):
+    lines, train, work = _dry_chain(tmp_path, "x2 ap6 e2l2 h4")
+    assert f"x2:partition.num_stages=2,head.checkpoint={work}/warm/w2,train.lr=5.0e-4" in train[0]
+    assert (f"ap6:partition.num_stages=6,partition.anchors=[0,5],head.checkpoint={work}/warm/zp6,"
+            "train.lr=5.0e-4") in train[1]
+    assert f"e2l2:partition.num_stages=2,head.checkpoint={work}/warm/d2l2,train.lr=5.0e-4" in train[2]
+    assert f"h4:partition.num_stages=4,head.checkpoint={work}/warm/g4,train.lr=5.0e-4" in train[3]
+    assert _copy(lines, work, "e2l2") > lines.index(train[2])  # f2l2's warm start
+    assert not any(f"heads/h4/best_head {work}/warm" in x for x in lines)  # the 13th run: the last letter
+    r = _run(tmp_path, "start", CHAIN="i2", DRY="1")
+    assert r.returncode == 2 and "unknown head 'i2'" in r.stderr and "letters w x y z" in r.stderr
