@@ -307,6 +307,22 @@ def _list_item_type(path: Sequence[str]) -> Any:
     return None
 
 
+def _one_value(path: Sequence[str]) -> tuple[str, str] | None:
+    """``(what, example)`` for the scalar key ``section.key`` (``path``), e.g. ``("a string", "mt_bench")``, for the
+    error of a list or mapping given to it; ``None`` when the key is not a str/int/float/bool of the schema."""
+    if len(path) != 2 or path[0] not in _SECTIONS or _list_field(path):
+        return None
+    cls = {f.name: f for f in dataclasses.fields(ExperimentConfig)}[path[0]].default_factory
+    hint = typing.get_type_hints(cls).get(path[1])
+    kinds = {bool: ("true or false", "true"), str: ("a string", "<text>"), int: ("an integer", "2"),
+             float: ("a number", "0.5")}
+    t = next((t for t in (hint, *typing.get_args(hint)) if t in kinds), None)
+    if t is None:
+        return None
+    default = getattr(cls(), path[1])
+    return kinds[t][0], kinds[t][1] if default is None or t is bool else str(default)
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Load ``path`` (YAML) over the defaults, then apply ``section.key=value`` overrides (values parsed as YAML).
 
@@ -359,6 +375,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         if msg.startswith("Incompatible value 'None'") or msg.endswith("is not Optional"):  # `key=`, `key:` + nothing
             raise ConfigError(f"{key} has no value (an empty override or YAML entry reads as null); give one, e.g. "
                               f"{key}=<value>") from None
+        one = _one_value(str(key).split("."))
+        given = next((w for c, w in (("ListConfig", "a list"), ("DictConfig", "a mapping")) if c in msg), None)
+        if one is not None and given is not None:  # OmegaConf's "Cannot convert 'ListConfig' to string: ..."
+            raise ConfigError(f"{key} takes one value ({one[0]}), not {given}; give one, e.g. {key}={one[1]}") from None
         raise ConfigError(f"bad config value: {msg} (key {key})") from None
     cfg: ExperimentConfig = OmegaConf.to_object(base)
     validate(cfg)

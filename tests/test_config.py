@@ -287,3 +287,25 @@ def test_an_empty_training_output_dir_is_refused():
     """Path('') is '.': training wrote its checkpoints and heads into the working directory."""
     with pytest.raises(ConfigError, match=r"^train.output_dir is empty; give the run's folder"):
         load_config(None, ["train.output_dir=''"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.prompts=[a,b]", "data.prompts takes one value (a string), not a list; give one, e.g. data.prompts=mt_bench"),
+    ("model.name=[a]", "model.name takes one value (a string), not a list; give one, e.g. "
+                       "model.name=smollm2-135m-instruct"),
+    ("model.name={a: 1}", "model.name takes one value (a string), not a mapping; give one, e.g. "
+                          "model.name=smollm2-135m-instruct"),
+    ("partition.num_stages=[2]", "partition.num_stages takes one value (an integer), not a list; give one, e.g. "
+                                 "partition.num_stages=2"),
+    ("data.pack=[true]", "data.pack takes one value (true or false), not a list; give one, e.g. data.pack=true"),
+])
+def test_a_list_given_to_a_one_value_key_is_a_one_line_error(override, message, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value) == message
+    key, value = override.split("=", 1)  # the same value in an experiment file
+    section, name = key.split(".")
+    (tmp_path / "e.yaml").write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "e.yaml")
+    assert str(e.value) == message
