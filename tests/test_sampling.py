@@ -66,12 +66,14 @@ def test_speculative_sampling_rule_is_exact():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter_kind,vary,warp,attn", [
-    ("head", "seed", "T0.9-top5", "sdpa"), ("oracle_mix", "seed", "T0.9-top5", "sdpa"),
-    ("head", "request", "T0.9-top5", "sdpa"), ("widened_head", "seed", "T0.9-top5", "sdpa"),
-    ("head", "seed", "T1", "sdpa"), ("oracle_ar", "seed", "T1", "sdpa"), ("head", "seed", "T1", "eager")])
-def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind, vary, warp, attn):
-    """Chi-square: joint distribution of the 2nd and 3rd new tokens under SPD (n=3) vs the target's exact one, over
+@pytest.mark.parametrize("drafter_kind,vary,warp,attn,stages", [
+    ("head", "seed", "T0.9-top5", "sdpa", 3), ("oracle_mix", "seed", "T0.9-top5", "sdpa", 3),
+    ("head", "request", "T0.9-top5", "sdpa", 3), ("widened_head", "seed", "T0.9-top5", "sdpa", 3),
+    ("head", "seed", "T1", "sdpa", 3), ("oracle_ar", "seed", "T1", "sdpa", 3), ("head", "seed", "T1", "eager", 3),
+    ("head", "seed", "T1", "sdpa", 1)])
+def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind, vary, warp, attn, stages):
+    """Chi-square: joint distribution of the 2nd and 3rd new tokens under SPD (n = ``stages``: 3, and the one-stage
+    pipeline, where each draft is verified one cycle after it is made) vs the target's exact one, over
     seeds, or over the requests of one run (one seed: the prompts of a run). ``widened_head``: a target-tied head
     made for 3 ids and widened to every id by ``set_draft_vocab``, as the shipped heads are. ``warp``: T = 0.9 with
     top-k 5 (the warpers on), or plain T = 1 (the benchmarks' sampled setting). ``oracle_ar``: the oracle drafter
@@ -81,7 +83,7 @@ def test_spd_sampling_distribution_equals_target(tiny_root, drafter_kind, vary, 
     additive mask: ``spd_ds.models.masks``)."""
     V = 6
     arch = TargetArch(make_tiny_model(tiny_root, "llama", 3, seed=2, vocab_size=V), attn)
-    part = StagePartition.build(3, 3)
+    part = StagePartition.build(3, stages)
     target = Target(arch, part, torch.float32, "cpu")
     torch.manual_seed(0)
     head = SpeculationHead(arch, part)
