@@ -455,18 +455,19 @@ def watch_launcher(poll_s: float = 0.5) -> threading.Thread | None:
     runner = _parent_of(launcher)
     if runner is None or not _is_ds_runner(_argv_of(runner)) or os.environ.get("LOCAL_RANK", "0") != "0":
         runner = None  # one rank per node stops the launcher; the others watch their launcher alone
+    say = stderr_writer()  # the terminal's stderr even while DeepSpeed points fd 2 elsewhere (its op builds do)
 
     def watch() -> None:
         while True:
             time.sleep(poll_s)
             gone = _watch_step(launcher, runner)
             if gone == "launcher":  # nothing else will end this rank
-                say_error(f"{error_prefix('error')}: the DeepSpeed launcher (pid {launcher}) has ended; stopping")
+                say(f"{error_prefix('error')}: the DeepSpeed launcher (pid {launcher}) has ended; stopping")
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             if gone == "runner":
-                say_error(f"{error_prefix('error')}: the deepspeed command (pid {runner}) has ended; stopping its "
-                          f"launcher (pid {launcher}) and every rank")
+                say(f"{error_prefix('error')}: the deepspeed command (pid {runner}) has ended; stopping its "
+                    f"launcher (pid {launcher}) and every rank")
                 with contextlib.suppress(OSError):
                     os.kill(launcher, signal.SIGTERM)
                 return
@@ -500,6 +501,22 @@ def say_error(line: str) -> None:
     not run together (``print`` writes the text and its newline separately)."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+def stderr_writer() -> Callable[[str], None]:
+    """A function that writes one line to this process's stderr as it is now, as :func:`say_error` does, also while
+    file descriptor 2 points elsewhere later: DeepSpeed's op builder (``OpBuilder.has_function``, run when a rank
+    JIT-builds an op) points it at a temporary file for the length of a compile, and a line written then was lost.
+    Falls back to :func:`say_error` where the descriptor cannot be duplicated."""
+    try:
+        fd = os.dup(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # no stderr, or one without a descriptor (a test's capture)
+        return say_error
+
+    def write(line: str) -> None:
+        with contextlib.suppress(OSError):
+            os.write(fd, (line + "\n").encode())
+    return write
 
 
 def one_line(e: object, limit: int = 600) -> str:

@@ -239,6 +239,20 @@ def test_launcher_watch_step(monkeypatch):
     assert cli.watch_launcher() is None  # pytest's parent is no DeepSpeed launcher
 
 
+def test_launcher_watch_lines_reach_stderr_while_deepspeed_points_it_elsewhere(tmp_path):
+    """DeepSpeed's op builder points file descriptor 2 at a temporary file while it compiles (a rank JIT-building an
+    op); the launcher watch's line ("the deepspeed command ... has ended") written then went there and was lost. The
+    watch writes through cli.stderr_writer, made when the watch starts: its line reaches the real stderr."""
+    elsewhere = tmp_path / "stderr.txt"
+    code = ("import os\nfrom spd_ds import cli\nsay = cli.stderr_writer()\n"
+            f"f = open({str(elsewhere)!r}, 'w'); old = os.dup(2); os.dup2(f.fileno(), 2)\n"
+            "say('the watch line')\nos.dup2(old, 2)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr
+    assert "the watch line" in r.stderr and "the watch line" not in elsewhere.read_text()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--baseline-prompts", "-1"], "argument --baseline-prompts: must be >= 0, got -1"),
     (["--num-prompts", "0"], "argument --num-prompts: must be >= 1, got 0"),
