@@ -507,7 +507,10 @@ def stderr_writer() -> Callable[[str], None]:
     """A function that writes one line to this process's stderr as it is now, as :func:`say_error` does, also while
     file descriptor 2 points elsewhere later: DeepSpeed's op builder (``OpBuilder.has_function``, run when a rank
     JIT-builds an op) points it at a temporary file for the length of a compile, and a line written then was lost.
-    Falls back to :func:`say_error` where the descriptor cannot be duplicated."""
+
+    Returns:
+        ``write(line)``: ``line`` + newline in one ``os.write`` to a duplicate of fd 2 made now (kept for the process's
+        life); :func:`say_error` where stderr has no descriptor (a test's capture). Neither raises."""
     try:
         fd = os.dup(sys.stderr.fileno())
     except (AttributeError, OSError, ValueError):  # no stderr, or one without a descriptor (a test's capture)

@@ -37,6 +37,7 @@ HEAD_FORMAT_VERSION = 1
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head_config.json"
 RUN_HEADS = ("best_head", "head")  # the head folders launch/train.py writes in its output_dir
+REPLACED_SUFFIX = ".old"  # <head folder>.old: a run's best head while its successor is moved in (train.validate)
 
 
 class HeadMismatchError(ValueError):
@@ -148,8 +149,8 @@ def read_config(path: str | os.PathLike) -> dict:
     Raises:
         FileNotFoundError: ``path`` is a file, does not exist or holds no ``head_config.json`` (the message names
             the run's ``best_head`` / ``head`` folders when ``path`` is a training output_dir, a checkpoint or another
-            file or folder of a run; for a missing folder whose ``<name>.old`` holds a head, that backup: a run
-            stopped while replacing its ``best_head``).
+            file or folder of a run; for a missing folder whose ``<name>.old`` (:data:`REPLACED_SUFFIX`) holds a
+            head, that backup: a run stopped while replacing its ``best_head``).
         HeadCheckpointError: not a JSON object, a key missing or of the wrong type, a bad partition.
         HeadMismatchError: another head format version (a newer one: upgrade spd-ds; the message names this one).
     """
@@ -158,7 +159,7 @@ def read_config(path: str | os.PathLike) -> dict:
     if d.is_file():
         raise FileNotFoundError(_file_message(d))
     if not d.exists():
-        backup = d.with_name(d.name + ".old")  # spd_ds.train.validate.BEST_BACKUP: a best head being replaced
+        backup = d.with_name(d.name + REPLACED_SUFFIX)  # a best head being replaced (train.validate)
         if (backup / HEAD_CONFIG).is_file():
             raise FileNotFoundError(f"head.checkpoint {d} does not exist, but {backup} holds the head it replaced "
                                     "(the run stopped while replacing it); resume the run (--resume puts it back) or "

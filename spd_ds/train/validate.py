@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from spd_ds.eval.report import REPEAT_NGRAM
+from spd_ds.head_files import REPLACED_SUFFIX
 from spd_ds.train.acceptance import agreement_from_counts, predict_acceptance
 from spd_ds.train.chat import EmptyMaskError
 from spd_ds.train.batching import loop_positions
@@ -41,7 +42,7 @@ from spd_ds.train.teacher import with_loss_index
 BEST_DIR = "best_head"
 BEST_FILE = "best.json"
 BEST_TMP = BEST_DIR + ".tmp"  # the next best head while it is written
-BEST_BACKUP = BEST_DIR + ".old"  # the best head being replaced, until its successor is in place
+BEST_BACKUP = BEST_DIR + REPLACED_SUFFIX  # the best head being replaced, until its successor is in place
 BEST_KEY = "val_pred_accept_length_noloop"  # what picks the best head: L' outside loops (tracks the benchmark's)
 
 
