@@ -201,7 +201,7 @@ def test_a_resume_with_another_dtype_compute_or_validation_set_is_refused(tmp_pa
 
     def identity(*overrides: str, autocast=None, attention="dense", teacher="sdpa") -> dict:
         compute = {"autocast": autocast, "attention": attention, "teacher_attention": teacher}
-        return run_identity(load_config(None, list(overrides)), arch, part, head, 1, 1, 1, None, compute)
+        return run_identity(load_config(None, list(overrides)), arch, part, head, 1, 1, 1, None, compute, held_out=20)
 
     ck = _checkpoint(tmp_path / "run", 6, 12, 1.0, identity())
     check_resume(ck, identity("model.dtype=fp32", "train.eval_every=7"))  # the same dtype by its other name
@@ -209,8 +209,10 @@ def test_a_resume_with_another_dtype_compute_or_validation_set_is_refused(tmp_pa
                       (identity(autocast=torch.bfloat16), f"{AUTOCAST} off (now bfloat16)"),
                       (identity(attention="flex"), "train.attention dense (now flex)"),
                       (identity(teacher="flex"), "train.teacher_attention sdpa (now flex)"),
-                      (identity("train.eval_batches=4"), "train.eval_batches 16 (now 4)"),
-                      (identity("train.eval_batches=null"), "train.eval_batches 16 (now None)")):
+                      (identity("train.eval_batches=4"),
+                       "train.eval_batches 16 held-out micro-batches, set to 16 (now 4, set to 4)"),
+                      (identity("train.eval_batches=null"),  # all 20 of the split
+                       "train.eval_batches 16 held-out micro-batches, set to 16 (now 20, set to null)")):
         with pytest.raises(ConfigError) as e:
             check_resume(ck, new)
         assert f"was trained with other settings: {said}. Resume with the run's own settings" in str(e.value)
@@ -220,6 +222,45 @@ def test_a_resume_with_another_dtype_compute_or_validation_set_is_refused(tmp_pa
         del old[key]
     ck = _checkpoint(tmp_path / "older", 6, 12, 1.0, old)
     check_resume(ck, identity("model.dtype=bfloat16", "train.eval_batches=4", autocast=torch.bfloat16))
+
+
+def test_a_resume_compares_the_held_out_micro_batches_evaluated_not_the_setting(tmp_path):
+    """train.eval_batches caps the held-out micro-batches a validation runs (the first ones of the split's fixed list):
+    null (all) and 16 on a split of 16 micro-batches or fewer evaluate on the same ones, and a resume used to be
+    refused between them ("train.eval_batches None (now 16)") though the best head was picked on that same set. A
+    run.json written before the resolved number was recorded holds the raw setting: it is resolved on this
+    invocation's split (the run's, when the resume goes on: its data is compared once the checkpoint is loaded)."""
+    from spd_ds.train.resume import EVAL_BATCHES, eval_batches_identity
+
+    def new(setting, held_out) -> dict:
+        return _identity(range(96), "/v/a.json", **{EVAL_BATCHES: eval_batches_identity(setting, held_out)})
+
+    assert eval_batches_identity(None, 12) == {"setting": None, "micro_batches": 12, "held_out": 12}
+    assert eval_batches_identity(16, 12)["micro_batches"] == 12 and eval_batches_identity(4, 12)["micro_batches"] == 4
+    assert eval_batches_identity(16, 0)["micro_batches"] == 0  # no validation (train.eval_every=0)
+    assert eval_batches_identity(16, None) == {"setting": 16}  # the split not known yet
+    for saved in (None, 16, {"setting": None, "micro_batches": 12, "held_out": 12}):  # old raw values, and resolved
+        ck = _checkpoint(tmp_path / f"run_{saved is None}_{isinstance(saved, dict)}", 6, 12, 1.0,
+                         _identity(range(96), "/v/a.json", **{EVAL_BATCHES: saved}))
+        for setting in (None, 12, 16, 99):  # all resolve to the split's 12 micro-batches
+            check_resume(ck, new(setting, 12))
+        check_resume(ck, new(4, None))  # not compared before the split is known (the loop checks again after)
+        with pytest.raises(ConfigError) as e:
+            check_resume(ck, new(4, 12))
+        msg = str(e.value)
+        was = "null" if saved is None or isinstance(saved, dict) else "16"
+        assert f"other settings: train.eval_batches 12 held-out micro-batches, set to {was} (now 4, set to 4). " \
+               "Resume with the run's own settings" in msg and "\n" not in msg
+    ck = _checkpoint(tmp_path / "raw_null_on_a_larger_split", 6, 12, 1.0,
+                     _identity(range(96), "/v/a.json", **{EVAL_BATCHES: None}))
+    with pytest.raises(ConfigError, match=r"train.eval_batches 20 held-out micro-batches, set to null \(now 16, set "
+                                          r"to 16\)"):
+        check_resume(ck, new(16, 20))  # the split has 20: null evaluated all 20, 16 would evaluate 16
+    ck = _checkpoint(tmp_path / "same_setting", 6, 12, 1.0,
+                     _identity(range(96), "/v/a.json", **{EVAL_BATCHES: eval_batches_identity(None, 12)}))
+    with pytest.raises(ConfigError, match=r"train.eval_batches 12 held-out micro-batches \(now 14 of the same setting "
+                                          r"null: other held-out data\)"):
+        check_resume(ck, new(None, 14))
 
 
 def test_a_run_from_step_0_refuses_an_earlier_runs_results(tmp_path):

@@ -211,18 +211,29 @@ def test_resume_with_other_settings_is_refused(run_a, setup, tmp_path):
 def test_resume_with_another_dtype_compute_or_validation_set_is_refused(run_a, setup):
     """model.dtype (the teacher's targets), train.autocast and the attention kernels (the numbers the run trains
     with) and train.eval_batches (the held-out figures the best head is picked on) are the run's: a resume that
-    changes them stops in one line naming each (exit 2) before DeepSpeed loads anything; it used to go on."""
+    changes them stops in one line naming each (exit 2) before DeepSpeed loads anything; it used to go on.
+    train.eval_batches is compared by the held-out micro-batches it resolves to: the tiny split has fewer than the
+    run's 16, so null (all) evaluates the same ones and resumes (it used to be refused: "16 (now None)")."""
     tmp, model, data = setup
     cfg, _ = _stopped_at_step6(run_a[0], tmp / "k", model, data)
     proc = _launch(cfg, "--resume", "model.dtype=bfloat16", "train.autocast=bf16", "train.teacher_attention=flex",
-                   "train.eval_batches=2")
+                   "train.eval_batches=null")
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if "was trained with other settings" in line]
     assert said and all(part in said[0] for part in (
-        "model.dtype float32 (now bfloat16)", "train.eval_batches 16 (now 2)",
+        "model.dtype float32 (now bfloat16)",
         "train.autocast (head compute dtype) off (now bfloat16)", "train.teacher_attention sdpa (now flex)",
         "Resume with the run's own settings")), said
+    assert "train.eval_batches" not in said[0], said
     assert "resumed from" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    run_json = json.loads((run_a[0] / "checkpoints" / "step6" / "run.json").read_text())
+    held_out = run_json["train.eval_batches"]["held_out"]
+    assert run_json["train.eval_batches"] == {"setting": 16, "micro_batches": held_out, "held_out": held_out}
+    assert 1 <= held_out < 16
+    # every identity check passes (the schedule's, after loading, refuses the longer run: nothing is trained)
+    proc = _launch(cfg, "--resume", "train.eval_batches=null", "train.max_steps=30")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "was trained with other settings" not in proc.stderr and "schedule ends at step 12" in proc.stderr
 
 
 @pytest.mark.slow

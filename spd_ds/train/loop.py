@@ -43,9 +43,9 @@ from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
-from spd_ds.train.resume import (RUN_FILE, check_fresh_output, check_resume, check_resumed_schedule,
-                                  damaged_checkpoint_advice, finished_message, finished_run, rng_state, run_identity,
-                                  set_rng_state, stale_best_heads, truncate_log)
+from spd_ds.train.resume import (EVAL_BATCHES, RUN_FILE, check_fresh_output, check_resume, check_resumed_schedule,
+                                  damaged_checkpoint_advice, eval_batches_identity, finished_message, finished_run,
+                                  rng_state, run_identity, set_rng_state, stale_best_heads, truncate_log)
 from spd_ds.train.validate import Validator, recover_best_head
 
 CHECKPOINTS = "checkpoints"
@@ -250,7 +250,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     identity = run_identity(cfg, arch, part, head, world, degree, gas, ds_base,
                             {"autocast": autocast, "attention": attention, "teacher_attention": tattn})
     if resume and (ckpt_dir / "latest").exists():  # every rank reads the same file: all raise together
-        check_resume(ckpt_dir, identity)
+        check_resume(ckpt_dir, identity)  # all but train.eval_batches, resolved once the held-out split is known
     check_selfdistill_target(dc.train_files, arch.fingerprint(), str(arch.model_dir))
     tdtype = resolve_dtype(cfg.model.dtype)
     _say(f"target {arch.model_dir} (L={arch.num_layers}), partition {part}, f(d)={part.depth_to_type}, "
@@ -286,6 +286,9 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if held_out:  # validation: agreement at every fill on held-out micro-batches -> predicted acceptance
         validator = Validator.build(held_out, tokenizer, cfg, n, dp_rank, dp_world, out_dir, rank == 0)
         _say(validator.describe(), rank)
+    identity[EVAL_BATCHES] = eval_batches_identity(tc.eval_batches, validator.available if validator else 0)
+    if resume and (ckpt_dir / "latest").exists():  # the held-out micro-batches evaluated: before DeepSpeed loads
+        check_resume(ckpt_dir, identity)
 
     # 5. the student: ZeRO-2 engine over all ranks, torch AdamW (DeepSpeed's own Adam JIT-builds for minutes on CPU)
     ds_cfg = load_ds_config(ds_base, dc.micro_batch_size // degree)

@@ -14,13 +14,14 @@ import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.train.history import SUMMARY_FILE, read_train_log
-from spd_ds.train.validate import BEST_BACKUP, BEST_DIR, BEST_TMP
+from spd_ds.train.validate import BEST_BACKUP, BEST_DIR, BEST_TMP, eval_batches_used
 
 RUN_FILE = "run.json"  # in every checkpoint folder: what a resume must share with it (run_identity)
 DS_STAGE = "--deepspeed_config zero_optimization.stage"  # run_identity's keys for the head engine's DeepSpeed config
 DS_BF16 = "--deepspeed_config bf16.enabled"
 AUTOCAST = "train.autocast (head compute dtype)"  # run_identity's key for the resolved train.autocast
 DRAFT_VOCAB = "head.draft_vocab"  # run_identity's key for the draft ids: {"blake2b", "size", "from" (their source)}
+EVAL_BATCHES = "train.eval_batches"  # run_identity's key for the validation set: eval_batches_identity's dict
 
 
 def rng_state() -> dict:
@@ -66,7 +67,7 @@ def _vocab_source(cfg: ExperimentConfig, head) -> str:
 
 
 def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: int, gas: int,
-                 ds_config: dict | None = None, compute: dict | None = None) -> dict:
+                 ds_config: dict | None = None, compute: dict | None = None, held_out: int | None = None) -> dict:
     """What a resumed run must share with its checkpoint, as JSON values keyed by the settings that decide them.
 
     The target's weights (:meth:`~spd_ds.models.adapter.TargetArch.fingerprint`), the stage partition, the head's
@@ -76,8 +77,10 @@ def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: in
     (rows, row length, packing, gradient accumulation, teacher pipe degree), ``train.seed`` (the epoch plan's
     shuffle, the fills drawn, the held-out split) and the objective (``train.kd_temperature``,
     ``train.full_pipeline_prob``, ``train.outside_vocab``), the teacher's dtype (``model.dtype``: the targets and
-    features the head learns from), the held-out micro-batches per validation (``train.eval_batches``: a best head
-    restored from the checkpoint was picked on them, and the resumed run's figures are compared with it), and with
+    features the head learns from), the held-out micro-batches per validation (:data:`EVAL_BATCHES`: a best head
+    restored from the checkpoint was picked on them, and the resumed run's figures are compared with it; their
+    number as ``train.eval_batches`` resolves on the held-out split, :func:`eval_batches_identity`, once the caller
+    knows the split: ``held_out``), and with
     ``ds_config`` (the head engine's DeepSpeed config) its ZeRO stage and bf16 switch, which decide the optimizer
     checkpoint's layout and file names; with ``compute`` the run's compute as resolved on this device:
     ``{"autocast": torch.dtype | None, "attention": "flex" | "dense", "teacher_attention": "sdpa" | "flex"}``
@@ -88,6 +91,13 @@ def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: in
     or kernels than the uninterrupted run (and pick its best head on other validation figures). Written beside every
     checkpoint (:data:`RUN_FILE`) and compared by :func:`check_resume` (a key that an older run's file lacks is not
     compared).
+
+    Args:
+        held_out: the held-out micro-batches of the split over all ranks
+            (:attr:`~spd_ds.train.validate.Validator.available`; 0 without validation). ``None``: not known yet
+            (the data is loaded after the first :func:`check_resume`): :data:`EVAL_BATCHES` then holds the setting
+            alone, which :func:`check_resume` does not compare; set it with :func:`eval_batches_identity` and check
+            again once the split is known.
     """
     from spd_ds.models.adapter import resolve_dtype
 
@@ -102,7 +112,8 @@ def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: in
         "data.pack": dc.pack, "data.skip_loops": dc.skip_loops, "gradient_accumulation_steps": gas,
         "train.seed": tc.seed, "train.kd_temperature": tc.kd_temperature,
         "train.full_pipeline_prob": tc.full_pipeline_prob, "train.outside_vocab": tc.outside_vocab,
-        "model.dtype": _dtype_name(resolve_dtype(cfg.model.dtype)), "train.eval_batches": tc.eval_batches,
+        "model.dtype": _dtype_name(resolve_dtype(cfg.model.dtype)),
+        EVAL_BATCHES: eval_batches_identity(tc.eval_batches, held_out),
     }
     if compute is not None:
         identity[AUTOCAST] = _dtype_name(compute["autocast"])
@@ -114,6 +125,46 @@ def run_identity(cfg: ExperimentConfig, arch, part, head, world: int, degree: in
     return json.loads(json.dumps(identity))  # as it reads back from the file (tuples become lists)
 
 
+def eval_batches_identity(setting: int | None, held_out: int | None) -> dict:
+    """:func:`run_identity`'s :data:`EVAL_BATCHES`: ``{"setting": train.eval_batches (None = all), "micro_batches":
+    the held-out micro-batches a validation runs over all ranks (the setting capped by the split's), "held_out":
+    the split's}``; with ``held_out=None`` (the split not known yet) ``{"setting": ...}`` alone (not compared).
+
+    The validation set is the first ``micro_batches`` of the split's fixed list
+    (:func:`~spd_ds.train.validate.held_out_plan`): two settings that resolve to the same number (``null`` and 16 on
+    a split of 16 micro-batches or fewer) evaluate on the same micro-batches, and a resume compares that number.
+    """
+    if held_out is None:
+        return {"setting": setting}
+    return {"setting": setting, "micro_batches": eval_batches_used(setting, held_out), "held_out": int(held_out)}
+
+
+def _eval_batches_diff(old, new: dict) -> str | None:
+    """The :data:`EVAL_BATCHES` part of :func:`check_resume`'s message, or ``None`` when the held-out micro-batches
+    match (or this invocation's are not known yet). A :data:`RUN_FILE` written before the resolved number was
+    recorded holds the raw setting (an int, or null = all): it is resolved on this invocation's held-out split, which
+    is the run's whenever the resume goes on (the split's layout is compared here, its data once the checkpoint is
+    loaded)."""
+    if not isinstance(new, dict) or "micro_batches" not in new:
+        return None
+    if isinstance(old, dict) and "micro_batches" in old:
+        old_set, old_used = old.get("setting"), old["micro_batches"]
+    else:
+        old_set = old.get("setting") if isinstance(old, dict) else old
+        old_used = eval_batches_identity(old_set, new["held_out"])["micro_batches"]
+    if old_used == new["micro_batches"]:
+        return None
+
+    def setting(v) -> str:
+        return "null" if v is None else str(v)
+
+    if old_set != new["setting"]:
+        return (f"{EVAL_BATCHES} {old_used} held-out micro-batches, set to {setting(old_set)} "
+                f"(now {new['micro_batches']}, set to {setting(new['setting'])})")
+    return (f"{EVAL_BATCHES} {old_used} held-out micro-batches (now {new['micro_batches']} of the same setting "
+            f"{setting(old_set)}: other held-out data)")
+
+
 def check_resume(ckpt_dir: Path, identity: dict) -> None:
     """Refuse to resume the newest checkpoint under ``ckpt_dir`` with settings other than its run's.
 
@@ -123,7 +174,9 @@ def check_resume(ckpt_dir: Path, identity: dict) -> None:
     Raises:
         ConfigError: one line naming every setting that differs, with the run's value and the new one (the draft
             vocabulary by where its ids came from and their digest; its size alone when the run's :data:`RUN_FILE`
-            predates the digest). Checkpoints written before :data:`RUN_FILE` existed are not checked. A missing
+            predates the digest; the validation set by its resolved number of held-out micro-batches, with both
+            settings when they differ: :func:`eval_batches_identity`). Checkpoints written before :data:`RUN_FILE`
+            existed are not checked. A missing
             checkpoint (:func:`check_checkpoint_files`), or a missing rank's optimizer shard
             (:func:`check_optimizer_shards`).
     """
@@ -173,6 +226,10 @@ def _check_identity(ckpt_dir: Path, saved: dict, identity: dict) -> None:
         if key == DRAFT_VOCAB:  # the ids decide, not the file that named them
             if digest(old) != digest(new):
                 diffs[key] = f"{key} {vocab(old)} (now {vocab(new)})"
+        elif key == EVAL_BATCHES:  # the micro-batches evaluated decide, not the setting that capped them
+            said = _eval_batches_diff(old, new)
+            if said:
+                diffs[key] = said
         elif new != old:
             diffs[key] = f"{key} {old} (now {new})"
     if DRAFT_VOCAB in diffs:  # names the vocabularies: their sizes add nothing
@@ -344,7 +401,8 @@ def truncate_log(path: Path, step: int) -> None:
     path.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
 
 
-__all__ = ["RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "DS_STAGE", "DS_BF16", "draft_vocab_digest", "run_identity",
+__all__ = ["RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "EVAL_BATCHES", "DS_STAGE", "DS_BF16", "draft_vocab_digest",
+           "run_identity", "eval_batches_identity",
            "check_resume", "check_checkpoint_files", "check_optimizer_shards", "damaged_checkpoint_advice",
            "check_resumed_schedule", "checkpoint_progress", "finished_message", "finished_run", "check_fresh_output",
            "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]

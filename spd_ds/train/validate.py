@@ -46,32 +46,55 @@ BEST_BACKUP = BEST_DIR + REPLACED_SUFFIX  # the best head being replaced, until 
 BEST_KEY = "val_pred_accept_length_noloop"  # what picks the best head: L' outside loops (tracks the benchmark's)
 
 
-def held_out_batches(lengths: Sequence[int], seq_len: int, rows_per_batch: int, pack: bool, dp_rank: int,
-                     dp_world: int, max_batches: int | None = None) -> list[tuple[list[list[int]], bool]]:
-    """This rank's held-out micro-batches: the same fixed list at every evaluation.
+def held_out_plan(lengths: Sequence[int], seq_len: int, rows_per_batch: int,
+                  pack: bool) -> list[list[list[int]]]:
+    """Every held-out micro-batch of the split, in order (the same list on every rank, resume and world size).
 
     Examples are packed first-fit-decreasing in their order (``pack``; else one per row, sorted by length) into
-    rows of ``seq_len`` tokens, ``rows_per_batch`` rows per micro-batch (the last one padded with empty rows); the
-    first ``max_batches`` (``None`` = all) are dealt round-robin to the data-parallel ranks. Ranks left with fewer get
-    repeats of the first micro-batch flagged ``False`` (run, not counted): the teacher's pipeline engine holds a
-    barrier per forward, so every rank must run the same number.
+    rows of ``seq_len`` tokens, ``rows_per_batch`` rows per micro-batch (the last one padded with empty rows).
 
     Returns:
-        ``[(rows, counted)]`` where ``rows`` lists example indices per row (``BatchPlanner.collate``'s input).
+        ``[rows]`` per micro-batch, ``rows`` listing example indices per row (``BatchPlanner.collate``'s input).
     Raises:
-        ValueError: no example, or ``max_batches < 1``.
+        ValueError: no example.
     """
     from spd_ds.train.batching import pack_rows
 
     if not lengths:
         raise ValueError("the held-out split has no example to evaluate on")
-    if max_batches is not None and max_batches < 1:
-        raise ValueError(f"train.eval_batches must be >= 1 (or null for all), got {max_batches}")
     order = list(range(len(lengths)))
     rows = pack_rows(lengths, order, seq_len) if pack else [[i] for i in sorted(order, key=lambda i: lengths[i])]
     batches = [rows[i:i + rows_per_batch] for i in range(0, len(rows), rows_per_batch)]
     batches[-1] = batches[-1] + [[] for _ in range(rows_per_batch - len(batches[-1]))]
-    batches = batches[:max_batches] if max_batches is not None else batches
+    return batches
+
+
+def eval_batches_used(max_batches: int | None, available: int) -> int:
+    """The held-out micro-batches a validation runs over all ranks: ``train.eval_batches`` (``max_batches``;
+    ``None`` = all) capped by the ``available`` micro-batches of the split (:func:`held_out_plan`; 0 without one)."""
+    return available if max_batches is None else min(int(max_batches), available)
+
+
+def held_out_batches(lengths: Sequence[int], seq_len: int, rows_per_batch: int, pack: bool, dp_rank: int,
+                     dp_world: int, max_batches: int | None = None,
+                     plan: list[list[list[int]]] | None = None) -> list[tuple[list[list[int]], bool]]:
+    """This rank's held-out micro-batches: the same fixed list at every evaluation.
+
+    The first ``max_batches`` (``None`` = all) micro-batches of :func:`held_out_plan` are dealt round-robin to the
+    data-parallel ranks. Ranks left with fewer get repeats of the first micro-batch flagged ``False`` (run, not
+    counted): the teacher's pipeline engine holds a barrier per forward, so every rank must run the same number.
+
+    Args:
+        plan: :func:`held_out_plan` of these arguments when the caller has it (``None``: made here).
+    Returns:
+        ``[(rows, counted)]`` where ``rows`` lists example indices per row (``BatchPlanner.collate``'s input).
+    Raises:
+        ValueError: no example, or ``max_batches < 1``.
+    """
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"train.eval_batches must be >= 1 (or null for all), got {max_batches}")
+    batches = held_out_plan(lengths, seq_len, rows_per_batch, pack) if plan is None else plan
+    batches = batches[:eval_batches_used(max_batches, len(batches))]
     mine = [(b, True) for b in batches[dp_rank::dp_world]]
     per_rank = math.ceil(len(batches) / dp_world)
     return mine + [(batches[0], False)] * (per_rank - len(mine))
@@ -283,12 +306,19 @@ class Validator:
         save_dtype: dtype of the saved best head (``train.save_dtype``).
         temperature: the sampling temperature of the ``_sampled`` figures (``train.kd_temperature``: the teacher's
             ``lse_full`` is at it).
+
+    Attributes set by :meth:`build` (``None`` otherwise), for the resume's
+    :func:`~spd_ds.train.resume.eval_batches_identity`: ``available``, the held-out micro-batches of the split over
+    all ranks (:func:`held_out_plan`), and ``used``, those a validation runs (:func:`eval_batches_used`: what
+    ``train.eval_batches`` resolves to).
     """
 
     def __init__(self, planner, batches: list[tuple[list[list[int]], bool]], num_stages: int, eval_every: int,
                  out_dir: Path, is_logger: bool, save_dtype: torch.dtype = torch.float32,
                  temperature: float = 1.0) -> None:
         self.planner, self.batches, self.n, self.eval_every = planner, batches, num_stages, int(eval_every)
+        self.available: int | None = None
+        self.used: int | None = None
         self.temperature = float(temperature)
         self.best_dir = Path(out_dir) / BEST_DIR
         self.is_logger, self.save_dtype = is_logger, save_dtype
@@ -318,15 +348,19 @@ class Validator:
                                  f"{dc.held_out_fraction}) have no assistant token to evaluate on; raise the "
                                  "fraction or set train.eval_every=0") from None
         planner = BatchPlanner(data, dc.max_seq_length, dc.micro_batch_size, 0, 1, tc.seed, dc.pack)
+        plan = held_out_plan(planner.lengths, dc.max_seq_length, dc.micro_batch_size, dc.pack)
         batches = held_out_batches(planner.lengths, dc.max_seq_length, dc.micro_batch_size, dc.pack, dp_rank,
-                                   dp_world, tc.eval_batches)
-        return cls(planner, batches, num_stages, tc.eval_every, out_dir, is_logger, resolve_dtype(tc.save_dtype),
-                   tc.kd_temperature)
+                                   dp_world, tc.eval_batches, plan)
+        v = cls(planner, batches, num_stages, tc.eval_every, out_dir, is_logger, resolve_dtype(tc.save_dtype),
+                tc.kd_temperature)
+        v.available, v.used = len(plan), eval_batches_used(tc.eval_batches, len(plan))
+        return v
 
     def describe(self) -> str:
         """One line for the run's log."""
         d = self.planner.data
-        return (f"validation: {len(d)} held-out examples, {d.num_loss_positions} loss positions, "
+        total = "" if self.used is None else f"{self.used} of the split's {self.available} micro-batches, "
+        return (f"validation: {len(d)} held-out examples, {d.num_loss_positions} loss positions, {total}"
                 f"{sum(c for _, c in self.batches)} micro-batches on this rank, every {self.eval_every} steps")
 
     def due(self, step: int, final: bool) -> bool:
@@ -398,5 +432,6 @@ class Validator:
         return {"best": best, "last_validation": self.last}
 
 
-__all__ = ["BEST_DIR", "BEST_FILE", "BEST_KEY", "BEST_TMP", "BEST_BACKUP", "recover_best_head", "held_out_batches",
+__all__ = ["BEST_DIR", "BEST_FILE", "BEST_KEY", "BEST_TMP", "BEST_BACKUP", "recover_best_head", "held_out_plan",
+           "eval_batches_used", "held_out_batches",
            "fill_tables", "agreement_table", "evaluate", "Validator"]
