@@ -273,3 +273,53 @@ def _check_compiled_teacher(arch8, backend):
             assert torch.equal(got[3], want[3])  # argmax over random logits: no near-ties at this tolerance
     # compiled for real: all layers share one graph rather than one each, the target reductions have their own
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_a_flex_failure_under_auto_trains_dense_and_says_so(arch8, monkeypatch, tmp_path):
+    """train.attention=auto on CUDA falls back to the dense mask when FlexAttention fails on the first forward (forced
+    here on CPU at the function level): the module then reports dense (what the loop records in run.json; it used to
+    record flex) and computes dense's logits. A resume with auto keeps what the run ran (dense where flex would work:
+    no refusal, the same numerics), and a run that ran flex does not fall back (one line instead)."""
+    from spd_ds.config import ConfigError
+    from spd_ds.train import student as student_lib
+    from spd_ds.train.resume import RUN_FILE, flex_kept_message, recorded_attention
+
+    part = StagePartition.build(8, stage_layers=(2, 2, 2, 2), anchors=(0, 4, 8))
+    head = SpeculationHead(arch8, part, 1, list(range(40)))
+    ids = torch.randint(3, 90, (2, 12))
+    seg, valid = torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool)
+    stages = [TeacherStage(arch8, part, s, torch.float32, list(range(40))) for s in range(4)]
+    feats = teacher_forward(stages, ids, seg, valid)[0]
+    with torch.no_grad():
+        dense = HeadTrainModule(head, "dense")(feats, seg, valid, 2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("flex kernel failed\nsecond line")
+
+    monkeypatch.setattr(student_lib, "structural_block_mask", broken)
+    auto = HeadTrainModule(head, "flex", fallback=True)
+    with pytest.warns(UserWarning, match="FlexAttention failed"), torch.no_grad():
+        out = auto(feats, seg, valid, 2)
+    assert auto.attention == "dense"
+    torch.testing.assert_close(out, dense)
+    kept = HeadTrainModule(head, "flex", fallback=flex_kept_message(tmp_path / "run" / "checkpoints"))
+    with pytest.raises(ConfigError) as e, torch.no_grad():
+        kept(feats, seg, valid, 2)
+    assert "\n" not in str(e.value) and "trained with train.attention=flex (run.json), which fails here" in str(e.value)
+    assert "(FlexAttention failed: RuntimeError: flex kernel failed)" in str(e.value)
+    with pytest.raises(RuntimeError, match="flex kernel failed"), torch.no_grad():
+        HeadTrainModule(head, "flex")(feats, seg, valid, 2)  # train.attention=flex: the error itself
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # resolve_attention reads the device type only
+    resolve = student_lib.resolve_attention
+    assert resolve("auto", cuda) == "flex" and resolve("auto", cpu) == "dense"
+    assert resolve("auto", cuda, "dense") == "dense" and resolve("auto", cuda, "flex") == "flex"
+    assert resolve("auto", cpu, "flex") == "dense"  # cannot run here: run_identity's check refuses the change
+    assert resolve("dense", cuda, "flex") == "dense"  # an explicit setting is compared, not replaced
+    ck = tmp_path / "run" / "checkpoints"
+    assert recorded_attention(ck) is None
+    (ck / "step6").mkdir(parents=True)
+    (ck / "latest").write_text("step6")
+    assert recorded_attention(ck) is None
+    (ck / "step6" / RUN_FILE).write_text('{"train.attention": "dense"}')
+    assert recorded_attention(ck) == "dense"

@@ -503,3 +503,56 @@ def test_rows_longer_than_the_targets_context_are_refused(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert ("error: data.max_seq_length=128 exceeds the target's context of 16 positions (its sliding window); set "
             "data.max_seq_length <= 16") in proc.stderr, proc.stderr[-3000:]
+
+
+FLEX_FAILS = """
+import sys
+
+import torch
+
+from spd_ds.train import student
+
+real = student.resolve_attention
+
+
+def broken(*args, **kwargs):
+    raise RuntimeError("no FlexAttention here")
+
+
+student.resolve_attention = lambda mode, device, *ran: real(mode, torch.device("cuda"), *ran)  # auto as on CUDA
+student.structural_block_mask = broken  # FlexAttention fails at its first forward
+from spd_ds.commands.train import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_auto_attention_that_falls_back_records_dense(setup):
+    """train.attention=auto resolves to flex on CUDA; when FlexAttention fails at the first forward the head trains
+    with the dense mask. run.json (and so the resume's comparison), the log and train_summary.json record dense:
+    run.json used to say flex. One process, FlexAttention's failure forced at the function level on CPU."""
+    tmp, model, data = setup
+    (tmp / "fb").mkdir()
+    cfg = _experiment(tmp / "fb", model, data, max_steps=6, eval_every=3)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-c", FLEX_FAILS, "--config", str(cfg), *extra], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+    proc = run("train.session_time_s=0.001")  # paused after its first step, with a checkpoint
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp / "fb" / "run"
+    assert json.loads((out / "checkpoints" / "step1" / "run.json").read_text())["train.attention"] == "dense"
+    assert json.loads((out / "train_summary.json").read_text())["attention"] == "dense"
+    assert "flex attention (auto: dense if it fails)" in proc.stderr
+    assert "FlexAttention failed; training with dense attention" in proc.stderr
+    # resumed with auto where flex would run: the run's dense is kept, not refused (the schedule's check, after the
+    # checkpoint is loaded, then refuses the longer run: nothing is trained)
+    proc = run("--resume", "train.max_steps=30")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dense attention (auto: the resumed run's)" in proc.stderr, proc.stderr[-3000:]
+    assert "was trained with other settings" not in proc.stderr and "schedule ends at step 6" in proc.stderr

@@ -45,7 +45,8 @@ from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
 from spd_ds.train.resume import (EVAL_BATCHES, RUN_FILE, check_fresh_output, check_resume, check_resumed_schedule,
                                   damaged_checkpoint_advice, eval_batches_identity, finished_message, finished_run,
-                                  rng_state, run_identity, set_rng_state, stale_best_heads, truncate_log)
+                                  flex_kept_message, recorded_attention, rng_state, run_identity, set_rng_state,
+                                  stale_best_heads, truncate_log)
 from spd_ds.train.validate import Validator, recover_best_head
 
 CHECKPOINTS = "checkpoints"
@@ -241,8 +242,9 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         raise ConfigError(f"data.micro_batch_size={dc.micro_batch_size} must be a multiple of "
                           f"train.teacher_pipe_degree={degree} (each pipeline rank trains the head on its share)")
     gas = int(ds_base["gradient_accumulation_steps"])
+    ran = recorded_attention(ckpt_dir) if resume and tc.attention == "auto" else None  # auto keeps the run's
     try:  # the compute on this device (auto resolved): part of what a resume must keep
-        attention = resolve_attention(tc.attention, device)
+        attention = resolve_attention(tc.attention, device, ran)
         tattn = teacher_attention(tc.teacher_attention, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -304,7 +306,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     except ValueError as e:
         raise ConfigError(str(e)) from None
     # autocast goes inside the module: DeepSpeed's engine switches an outer torch.autocast off around its forward
-    student = HeadTrainModule(head, attention, fallback=tc.attention == "auto", autocast=autocast)
+    fallback = tc.attention == "auto" and (flex_kept_message(ckpt_dir) if ran == "flex" else True)
+    student = HeadTrainModule(head, attention, fallback=fallback, autocast=autocast)
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     schedule = WarmupLinear(tc.warmup_steps, total_steps, tc.lr_stable_fraction)
@@ -313,7 +316,9 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                                                mpu=WorldDataParallel())
     head.rotary.inv_freq = head.rotary.inv_freq.float()  # RoPE frequencies stay fp32 (as at inference)
     _say(f"{sum(p.numel() for p in params) / 1e6:.2f} M trainable head parameters; {steps_per_epoch} steps/epoch, "
-         f"{total_steps} steps, {gas} micro-batches/step, {attention} attention", rank)
+         f"{total_steps} steps, {gas} micro-batches/step, {attention} attention"
+         + (" (auto: the resumed run's)" if ran else " (auto: dense if it fails)" if attention == "flex" and fallback is True else ""),
+         rank)
 
     # 6. resume: head, optimizer, scheduler (DeepSpeed) + data position and RNG (client state)
     step, epoch, index, micro = 0, 0, 0, 0
@@ -395,6 +400,9 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
             schedule.time_fraction = (time.perf_counter() - t_start) / tc.max_time_s
         npos = int(mine["loss_index"].shape[0])
         logits = engine(feats, mine["segments"], mine["valid"], fill, mine["loss_index"])
+        if student.attention != identity["train.attention"]:  # auto: FlexAttention failed, the head runs dense
+            identity["train.attention"] = student.attention  # what run.json records (and a resume keeps)
+            _say("train.attention=auto: FlexAttention failed; training with dense attention (run.json says so)", rank)
         weights = position_weights(targets, head.draft_ids, tc.kd_temperature, tc.outside_vocab)
         if npos:
             loss = kd_loss_chunked(logits, targets, weights, tc.kd_temperature, tc.loss_chunk, loss_backend)
@@ -495,7 +503,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                    "world_size": world,
                    "resumed_at_step": first_step if first_step else None,
                    "init_from": cfg.head.checkpoint, "init_steps": init_steps,
-                   "teacher_pipe_degree": degree, "partition": part.to_dict(), "head": str(final),
+                   "teacher_pipe_degree": degree, "attention": student.attention, "partition": part.to_dict(),
+                   "head": str(final),
                    **(validator.summary() if validator is not None else {"best": None})}
         (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         rate = "?" if tokens is None else f"{summary['tokens_per_s']:.0f}"  # steps, time, tokens: the whole run

@@ -187,6 +187,28 @@ def check_resume(ckpt_dir: Path, identity: dict) -> None:
     check_optimizer_shards(ckpt_dir, identity.get("world size"))
 
 
+def recorded_attention(ckpt_dir: Path) -> str | None:
+    """``train.attention`` as the newest checkpoint under ``ckpt_dir`` records it in its :data:`RUN_FILE`: the head's
+    attention as the run ran it (``flex`` or ``dense``; ``dense`` after FlexAttention failed and ``auto`` fell back,
+    in a file written since that is recorded). ``None``: no checkpoint, no such file or key, or one that cannot be
+    read (:func:`check_resume` reports it)."""
+    try:
+        tag = (ckpt_dir / "latest").read_text().strip()
+        ran = json.loads((ckpt_dir / tag / RUN_FILE).read_text()).get("train.attention")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return ran if ran in ("flex", "dense") else None
+
+
+def flex_kept_message(ckpt_dir: Path) -> str:
+    """What a resumed ``train.attention=auto`` run whose checkpoint ran FlexAttention says when FlexAttention fails
+    on this machine (:class:`~spd_ds.train.student.HeadTrainModule`'s ``fallback``): falling back to the dense
+    mask would change the run's numerics."""
+    return (f"{ckpt_dir.parent} trained with train.attention=flex (run.json), which fails here; resume it where "
+            "FlexAttention runs, or start a new train.output_dir (head.checkpoint=<its head or best_head> warm-starts "
+            "from it)")
+
+
 def check_optimizer_shards(ckpt_dir: Path, world: int | None) -> None:
     """Refuse a ZeRO checkpoint that lacks one data-parallel rank's optimizer shard
     (``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` for every ``r < world``), so that every rank names the
@@ -402,7 +424,7 @@ def truncate_log(path: Path, step: int) -> None:
 
 
 __all__ = ["RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "EVAL_BATCHES", "DS_STAGE", "DS_BF16", "draft_vocab_digest",
-           "run_identity", "eval_batches_identity",
+           "run_identity", "eval_batches_identity", "recorded_attention", "flex_kept_message",
            "check_resume", "check_checkpoint_files", "check_optimizer_shards", "damaged_checkpoint_advice",
            "check_resumed_schedule", "checkpoint_progress", "finished_message", "finished_run", "check_fresh_output",
            "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]

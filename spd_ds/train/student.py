@@ -12,7 +12,8 @@ Attention over the ``(F+1)·S`` rows runs one of two ways (``train.attention``),
 * ``flex``: PyTorch FlexAttention with :func:`~spd_ds.train.mask.structural_block_mask` (registered with
   transformers as the attention implementation :data:`FLEX_ATTENTION` for the head's layers while training): only
   tiles holding an allowed key are computed, about ``(F+1)·S²/2`` scores instead of ``((F+1)·S)²``. FlexAttention
-  has no CPU backward, so ``auto`` means ``flex`` on CUDA and ``dense`` elsewhere.
+  has no CPU backward, so ``auto`` means ``flex`` on CUDA and ``dense`` elsewhere (``dense`` after FlexAttention
+  fails at the first forward, or when the run being resumed ran dense: :class:`HeadTrainModule`'s ``fallback``).
 """
 
 from __future__ import annotations
@@ -110,15 +111,23 @@ def _attention_implementation(config, name: str):
         config._attn_implementation = old
 
 
-def resolve_attention(mode: str, device: torch.device) -> str:
+def resolve_attention(mode: str, device: torch.device, ran: str | None = None) -> str:
     """``train.attention`` -> ``flex`` or ``dense`` (``auto``: flex on CUDA, dense elsewhere).
 
+    Args:
+        mode: ``train.attention``.
+        device: the head's device.
+        ran: the attention the run being resumed trained with (its ``run.json``; ``None``: a fresh run, or not
+            recorded). ``auto`` keeps it where it can run (``dense`` anywhere, ``flex`` on CUDA), so that a run
+            whose FlexAttention failed and fell back to ``dense`` goes on with ``dense`` where flex works.
     Raises:
         ValueError: unknown mode, or ``flex`` off CUDA (FlexAttention has no CPU backward).
     """
     if mode not in ATTENTION_MODES:
         raise ValueError(f"train.attention must be one of {ATTENTION_MODES}, got {mode!r}")
     if mode == "auto":
+        if ran == "dense" or (ran == "flex" and device.type == "cuda"):
+            return ran
         return "flex" if device.type == "cuda" else "dense"
     if mode == "flex" and device.type != "cuda":
         raise ValueError("train.attention=flex needs CUDA (FlexAttention has no CPU backward); use auto or dense")
@@ -126,9 +135,22 @@ def resolve_attention(mode: str, device: torch.device) -> str:
 
 
 class HeadTrainModule(nn.Module):
-    """Wraps a :class:`SpeculationHead` for training (``forward`` = the training layout; see module doc)."""
+    """Wraps a :class:`SpeculationHead` for training (``forward`` = the training layout; see module doc).
 
-    def __init__(self, head: SpeculationHead, attention: str = "dense", fallback: bool = False,
+    Args:
+        head: the head (trained in place).
+        attention: ``flex`` or ``dense`` (:func:`resolve_attention`); :attr:`attention` is what runs, ``dense``
+            after a fallback.
+        fallback: what a failure of FlexAttention on the first forward does: ``False`` raises it; ``True``
+            (``train.attention=auto`` on a fresh run) warns once and trains with the dense mask from then on; a
+            str (``auto`` resuming a run that trained with flex: its numerics are the run's) raises ``ConfigError``
+            with that text and the failure, in one line.
+        autocast: the head's compute dtype under autocast (``None``: off).
+    Raises:
+        ValueError: ``attention`` other than flex or dense.
+    """
+
+    def __init__(self, head: SpeculationHead, attention: str = "dense", fallback: bool | str = False,
                  autocast: torch.dtype | None = None) -> None:
         super().__init__()
         if attention not in ("flex", "dense"):
@@ -177,6 +199,11 @@ class HeadTrainModule(nn.Module):
             except Exception as e:  # noqa: BLE001 - only with train.attention=auto, on the first forward
                 if not self._fallback or isinstance(e, torch.cuda.OutOfMemoryError):
                     raise  # out of memory is not a FlexAttention failure: the dense path needs more
+                if isinstance(self._fallback, str):
+                    from spd_ds.config import ConfigError
+
+                    why = str(e).splitlines()[0][:200] if str(e) else "no message"
+                    raise ConfigError(f"{self._fallback} (FlexAttention failed: {type(e).__name__}: {why})") from None
                 import warnings
 
                 warnings.warn(f"train.attention=auto: FlexAttention failed ({type(e).__name__}: {str(e)[:200]}); "
