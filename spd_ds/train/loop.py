@@ -315,10 +315,10 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     engine, _, _, sched = deepspeed.initialize(model=student, optimizer=opt, lr_scheduler=sched, config=ds_cfg,
                                                mpu=WorldDataParallel())
     head.rotary.inv_freq = head.rotary.inv_freq.float()  # RoPE frequencies stay fp32 (as at inference)
+    why = (" (auto: the resumed run's)" if ran else
+           " (auto: dense if it fails)" if attention == "flex" and fallback is True else "")
     _say(f"{sum(p.numel() for p in params) / 1e6:.2f} M trainable head parameters; {steps_per_epoch} steps/epoch, "
-         f"{total_steps} steps, {gas} micro-batches/step, {attention} attention"
-         + (" (auto: the resumed run's)" if ran else " (auto: dense if it fails)" if attention == "flex" and fallback is True else ""),
-         rank)
+         f"{total_steps} steps, {gas} micro-batches/step, {attention} attention{why}", rank)
 
     # 6. resume: head, optimizer, scheduler (DeepSpeed) + data position and RNG (client state)
     step, epoch, index, micro = 0, 0, 0, 0
