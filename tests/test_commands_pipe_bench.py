@@ -29,3 +29,33 @@ def test_pipe_bench_refuses_stop_strings_in_one_line():
     r = subprocess.run([sys.executable, "-m", "spd_ds.commands.pipe_bench", "--set", 'decoding.stop=["x"]'],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "decoding.stop is for launch/infer.py" in r.stderr and "Traceback" not in r.stderr
+
+
+def _pipe_bench(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "spd_ds.commands.pipe_bench", *args], cwd=cwd or ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_pipe_bench_refuses_counts_below_their_minimum():
+    # --num-prompts -3 ran the first 2 prompts (PROMPTS[:-3]) and 0 ran none, reporting all_equal_to_pipeline_ar
+    # true with exit status 0; --max-new-tokens 0 fell back to decoding.max_new_tokens
+    for option, value in (("--num-prompts", "-3"), ("--num-prompts", "0"), ("--max-new-tokens", "0"),
+                          ("--warmup", "-1")):
+        r = _pipe_bench(option, value)
+        assert r.returncode == 2, (option, value, r.stdout[-500:], r.stderr[-2000:])
+        assert f"argument {option}: must be >=" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_pipe_bench_checks_out_before_the_run(tmp_path):
+    # a --out that cannot be a folder failed after the whole run, with a traceback (NotADirectoryError) and status 1
+    (tmp_path / "afile").write_text("")
+    r = _pipe_bench("--out", str(tmp_path / "afile" / "sub"), "--set", "model.name=/nonexistent/model")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
+    assert lines == [f"error: --out {tmp_path / 'afile' / 'sub'} cannot be created as a folder (a file stands at it "
+                     "or above it); give another path"], r.stderr[-2000:]
+    # a refused run leaves no empty --out behind
+    r = _pipe_bench("--out", str(tmp_path / "new" / "out"), "--set", 'decoding.stop=["x"]')
+    assert r.returncode == 2 and "decoding.stop is for launch/infer.py" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "new").exists()

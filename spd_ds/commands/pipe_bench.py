@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from spd_ds.cli import add_version_argument
+from spd_ds.cli import add_version_argument, int_at_least
 from spd_ds.eval.prompts import DEMO_PROMPTS as PROMPTS
 
 
@@ -39,14 +39,28 @@ def _main(argv=None) -> int:
     ap.add_argument("--config", default=None, help="experiment YAML")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--prompts", default=None, help="prompt set name or EAGLE jsonl (default: 5 built-in prompts)")
-    ap.add_argument("--num-prompts", type=int, default=5)
-    ap.add_argument("--max-new-tokens", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=1, help="untimed SPD+AR runs of the first prompt")
+    ap.add_argument("--num-prompts", type=int_at_least(1), default=5, help="prompts to run (default: %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
+                    help="new tokens per prompt (default: decoding.max_new_tokens)")
+    ap.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed SPD+AR runs of the first prompt")
     ap.add_argument("--single-ar", action="store_true", help="also run the single-process AR decoder (head rank)")
     ap.add_argument("--out", default=None, help="output directory (head rank writes pipe_bench.json)")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = ap.parse_args(argv)
+    from spd_ds.cli import checks_outputs, ensure_output_dir, removed_if_left_empty, setup_logging, setup_process
 
+    setup_logging()
+    setup_process()  # CPU threads per rank, the launcher watch (as launch/infer.py)
+    if args.out is None:
+        return _run(args)
+    with removed_if_left_empty(args.out):  # a refused run leaves no empty --out behind
+        if checks_outputs():  # before any model loads, not after the run (spd_ds.cli.checks_outputs: which ranks)
+            ensure_output_dir(args.out, "--out")
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The benchmark of ``_main`` once its arguments are parsed and ``--out`` is checked; returns the exit status."""
     import torch
 
     from spd_ds.builder import build_arch, encode_prompt, prompt_tokenizer, resolve_path
@@ -58,7 +72,7 @@ def _main(argv=None) -> int:
     if cfg.decoding.stop:
         raise ConfigError("decoding.stop is for launch/infer.py and the Python API; pipe_bench measures fixed-length "
                           "generations: remove decoding.stop")
-    max_new = args.max_new_tokens or cfg.decoding.max_new_tokens
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else cfg.decoding.max_new_tokens
     arch = build_arch(cfg)
     tok = prompt_tokenizer(cfg, arch)
     if args.prompts:
