@@ -308,3 +308,15 @@ def test_benchmark_refuses_before_the_first_suite(tmp_path):
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and last.startswith("error: eval.output_dir ") and "a file stands at it" in last, \
         p.stderr[-2000:]
+
+
+def test_benchmark_refuses_eval_output_dir(tmp_path):
+    """eval.output_dir on the benchmark's command line was dropped without a word (each suite's reports go to
+    --out/<suite>): it is refused in one line naming --out, before any model or folder is made."""
+    p = run(["launch/benchmark.py", "--suite", "c", "--stages", "2", "--out", str(tmp_path / "b"),
+             f"eval.output_dir={tmp_path / 'mine'}"], timeout=300)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert last == (f"error: override 'eval.output_dir={tmp_path / 'mine'}': the benchmark writes each suite's reports "
+                    f"under --out/<suite> (here {tmp_path / 'b'}); give --out DIR instead of eval.output_dir"), last
+    assert not (tmp_path / "b").exists() and not (tmp_path / "mine").exists()

@@ -150,6 +150,10 @@ def _main(argv=None) -> int:
     from spd_ds.eval.report import summarize, write_reports
     from spd_ds.eval.runner import run_baselines, run_eval
 
+    given = [o for o in args.overrides if o.split("=", 1)[0].strip() == "eval.output_dir"]
+    if given:  # each suite's reports go to --out/<suite>: the override would be dropped without a word
+        raise ConfigError(f"override {given[-1]!r}: the benchmark writes each suite's reports under --out/<suite> "
+                          f"(here {args.out}); give --out DIR instead of eval.output_dir")
     world = detect_world_size()
     engine = chosen_engine(args.engine)
     out = Path(args.out)
