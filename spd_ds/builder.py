@@ -198,8 +198,9 @@ def check_head_inputs(cfg: ExperimentConfig, ppsd: bool = False) -> None:
     """The head files the config names, checked before any model is resolved or loaded and before any collective
     (every rank runs it; it reads a few small JSON files): ``head.checkpoint`` (and with ``ppsd``, the evaluations'
     ``eval.ppsd_checkpoint``) is a head folder whose ``head_config.json`` reads, ``head.draft_vocab`` is ``full`` or a
-    draft-vocabulary JSON that reads. Resolves ``head.checkpoint`` and ``head.draft_vocab`` in ``cfg`` as
-    :func:`build_partition` and :func:`build_head` do (from the working directory, else the repository).
+    draft-vocabulary JSON that reads. Resolves ``head.checkpoint`` and ``head.draft_vocab`` (and with ``ppsd``,
+    ``eval.ppsd_checkpoint``) in ``cfg`` as :func:`build_partition` and :func:`build_head` do (from the working
+    directory, else the repository).
 
     Raises:
         ConfigError: a head folder or draft vocabulary that is missing or unreadable (one line naming the key, the
@@ -217,6 +218,7 @@ def check_head_inputs(cfg: ExperimentConfig, ppsd: bool = False) -> None:
     if cfg.head.draft_vocab:
         draft_vocab_ids(cfg.head.draft_vocab)
     if ppsd and cfg.eval.ppsd_checkpoint:
+        cfg.eval.ppsd_checkpoint = resolve_path(cfg.eval.ppsd_checkpoint)
         try:
             SpeculationHead.read_config(cfg.eval.ppsd_checkpoint)
         except (FileNotFoundError, ValueError) as e:  # as spd_ds.eval.inputs.ppsd_partition says it, later

@@ -320,3 +320,21 @@ def test_benchmark_refuses_eval_output_dir(tmp_path):
     assert last == (f"error: override 'eval.output_dir={tmp_path / 'mine'}': the benchmark writes each suite's reports "
                     f"under --out/<suite> (here {tmp_path / 'b'}); give --out DIR instead of eval.output_dir"), last
     assert not (tmp_path / "b").exists() and not (tmp_path / "mine").exists()
+
+
+def test_relative_head_paths_are_found_from_any_directory_as_head_checkpoint_is(tmp_path, monkeypatch):
+    """head.checkpoint=spd_ds/assets/heads/... works from any working directory (taken from the repository when the
+    working directory has no such path); eval.ppsd_checkpoint and the benchmark's --spd-head / --ppsd-head patterns
+    (the benchmark's own docstring example) were taken from the working directory alone and refused there."""
+    from spd_ds import builder
+    from spd_ds.config import load_config
+    from spd_ds.eval.benchmark import _head_for, check_head_pattern
+
+    rel = "spd_ds/assets/heads/smollm2-135m-instruct-n{n}"
+    monkeypatch.chdir(tmp_path)  # no spd_ds/ here
+    check_head_pattern(rel, "--spd-head", [2])
+    check_head_pattern(rel, "--ppsd-head", [2, 3])
+    assert _head_for(rel, 3) == str(ROOT / rel.format(n=3))
+    cfg = load_config(None, [f"head.checkpoint={rel.format(n=2)}", f"eval.ppsd_checkpoint={rel.format(n=2)}"])
+    builder.check_head_inputs(cfg, ppsd=True)
+    assert cfg.head.checkpoint == cfg.eval.ppsd_checkpoint == str(ROOT / rel.format(n=2))

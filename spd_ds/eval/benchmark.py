@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from spd_ds.builder import resolve_path
 from spd_ds.config import DEFAULT_PROMPT_SETS, ConfigError, ExperimentConfig, load_config
 from spd_ds.eval.regression import DEFAULT_HEAD_DIR
 from spd_ds.eval.report import REPEAT_NGRAM
@@ -51,11 +52,12 @@ class SuiteRun:
 
 
 def _head_for(pattern: str | None, n: int, missing: str = "") -> str | None:
-    """``pattern`` with ``{n}`` substituted, if that directory holds a head checkpoint (else a warning that
-    ends with ``missing``, what the run does without it)."""
+    """``pattern`` with ``{n}`` substituted (a relative path found as ``head.checkpoint`` finds it:
+    :func:`spd_ds.builder.resolve_path`), if that directory holds a head checkpoint (else a warning that ends with
+    ``missing``, what the run does without it)."""
     if not pattern:
         return None
-    p = Path(pattern.format(n=n))
+    p = Path(resolve_path(pattern.format(n=n)))
     if (p / "head_config.json").is_file():
         return str(p)
     log.warning("no head checkpoint at %s (pattern %s, n=%d)%s", p, pattern, n, missing and f": {missing}")
@@ -65,7 +67,8 @@ def _head_for(pattern: str | None, n: int, missing: str = "") -> str | None:
 def check_head_pattern(pattern: str | None, flag: str, stages: Sequence[int]) -> None:
     """Refuse a head path pattern (``--spd-head``, ``--ppsd-head``) that is malformed or names no head checkpoint for
     any of the ``stages`` the run asks it for (a typo would otherwise benchmark untrained heads); one that names some
-    of them is fine (the others warn in :func:`_head_for`).
+    of them is fine (the others warn in :func:`_head_for`). A relative path is taken from the working directory,
+    else from the repository, as ``head.checkpoint`` is (:func:`spd_ds.builder.resolve_path`).
 
     Raises:
         ConfigError: a placeholder other than ``{n}``, an unbalanced brace, or no ``head_config.json`` at any n.
@@ -73,7 +76,7 @@ def check_head_pattern(pattern: str | None, flag: str, stages: Sequence[int]) ->
     if not pattern or not stages:
         return
     try:
-        dirs = [Path(pattern.format(n=n)) for n in stages]
+        dirs = [Path(resolve_path(pattern.format(n=n))) for n in stages]
     except (KeyError, IndexError, ValueError) as e:
         raise ConfigError(f"{flag} {pattern!r}: a head pattern may hold only the placeholder {{n}}, the stage count "
                           f"(e.g. 'runs/heads/n{{n}}'), not {e}") from None
