@@ -338,3 +338,27 @@ def test_relative_head_paths_are_found_from_any_directory_as_head_checkpoint_is(
     cfg = load_config(None, [f"head.checkpoint={rel.format(n=2)}", f"eval.ppsd_checkpoint={rel.format(n=2)}"])
     builder.check_head_inputs(cfg, ppsd=True)
     assert cfg.head.checkpoint == cfg.eval.ppsd_checkpoint == str(ROOT / rel.format(n=2))
+
+
+def test_eval_cli_baseline_given_twice_is_refused(tmp_path):
+    """eval.baselines=[ar,ar] ran the AR baseline twice and reported one row (the second run's)."""
+    p = run(["launch/eval.py", *tiny(make_random_shape(tmp_path), tmp_path / "out", "eval.baselines=[ar,ar_graph,ar]")])
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert last == "error: eval.baselines names ar twice (['ar', 'ar_graph', 'ar']); give each once", last
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option", [["--suite", "c", "c"], ["--stages", "2", "3", "2"], ["--alphas", "1", "0.8", "1.0"]])
+def test_benchmark_refuses_a_value_given_twice(tmp_path, option):
+    """--suite c c / --stages 2 3 2 ran the same evaluation twice into the same --out/<suite> folder (the second
+    replacing the first's reports, the table listing both); --alphas 1 1.0 gave two variants of one name. Refused in
+    one line before any suite runs."""
+    p = run(["launch/benchmark.py", *option, "--out", str(tmp_path / "b"), "--model-b", "random:smollm2-135m",
+             f"model.name={tmp_path / 'no_model_here'}"], timeout=300)  # refused before the model is looked for
+    last = p.stderr.strip().splitlines()[-1]
+    value = {"--suite": "c", "--stages": "2", "--alphas": "1"}[option[0]]
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert last == f"error: {option[0]} gives {value} twice; give each value once (a second run would replace the " \
+                   "first's results)", last
+    assert not (tmp_path / "b").exists()

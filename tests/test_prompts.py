@@ -297,3 +297,16 @@ def test_ppsd_head_for_other_stages_is_refused_before_any_row_runs(smollm2_arch,
     with caplog.at_level("WARNING"):
         assert [v.name for v in spd_variants(swept, smollm2_arch)] == ["spd"]
     assert "eval.oracle_alphas=[0.5] is ignored with decoding.drafter=head" in caplog.text
+
+
+def test_oracle_alphas_given_twice_are_refused(smollm2_arch):
+    """eval.oracle_alphas=[1, 1.0] (or benchmark --alphas 1 1) made two variants named spd_oracle_1: both ran, and
+    the report kept one row, the second run's. Refused when the variants are made, before any row runs."""
+    from spd_ds.config import ConfigError, load_config
+    from spd_ds.eval.runner import spd_variants
+
+    cfg = load_config(None, ["decoding.drafter=oracle", "eval.oracle_alphas=[0.8, 1, 1.0]"])
+    with pytest.raises(ConfigError, match=r"oracle alphas \[0.8, 1.0, 1.0\] give spd_oracle_1 twice; give each alpha"):
+        spd_variants(cfg, smollm2_arch)
+    ok = load_config(None, ["decoding.drafter=oracle", "eval.oracle_alphas=[0.8, 1]"])
+    assert [v.name for v in spd_variants(ok, smollm2_arch)] == ["spd_oracle_0.8", "spd_oracle_1"]

@@ -154,6 +154,12 @@ def _main(argv=None) -> int:
     if given:  # each suite's reports go to --out/<suite>: the override would be dropped without a word
         raise ConfigError(f"override {given[-1]!r}: the benchmark writes each suite's reports under --out/<suite> "
                           f"(here {args.out}); give --out DIR instead of eval.output_dir")
+    for flag, values in (("--suite", args.suite), ("--stages", args.stages),
+                         ("--alphas", [f"{a:g}" for a in args.alphas])):  # one report folder / row per value
+        twice = [v for k, v in enumerate(values or []) if v in values[:k]]
+        if twice:
+            raise ConfigError(f"{flag} gives {twice[0]} twice; give each value once (a second run would replace the "
+                              "first's results)")
     world = detect_world_size()
     engine = chosen_engine(args.engine)
     out = Path(args.out)

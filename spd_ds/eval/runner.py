@@ -183,8 +183,8 @@ def spd_variants(cfg: ExperimentConfig, arch, alphas: Sequence[float] | None = N
     ``spd_oracle_<alpha>`` per alpha (``alphas``, default ``eval.oracle_alphas`` or ``[decoding.oracle_alpha]``).
 
     Raises:
-        ConfigError: alpha outside [0, 1], unreadable PPSD checkpoint, a PPSD head for other stages than the SPD
-            head's, ``eval.spd=false`` without a PPSD head.
+        ConfigError: alpha outside [0, 1] or given twice, unreadable PPSD checkpoint, a PPSD head for other stages
+            than the SPD head's, ``eval.spd=false`` without a PPSD head.
     """
     if cfg.decoding.drafter == "oracle":
         alphas = list(alphas if alphas is not None else (cfg.eval.oracle_alphas or [cfg.decoding.oracle_alpha]))
@@ -195,6 +195,9 @@ def spd_variants(cfg: ExperimentConfig, arch, alphas: Sequence[float] | None = N
             c = copy.deepcopy(cfg)
             c.decoding.oracle_alpha = float(a)
             out.append(_Variant(f"spd_oracle_{float(a):g}", f"oracle drafts, alpha={float(a):g}", c, float(a)))
+        twice = [v.name for k, v in enumerate(out) if v.name in [u.name for u in out[:k]]]
+        if twice:  # one report row per name: the second run would replace the first's results
+            raise ConfigError(f"oracle alphas {[float(a) for a in alphas]} give {twice[0]} twice; give each alpha once")
         if cfg.eval.ppsd_checkpoint:
             log.warning("eval.ppsd_checkpoint is ignored with decoding.drafter=oracle")
         if not cfg.eval.spd:
@@ -319,6 +322,9 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
     unknown = [b for b in cfg.eval.baselines if b not in BASELINES]
     if unknown:
         raise ConfigError(f"unknown baseline(s) {unknown} in eval.baselines; known: {', '.join(BASELINES)}")
+    twice = [b for k, b in enumerate(cfg.eval.baselines) if b in cfg.eval.baselines[:k]]
+    if twice:  # one report row per name: it would run twice, the second run replacing the first's results
+        raise ConfigError(f"eval.baselines names {twice[0]} twice ({list(cfg.eval.baselines)}); give each once")
     from spd_ds.eval.tp_baseline import check_tp_request
     from spd_ds.pipe.topology import detect_world_size
 
