@@ -379,6 +379,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         given = next((w for c, w in (("ListConfig", "a list"), ("DictConfig", "a mapping")) if c in msg), None)
         if one is not None and given is not None:  # OmegaConf's "Cannot convert 'ListConfig' to string: ..."
             raise ConfigError(f"{key} takes one value ({one[0]}), not {given}; give one, e.g. {key}={one[1]}") from None
+        item = _list_item_type(str(key).split("."))
+        if item is not None and "is not a ListConfig" in msg:  # a YAML file's `key: a` (or `key: a, b`) for a list
+            sample = {int: "[2]", float: "[0.5]"}.get(item, "[a, b]")
+            raise ConfigError(f"{key} takes a list, got one value; write a YAML list, e.g. {str(key).split('.')[-1]}: "
+                              f"{sample} in the file ({key}='{sample}' on the command line)") from None
         raise ConfigError(f"bad config value: {msg} (key {key})") from None
     cfg: ExperimentConfig = OmegaConf.to_object(base)
     validate(cfg)

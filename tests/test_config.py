@@ -309,3 +309,22 @@ def test_a_list_given_to_a_one_value_key_is_a_one_line_error(override, message, 
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path / "e.yaml")
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("eval:\n  baselines: ar\n", "eval.baselines takes a list, got one value; write a YAML list, e.g. baselines: "
+                                "[a, b] in the file (eval.baselines='[a, b]' on the command line)"),
+    ("partition:\n  stage_layers: 15,15\n", "partition.stage_layers takes a list, got one value; write a YAML list, "
+                                            "e.g. stage_layers: [2] in the file (partition.stage_layers='[2]' on the "
+                                            "command line)"),
+    ("eval:\n  oracle_alphas: 0.5\n", "eval.oracle_alphas takes a list, got one value; write a YAML list, e.g. "
+                                     "oracle_alphas: [0.5] in the file (eval.oracle_alphas='[0.5]' on the command "
+                                     "line)"),
+])
+def test_one_value_given_to_a_list_key_in_a_yaml_file_is_a_one_line_error(entry, message, tmp_path):
+    """The experiment file's `key: value` for a list key gave OmegaConf's "Invalid value assigned: AnyNode is not a
+    ListConfig, TupleConfig, list, or tuple" (the override form already said how to write the list)."""
+    (tmp_path / "e.yaml").write_text(entry)
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "e.yaml")
+    assert str(e.value) == message
