@@ -32,6 +32,31 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(f)
 
 
+def test_a_section_key_at_the_top_of_a_yaml_file_names_its_section(tmp_path):
+    """`max_new_tokens: 16` at the top of the file (not under decoding:) listed the sections only."""
+    f = tmp_path / "x.yaml"
+    f.write_text("max_new_tokens: 16\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value) == ("unknown config key 'max_new_tokens'; sections: model, partition, head, decoding, data, "
+                            "train, eval, deepspeed (max_new_tokens belongs in a section: indent it under decoding:)")
+    f.write_text("seed: 3\n")
+    with pytest.raises(ConfigError, match=re.escape("(seed belongs in a section: indent it under decoding: or train:)")):
+        load_config(f)
+    f.write_text("bogus: 3\n")
+    with pytest.raises(ConfigError, match=r"sections: model, .*, deepspeed$"):
+        load_config(f)
+
+
+def test_an_unquoted_colon_in_a_yaml_value_is_named(tmp_path):
+    """`stop: User:` in the file: YAML's "mapping values are not allowed" was followed by "check its indentation"
+    alone, while the fix is quoting the value."""
+    f = tmp_path / "x.yaml"
+    f.write_text("decoding:\n  stop: User:\n")
+    with pytest.raises(ConfigError, match=re.escape("check its indentation, and quote a value that holds ': '")):
+        load_config(f)
+
+
 def test_bad_values(tmp_path):
     with pytest.raises(ConfigError, match="could not be converted"):
         load_config(None, ["partition.num_stages=two"])
