@@ -362,3 +362,23 @@ def test_benchmark_refuses_a_value_given_twice(tmp_path, option):
     assert last == f"error: {option[0]} gives {value} twice; give each value once (a second run would replace the " \
                    "first's results)", last
     assert not (tmp_path / "b").exists()
+
+
+def test_benchmark_names_the_config_file_settings_its_suites_replace(tmp_path):
+    """--config's file lies under the suites' own settings: its decoding.max_new_tokens: 8 became 128 without a word.
+    The settings replaced with another value are named (a path equal to the suite's, or a key the command line sets,
+    is not)."""
+    from spd_ds.eval import benchmark as bm
+
+    f = tmp_path / "base.yaml"
+    f.write_text("decoding:\n  max_new_tokens: 8\n  temperature: 0.0\ndata:\n  num_prompts: 1\nmodel:\n"
+                 "  name: smollm2-135m-instruct\nhead:\n  checkpoint: spd_ds/assets/heads/smollm2-135m-instruct-n2\n")
+    runs = bm.suite_runs(["a", "c"], cuda=False, stages_c=[2], extra=["data.num_prompts=2"])
+    assert bm.replaced_file_settings(str(f), runs, ["data.num_prompts=2"]) == ["decoding.max_new_tokens=8 (replaced by "
+                                                                                "128)"]
+    runs = bm.suite_runs(["a", "c"], cuda=False, stages_c=[2, 3, 5])
+    shipped = str(ROOT / "launch/configs/smollm2_spd.yaml")
+    assert bm.replaced_file_settings(shipped, runs) == [
+        "data.num_prompts=3 (replaced by 4)", "decoding.max_new_tokens=96 (replaced by 128)",
+        "partition.num_stages=2 (replaced by 3, 5)"]
+    assert bm.replaced_file_settings(None, runs) == []

@@ -190,6 +190,11 @@ def _main(argv=None) -> int:
                 log.warning("suite %s (%s): no tp_ar baseline: %s", sr.suite, sr.label, tp_why)
     t0 = time.time()
     cfgs = [bm.config_of(sr, args.config) for sr in runs]
+    replaced = bm.replaced_file_settings(args.config, runs, args.overrides)
+    if replaced:  # the file lies under the suites' settings: say which of its values are not used
+        log.warning("--config %s: the suites' own settings replace its %s; give them with the benchmark's options "
+                    "(--max-new-tokens, --num-prompts, --prompt-sets, --spd-head, ...) or as section.key=value on the "
+                    "command line, which wins over the suites", args.config, "; ".join(replaced))
     for cfg in cfgs:  # every suite's head files, then its partition (and its head's) against its model, before
         if cfg.decoding.drafter == "head":  # the first suite runs
             builder.check_head_inputs(cfg, ppsd=True)

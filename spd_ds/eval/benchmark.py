@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -164,6 +165,41 @@ def _model_label(overrides: Sequence[str]) -> str:
 def config_of(sr: SuiteRun, base_config: str | None = None) -> ExperimentConfig:
     """The experiment of a suite run (``base_config`` YAML under the suite's overrides)."""
     return load_config(base_config, sr.overrides)
+
+
+def replaced_file_settings(base_config: str | None, runs: Sequence[SuiteRun], extra: Sequence[str] = ()) -> list[str]:
+    """The settings of the ``--config`` file that the suites' own overrides replace with another value, so that the
+    benchmark can say it does not use them (the file lies under the suites' overrides; a command-line override, in
+    ``extra``, is the user's own choice and not reported).
+
+    Args:
+        base_config: the YAML file (``None``: nothing to report). runs: the suite runs, their overrides made.
+        extra: the command line's ``section.key=value`` overrides.
+    Returns:
+        One ``key=file value (replaced by suite values)`` string per replaced setting, sorted by key. Raises what
+        :func:`spd_ds.config.load_config` raises for the file (it has read it before).
+    """
+    if base_config is None:
+        return []
+    import yaml
+
+    data = yaml.safe_load(Path(base_config).read_text()) or {}
+    in_file = {f"{sec}.{k}" for sec, keys in data.items() if isinstance(keys, dict) for k in keys}
+    in_file -= {o.split("=", 1)[0].strip() for o in extra}
+    def same(a, b) -> bool:  # a path in the file and the suite's resolved one (head.checkpoint) are the same
+        return a == b or (isinstance(a, str) and isinstance(b, str)
+                          and os.path.realpath(resolve_path(a)) == os.path.realpath(resolve_path(b)))
+
+    file_cfg, out = load_config(base_config), {}
+    for sr in runs:
+        suite_cfg = config_of(sr, base_config)
+        for key in sorted({o.split("=", 1)[0].strip() for o in sr.overrides} & in_file):
+            section, name = key.split(".")
+            before, after = getattr(getattr(file_cfg, section), name), getattr(getattr(suite_cfg, section), name)
+            if not same(before, after) and after not in out.setdefault((key, str(before)), []):
+                out[(key, str(before))].append(after)
+    return [f"{key}={before} (replaced by {', '.join(map(str, after))})" for (key, before), after in sorted(out.items())
+            if after]
 
 
 def timing_position(run) -> int:
