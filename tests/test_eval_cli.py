@@ -374,11 +374,30 @@ def test_benchmark_names_the_config_file_settings_its_suites_replace(tmp_path):
     f.write_text("decoding:\n  max_new_tokens: 8\n  temperature: 0.0\ndata:\n  num_prompts: 1\nmodel:\n"
                  "  name: smollm2-135m-instruct\nhead:\n  checkpoint: spd_ds/assets/heads/smollm2-135m-instruct-n2\n")
     runs = bm.suite_runs(["a", "c"], cuda=False, stages_c=[2], extra=["data.num_prompts=2"])
-    assert bm.replaced_file_settings(str(f), runs, ["data.num_prompts=2"]) == ["decoding.max_new_tokens=8 (replaced by "
-                                                                                "128)"]
+    assert bm.replaced_file_settings(str(f), runs, ["data.num_prompts=2"]) == [
+        "decoding.max_new_tokens=8 (replaced by 128)",
+        "head.checkpoint=spd_ds/assets/heads/smollm2-135m-instruct-n2 (replaced by None)"]  # suite c: untrained;
+    # suite a's shipped head is the file's (another spelling of the path): not named
     runs = bm.suite_runs(["a", "c"], cuda=False, stages_c=[2, 3, 5])
     shipped = str(ROOT / "launch/configs/smollm2_spd.yaml")
     assert bm.replaced_file_settings(shipped, runs) == [
         "data.num_prompts=3 (replaced by 4)", "decoding.max_new_tokens=96 (replaced by 128)",
+        "head.checkpoint=spd_ds/assets/heads/smollm2-135m-instruct-n2 (replaced by None)",  # suite c's untrained heads
         "partition.num_stages=2 (replaced by 3, 5)"]
     assert bm.replaced_file_settings(None, runs) == []
+
+
+def test_benchmark_suites_do_not_take_the_config_files_heads(tmp_path):
+    """--config launch/configs/smollm2_spd.yaml (its n = 2 head.checkpoint) with --suite c --stages 3: the suite ran
+    the file's n = 2 head at n = 3 and stopped on the partition mismatch, where its documented default is an untrained
+    head (no --spd-head); a PPSD head of the file leaked in the same way (default: no PPSD row)."""
+    from spd_ds.eval import benchmark as bm
+
+    f = tmp_path / "base.yaml"
+    f.write_text((ROOT / "launch/configs/smollm2_spd.yaml").read_text()
+                 + "eval:\n  ppsd_checkpoint: spd_ds/assets/heads/smollm2-135m-instruct-n3\n")
+    c3, = bm.suite_runs(["c"], cuda=False, stages_c=[3])
+    cfg = bm.config_of(c3, str(f))
+    assert cfg.head.checkpoint is None and cfg.eval.ppsd_checkpoint is None and cfg.partition.num_stages == 3
+    a, = bm.suite_runs(["a"], cuda=False)  # suite a: the shipped n = 2 head, by default
+    assert bm.config_of(a, str(f)).head.checkpoint == str(bm.SHIPPED_HEAD_N2)

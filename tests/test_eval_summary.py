@@ -107,10 +107,10 @@ def test_suite_c_runs_a_ppsd_head_alone_where_no_spd_head_is_given(tmp_path):
     runs = suite_runs(["c"], cuda=False, spd_head=str(tmp_path / "spd-n{n}"), ppsd_head=str(tmp_path / "ppsd-n{n}"),
                       stages_c=(2, 3, 5))
     ov = {int(r.label.rsplit("=", 1)[1]): r.overrides for r in runs}
-    has = {n: ({x.split("=")[0] for x in o}, "eval.spd=false" in o) for n, o in ov.items()}
-    assert has[2][0] >= {"head.checkpoint", "eval.ppsd_checkpoint"} and not has[2][1]  # both heads
-    assert "head.checkpoint" not in has[3][0] and "eval.ppsd_checkpoint" in has[3][0] and has[3][1]  # PPSD alone
-    assert not has[5][0] & {"head.checkpoint", "eval.ppsd_checkpoint"} and not has[5][1]  # untrained SPD head
+    val = {n: dict(x.split("=", 1) for x in o) for n, o in ov.items()}  # null: no head (not a --config file's)
+    assert "null" not in (val[2]["head.checkpoint"], val[2]["eval.ppsd_checkpoint"]) and "eval.spd" not in val[2]
+    assert val[3]["head.checkpoint"] == "null" != val[3]["eval.ppsd_checkpoint"] and val[3]["eval.spd"] == "false"
+    assert val[5]["head.checkpoint"] == val[5]["eval.ppsd_checkpoint"] == "null" and "eval.spd" not in val[5]
     assert [r.label for r in runs] == ["smollm2 fp32 cpu n=2", "smollm2 fp32 cpu n=3", "smollm2 fp32 cpu n=5"]
 
 

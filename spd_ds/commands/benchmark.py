@@ -55,6 +55,12 @@ log = logging.getLogger("spd_ds.benchmark")
 
 DEFAULT_MODEL_B = "random:qwen3-4b"  # suite b's target shape (4B parameters: a GPU's)
 OVERRIDE_WORD = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_][\w.]*=")  # section.key=value (no path has this start)
+# the config keys each option sets in the suites (spd_ds.eval.benchmark.suite_runs)
+OPTION_KEYS = {"max_new_tokens": ("decoding.max_new_tokens",), "num_prompts": ("data.num_prompts",),
+               "prompt_sets": ("eval.prompt_sets",), "spd_head": ("head.checkpoint",),
+               "ppsd_head": ("eval.ppsd_checkpoint", "eval.spd"), "stages": ("partition.num_stages",),
+               "baseline_prompts": ("eval.baseline_num_prompts",), "alphas": ("eval.oracle_alphas",),
+               "model_b": ("model.name",)}
 SEVERAL_VALUES = ("--suite", "--alphas", "--stages", "--prompt-sets")  # options that take every word up to the next
 
 
@@ -190,7 +196,10 @@ def _main(argv=None) -> int:
                 log.warning("suite %s (%s): no tp_ar baseline: %s", sr.suite, sr.label, tp_why)
     t0 = time.time()
     cfgs = [bm.config_of(sr, args.config) for sr in runs]
-    replaced = bm.replaced_file_settings(args.config, runs, args.overrides)
+    ap = build_parser()  # the keys of options given on the command line are the user's choice, not the suites'
+    chosen = [f"{key}=" for dest, keys in OPTION_KEYS.items() if getattr(args, dest) != ap.get_default(dest)
+              for key in keys]
+    replaced = bm.replaced_file_settings(args.config, runs, [*args.overrides, *chosen])
     if replaced:  # the file lies under the suites' settings: say which of its values are not used
         log.warning("--config %s: the suites' own settings replace its %s; give them with the benchmark's options "
                     "(--max-new-tokens, --num-prompts, --prompt-sets, --spd-head, ...) or as section.key=value on the "

@@ -130,7 +130,7 @@ def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None
         head = _head_for(spd_head or str(SHIPPED_HEAD_N2), 2, "SPD runs an untrained head")
         ov = ["model.name=smollm2-135m-instruct", f"model.dtype={dtype}", "partition.num_stages=2",
               f"eval.prompt_sets={sets}", "decoding.drafter=head", "eval.baselines=[ar_graph,hf_generate,ar]"]
-        ov += [f"head.checkpoint={head}"] if head else []
+        ov += [f"head.checkpoint={head or 'null'}"]  # null: untrained, not a --config file's head for another n
         out.append(SuiteRun("a", f"{_model_label(ov + list(extra))} {dtype} n=2", ov + common + list(extra),
                             head_note=head or "untrained head (no head checkpoint for n=2)"))
     if "b" in suites:
@@ -146,8 +146,8 @@ def suite_runs(suites: Sequence[str], *, cuda: bool, spd_head: str | None = None
             ov = ["model.name=smollm2-135m-instruct", "model.dtype=float32", "model.device=cpu",
                   f"partition.num_stages={n}", f"eval.prompt_sets={sets}", "decoding.drafter=head",
                   "eval.baselines=[]", "eval.warmup_prompts=0"]
-            ov += [f"head.checkpoint={head}"] if head else []
-            ov += [f"eval.ppsd_checkpoint={ppsd}"] if ppsd else []
+            ov += [f"head.checkpoint={head or 'null'}", f"eval.ppsd_checkpoint={ppsd or 'null'}"]  # as documented,
+            # not a --config file's heads (trained for another n)
             ov += ["eval.spd=false"] if ppsd and not head else []  # a PPSD head alone: no untrained SPD row
             note = f"spd: {head or ('none' if ppsd else 'untrained')}; ppsd: {ppsd or 'none'}"
             out.append(SuiteRun("c", f"{_model_label(ov + list(extra))} fp32 cpu n={n}", ov + common + list(extra),
