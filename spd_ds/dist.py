@@ -20,10 +20,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+STARTUP_TIMEOUT_S = 600.0  # start-up collectives and group connections: ranks may reach them minutes apart
+
+
 def init_timeout_s(cfg: ExperimentConfig) -> float:
     """Timeout of the default process group: start-up collectives (model loading may skew ranks by minutes) get at
-    least 10 minutes; SPD's own waits use ``deepspeed.timeout_s`` explicitly."""
-    return max(float(cfg.deepspeed.timeout_s), 600.0)
+    least :data:`STARTUP_TIMEOUT_S` (10 minutes); SPD's own waits use ``deepspeed.timeout_s`` explicitly."""
+    return max(float(cfg.deepspeed.timeout_s), STARTUP_TIMEOUT_S)
 
 
 def init_process_group(backend: str | None, timeout_s: float) -> bool:

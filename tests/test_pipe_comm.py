@@ -126,3 +126,29 @@ def test_a_busy_rendezvous_port_is_a_one_line_error_that_names_master_port():
     assert r.stdout.strip().splitlines()[-1] == (
         f"the rendezvous port {port} of 127.0.0.1 is in use (another run?); pass a free one to the launcher: "
         "deepspeed --master_port <port> ..."), (r.stdout, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_gloo_link_groups_connect_with_the_startup_timeout(monkeypatch, backend):
+    """Gloo connects every pair of ranks when a group is made, within the group's timeout: with the groups made at
+    deepspeed.timeout_s, deepspeed.timeout_s=0.3 failed every 2-rank CPU run at set-up ("Gloo connectFullMesh
+    failed ... Connect timeout", exit 1) since the ranks reach PipeLinks a moment apart. The gloo groups get the
+    start-up timeout (each wait passes deepspeed.timeout_s itself); an NCCL group keeps deepspeed.timeout_s."""
+    import datetime
+
+    from spd_ds.dist import STARTUP_TIMEOUT_S
+    from spd_ds.partition import StagePartition
+    from spd_ds.pipe import links as links_mod
+    from spd_ds.pipe.topology import PipePlan
+
+    made = []
+    monkeypatch.setattr(links_mod.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(links_mod.dist, "get_backend", lambda: backend)
+    monkeypatch.setattr(links_mod.dist, "new_group", lambda **kw: made.append(kw) or f"group{len(made)}")
+    monkeypatch.setattr(links_mod, "Link", lambda *a: a)
+    plan = PipePlan.build(StagePartition.build(4, 2), "colocated", 2)
+    links_mod.PipeLinks(plan, 1, 1, lambda p: p, lambda: "down", 0.3, torch.device("cpu"))
+    startup, own = datetime.timedelta(seconds=STARTUP_TIMEOUT_S), datetime.timedelta(seconds=0.3)
+    up, ctrl = made
+    assert ctrl["backend"] == "gloo" and ctrl["timeout"] == startup
+    assert up["timeout"] == (startup if backend == "gloo" else own)

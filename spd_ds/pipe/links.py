@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from spd_ds.dist import STARTUP_TIMEOUT_S
 from spd_ds.pipe.comm import FLAG_ANCHORS, Link
 from spd_ds.pipe.topology import PipePlan
 
@@ -55,9 +56,15 @@ class PipeLinks:
             return
         ranks = list(range(dist.get_world_size()))
         td = datetime.timedelta(seconds=timeout_s)
+        # gloo connects every pair of ranks when a group is made, within the group's timeout: ranks reach this point
+        # up to seconds apart (rank 0 builds the head), so a gloo group gets the start-up timeout (a small
+        # deepspeed.timeout_s failed here with "Gloo connectFullMesh failed ... Connect timeout"); every wait of SPD's
+        # on these groups passes its own deadline (spd_ds.pipe.comm.Link). NCCL groups keep timeout_s.
+        connect = datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
         down = down_group()  # hidden states flow down on the grid's pipe group
-        up = dist.new_group(ranks=ranks, timeout=td)  # anchors flow up on their own group (every rank creates both)
-        ctrl = dist.new_group(ranks=ranks, backend="gloo", timeout=td)
+        gloo_up = "nccl" not in str(dist.get_backend()).lower()
+        up = dist.new_group(ranks=ranks, timeout=connect if gloo_up else td)  # anchors flow up on their own group
+        ctrl = dist.new_group(ranks=ranks, backend="gloo", timeout=connect)  # (every rank creates both)
         mine = self.name_of(pipe)
 
         def link(peer: int, data_group) -> Link:
