@@ -456,3 +456,17 @@ def test_data_chat_template_encodes_the_prompts_of_decoding(smollm2_dir, monkeyp
     monkeypatch.setattr(builder, "encode_prompt", encode)
     with pytest.raises(Encoded, match=r"Q: "):
         infer._main(["--config", str(CONFIG), "--prompt", "hi", "data.chat_template='{{ \"Q: \" }}'"])
+
+
+def test_a_refused_run_leaves_no_empty_output_folder(tmp_path):
+    """--output's new folders are made before the model loads (so that a bad path fails at once); a run refused after
+    that (here: the model does not exist) left them behind, empty. They are removed, as eval.output_dir's are."""
+    out = tmp_path / "new" / "deeper" / "out.jsonl"
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi", "--output", str(out),
+             f"model.name={tmp_path / 'no_model_here'}"], timeout=300)
+    assert r.returncode == 2 and "no_model_here" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()  # a folder that existed before is kept
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi", "--output",
+             str(tmp_path / "kept" / "out.jsonl"), f"model.name={tmp_path / 'no_model_here'}"], timeout=300)
+    assert r.returncode == 2 and (tmp_path / "kept").is_dir()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 from spd_ds.cli import (check_output_file, checks_outputs, chosen_engine, decoding_user_errors, experiment_parser,
-                        rank_and_world, run_cli, setup_logging, setup_process)
+                        rank_and_world, removed_if_left_empty, run_cli, setup_logging, setup_process)
 from spd_ds.config import ConfigError, load_config, validate
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_accept_length, pooled_decode_tok_s
 from spd_ds.pipe.topology import detect_world_size
@@ -221,6 +221,14 @@ class _Streamer:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
+    if args.output is None:
+        return _run(args)
+    with removed_if_left_empty(Path(args.output).absolute().parent):  # a refused run leaves no empty folders behind
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The job of :func:`main` once its arguments are parsed; returns the exit status."""
     from spd_ds import builder  # after the arguments: --help imports no torch
     from spd_ds.decoding.cycle import PromptError, check_prompt
 
