@@ -27,9 +27,11 @@ machine with 2 GPUs::
 
 ``section.key=value`` overrides apply to every suite (e.g. ``data.eval_dir=/data/eval``), anywhere on the command
 line: after an option that takes several values (``--suite``, ``--alphas``, ``--stages``, ``--prompt-sets``) they
-are recognised as overrides, not taken as its values. Writes ``--out``/``benchmark.md`` (tables), ``benchmark.json``
-(rows + stage forward times) and each evaluation's reports under ``--out``/``<suite>`` (suite c: ``--out``/``c<n>``,
-one folder per n).
+are recognised as overrides, not taken as its values, and they win over the suites' own settings. ``--config``'s
+file lies under the suites' settings: a warning names those of its settings that they replace. Writes
+``--out``/``benchmark.md`` (tables), ``benchmark.json`` (rows + stage forward times) and each evaluation's reports
+under ``--out``/``<suite>`` (suite c: ``--out``/``c<n>``, one folder per n; an ``eval.output_dir`` override is
+refused). A value given twice to ``--suite``, ``--stages`` or ``--alphas`` is refused.
 """
 
 from __future__ import annotations
