@@ -281,7 +281,8 @@ def _valid_keys(path: Sequence[str]) -> str:
     if not path or path[0] not in _SECTIONS:
         homes = [f.name for f in dataclasses.fields(ExperimentConfig)
                  if len(path) == 1 and path[0] in {g.name for g in dataclasses.fields(f.default_factory)}]
-        where = f" ({path[0]} belongs in a section: indent it under {' or '.join(h + ':' for h in homes)})" if homes else ""
+        under = " or ".join(h + ":" for h in homes)
+        where = f" ({path[0]} belongs in a section: indent it under {under})" if homes else ""
         return "sections: " + ", ".join(_SECTIONS) + where
     cls = {f.name: f for f in dataclasses.fields(ExperimentConfig)}[path[0]].default_factory
     return f"valid keys of {path[0]}: " + ", ".join(f.name for f in dataclasses.fields(cls))
@@ -408,7 +409,8 @@ def _load_yaml(p: Path):
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         quote = ", and quote a value that holds ': '" if "mapping values are not allowed" in problem else ""
-        raise ConfigError(f"config file {p} is not valid YAML{where}: {problem}; check its indentation{quote}") from None
+        raise ConfigError(f"config file {p} is not valid YAML{where}: {problem}; check its indentation{quote}") \
+            from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {p} must be a mapping of sections (model:, partition:, head:, ...), "
                           f"got a {'list' if isinstance(loaded, ListConfig) else type(loaded).__name__}")

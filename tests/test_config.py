@@ -41,7 +41,8 @@ def test_a_section_key_at_the_top_of_a_yaml_file_names_its_section(tmp_path):
     assert str(e.value) == ("unknown config key 'max_new_tokens'; sections: model, partition, head, decoding, data, "
                             "train, eval, deepspeed (max_new_tokens belongs in a section: indent it under decoding:)")
     f.write_text("seed: 3\n")
-    with pytest.raises(ConfigError, match=re.escape("(seed belongs in a section: indent it under decoding: or train:)")):
+    with pytest.raises(ConfigError, match=re.escape("(seed belongs in a section: indent it under decoding: or "
+                                                    "train:)")):
         load_config(f)
     f.write_text("bogus: 3\n")
     with pytest.raises(ConfigError, match=r"sections: model, .*, deepspeed$"):

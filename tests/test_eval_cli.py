@@ -349,7 +349,8 @@ def test_eval_cli_baseline_given_twice_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("option", [["--suite", "c", "c"], ["--stages", "2", "3", "2"], ["--alphas", "1", "0.8", "1.0"]])
+@pytest.mark.parametrize("option", [["--suite", "c", "c"], ["--stages", "2", "3", "2"],
+                                    ["--alphas", "1", "0.8", "1.0"]])
 def test_benchmark_refuses_a_value_given_twice(tmp_path, option):
     """--suite c c / --stages 2 3 2 ran the same evaluation twice into the same --out/<suite> folder (the second
     replacing the first's reports, the table listing both); --alphas 1 1.0 gave two variants of one name. Refused in

@@ -186,6 +186,7 @@ def replaced_file_settings(base_config: str | None, runs: Sequence[SuiteRun], ex
     data = yaml.safe_load(Path(base_config).read_text()) or {}
     in_file = {f"{sec}.{k}" for sec, keys in data.items() if isinstance(keys, dict) for k in keys}
     in_file -= {o.split("=", 1)[0].strip() for o in extra}
+
     def same(a, b) -> bool:  # a path in the file and the suite's resolved one (head.checkpoint) are the same
         return a == b or (isinstance(a, str) and isinstance(b, str)
                           and os.path.realpath(resolve_path(a)) == os.path.realpath(resolve_path(b)))
