@@ -24,6 +24,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, Sequence, Union
 
+from spd_ds.cli_args import GivenOnce
+
 ENGINES = ("auto", "reference", "deepspeed")
 DEBUG_ENV = "SPD_DEBUG"  # 1: print tracebacks instead of one line per failing rank
 LOG_DIR_ENV = "SPD_LOG_DIR"  # where a failing rank writes its traceback (default: the system temp directory)
@@ -91,7 +93,7 @@ def experiment_parser(description: str | None, *, overrides_help: str, config_he
         overrides_help, config_help, engine_help: help texts of those arguments.
     """
     ap = ExperimentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help=config_help or "experiment YAML (default: built-in defaults)")
+    ap.add_argument("--config", action=GivenOnce, help=config_help or "experiment YAML (default: built-in defaults)")
     ap.add_argument("overrides", nargs="*", help=overrides_help + " (before or after the options)")
     if engine_help is not None:
         ap.add_argument("--engine", choices=ENGINES, default="auto", help=engine_help)

@@ -25,6 +25,23 @@ def launcher_module(name: str):
 
 
 # ---------------------------------------------------------------------------------------------- item 11
+@pytest.mark.parametrize("prog", ["infer", "eval", "benchmark", "pipe_bench"])
+def test_a_second_config_file_is_refused_not_silently_kept_instead_of_the_first(prog, capsys):
+    """argparse kept the last of two --config files, so `--config base.yaml --config mine.yaml` ran mine.yaml alone
+    (files are not layered), without a word."""
+    if prog == "pipe_bench":  # its parser is made inside main
+        parse = launcher_module(prog).main
+    else:
+        parse = launcher_module(prog).parse_args
+        assert parse(["--config", "a.yaml", "x.y=1"]).config == "a.yaml"
+    with pytest.raises(SystemExit) as e:
+        parse(["--config", "a.yaml", "--config", "b.yaml"] if prog == "pipe_bench" else
+              ["--config", "a.yaml", "x.y=1", "--config", "b.yaml"])
+    assert e.value.code == 2
+    assert "error: --config is given twice ('a.yaml' and 'b.yaml'); give one (files are not layered: put further " \
+           "settings as section.key=value overrides)" in capsys.readouterr().err
+
+
 def test_overrides_before_and_after_options():
     infer = launcher_module("infer")
     args = infer.parse_args(["--local_rank=1", "--config", "x.yaml", "deepspeed.timeout_s=20", "--no-compare-ar",

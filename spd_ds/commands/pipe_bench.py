@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from spd_ds.cli import add_version_argument, int_at_least
+from spd_ds.cli_args import GivenOnce
 from spd_ds.eval.prompts import DEMO_PROMPTS as PROMPTS
 
 
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version_argument(ap)
-    ap.add_argument("--config", default=None, help="experiment YAML")
+    ap.add_argument("--config", default=None, action=GivenOnce, help="experiment YAML")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--prompts", default=None, help="prompt set name or EAGLE jsonl (default: 5 built-in prompts)")
     ap.add_argument("--num-prompts", type=int_at_least(1), default=5, help="prompts to run (default: %(default)s)")
