@@ -175,6 +175,11 @@ def test_speed_lines_explain_the_numbers():
     assert "deepspeed --num_gpus 2 launch/infer.py" in lines[2] and "one after another" in lines[2]
     lines = infer.speed_lines(cfg, spd, None, one_process=False)
     assert "AR did not run (--no-compare-ar)" in lines[0] and len(lines) == 2
+    # n = 1: no pipeline at all; the note said "the 1 stages run one after another" and pointed at --num_gpus 1
+    one = [GenerationResult(list(range(15)), "length", SPDMetrics(1, num_new_tokens=15, num_cycles=14, decode_s=2.0))]
+    lines = infer.speed_lines(cfg, one, ar, "AR decoding", one_process=True)
+    assert lines[2] == ("note: with partition.num_stages=1 there is no pipeline (the whole model is one stage), so SPD "
+                        "cannot beat AR on any machine; the speedup needs n >= 2 stages on one device each")
     # max_new_tokens=1 (or a stop at once): the prefill's token alone, no decode rate or acceptance to speak of
     first = [GenerationResult([7], "length", SPDMetrics(2, num_new_tokens=1, num_cycles=0))]
     lines = infer.speed_lines(cfg, first, first, "AR decoding")

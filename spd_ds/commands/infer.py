@@ -384,7 +384,10 @@ def speed_lines(cfg, results, ar_results=None, ar_name: str = "AR decoding", one
                f"not counted): 1.00 = no gain over AR, {n} (= n) = every draft accepted. The totals' "
                f"equivalent_accept_length {total_len:.2f} counts the prefill token in N, which lifts even a head that "
                "accepts nothing above 1.00 on short answers.")
-    if one_process:
+    if n == 1:  # no pipeline: nothing runs beside the head's draft, with one process or one GPU alike
+        out.append("note: with partition.num_stages=1 there is no pipeline (the whole model is one stage), so SPD "
+                   "cannot beat AR on any machine; the speedup needs n >= 2 stages on one device each")
+    elif one_process:
         out.append(f"note: in one process the {n} stages run one after another, so SPD cannot beat AR here (expect "
                    f"< 1x); the speedup needs one device per stage: deepspeed --num_gpus {n} launch/infer.py "
                    "--config ... on a machine with GPUs (see README, docs/distributed.md).")
