@@ -141,28 +141,28 @@ def eval_batches_identity(setting: int | None, held_out: int | None) -> dict:
 
 def _eval_batches_diff(old, new: dict) -> str | None:
     """The :data:`EVAL_BATCHES` part of :func:`check_resume`'s message, or ``None`` when the held-out micro-batches
-    match (or this invocation's are not known yet). A :data:`RUN_FILE` written before the resolved number was
+    match (or this invocation's are not known yet, or the held-out split differs: other data, refused by the data
+    check once the checkpoint is loaded, in its own words). A :data:`RUN_FILE` written before the resolved number was
     recorded holds the raw setting (an int, or null = all): it is resolved on this invocation's held-out split, which
     is the run's whenever the resume goes on (the split's layout is compared here, its data once the checkpoint is
     loaded)."""
     if not isinstance(new, dict) or "micro_batches" not in new:
         return None
     if isinstance(old, dict) and "micro_batches" in old:
+        if old.get("held_out") != new["held_out"]:  # another held-out split: other data, which the data check
+            return None  # names once the checkpoint is loaded ("was trained on other data")
         old_set, old_used = old.get("setting"), old["micro_batches"]
     else:
         old_set = old.get("setting") if isinstance(old, dict) else old
         old_used = eval_batches_identity(old_set, new["held_out"])["micro_batches"]
-    if old_used == new["micro_batches"]:
+    if old_used == new["micro_batches"]:  # on one split, equal settings resolve alike: only a changed one differs
         return None
 
     def setting(v) -> str:
         return "null" if v is None else str(v)
 
-    if old_set != new["setting"]:
-        return (f"{EVAL_BATCHES} {old_used} held-out micro-batches, set to {setting(old_set)} "
-                f"(now {new['micro_batches']}, set to {setting(new['setting'])})")
-    return (f"{EVAL_BATCHES} {old_used} held-out micro-batches (now {new['micro_batches']} of the same setting "
-            f"{setting(old_set)}: other held-out data)")
+    return (f"{EVAL_BATCHES} {old_used} held-out micro-batches, set to {setting(old_set)} "
+            f"(now {new['micro_batches']}, set to {setting(new['setting'])})")
 
 
 def check_resume(ckpt_dir: Path, identity: dict) -> None:
