@@ -23,10 +23,16 @@ def _free_port() -> int:
 STARTUP_TIMEOUT_S = 600.0  # start-up collectives and group connections: ranks may reach them minutes apart
 
 
+def startup_timeout_s(timeout_s: float) -> float:
+    """Seconds a start-up collective or a gloo group's connection may wait: ``timeout_s``
+    (``deepspeed.timeout_s``), at least :data:`STARTUP_TIMEOUT_S` (ranks may reach start-up minutes apart)."""
+    return max(float(timeout_s), STARTUP_TIMEOUT_S)
+
+
 def init_timeout_s(cfg: ExperimentConfig) -> float:
-    """Timeout of the default process group: start-up collectives (model loading may skew ranks by minutes) get at
-    least :data:`STARTUP_TIMEOUT_S` (10 minutes); SPD's own waits use ``deepspeed.timeout_s`` explicitly."""
-    return max(float(cfg.deepspeed.timeout_s), STARTUP_TIMEOUT_S)
+    """Timeout of the default process group, in seconds: start-up collectives (model loading may skew ranks by
+    minutes) get :func:`startup_timeout_s`; SPD's own waits use ``deepspeed.timeout_s`` explicitly."""
+    return startup_timeout_s(cfg.deepspeed.timeout_s)
 
 
 def init_process_group(backend: str | None, timeout_s: float) -> bool:

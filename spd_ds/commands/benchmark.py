@@ -201,7 +201,7 @@ def _main(argv=None) -> int:
     ap = build_parser()  # the keys of options given on the command line are the user's choice, not the suites'
     chosen = [f"{key}=" for dest, keys in OPTION_KEYS.items() if getattr(args, dest) != ap.get_default(dest)
               for key in keys]
-    replaced = bm.replaced_file_settings(args.config, runs, [*args.overrides, *chosen])
+    replaced = bm.replaced_file_settings(args.config, runs, [*args.overrides, *chosen], cfgs)
     if replaced:  # the file lies under the suites' settings: say which of its values are not used
         log.warning("--config %s: the suites' own settings replace its %s; give them with the benchmark's options "
                     "(--max-new-tokens, --num-prompts, --prompt-sets, --spd-head, ...) or as section.key=value on the "

@@ -167,7 +167,8 @@ def config_of(sr: SuiteRun, base_config: str | None = None) -> ExperimentConfig:
     return load_config(base_config, sr.overrides)
 
 
-def replaced_file_settings(base_config: str | None, runs: Sequence[SuiteRun], extra: Sequence[str] = ()) -> list[str]:
+def replaced_file_settings(base_config: str | None, runs: Sequence[SuiteRun], extra: Sequence[str] = (),
+                           suite_cfgs: Sequence[ExperimentConfig] | None = None) -> list[str]:
     """The settings of the ``--config`` file that the suites' own overrides replace with another value, so that the
     benchmark can say it does not use them (the file lies under the suites' overrides; a command-line override, in
     ``extra``, is the user's own choice and not reported).
@@ -175,6 +176,7 @@ def replaced_file_settings(base_config: str | None, runs: Sequence[SuiteRun], ex
     Args:
         base_config: the YAML file (``None``: nothing to report). runs: the suite runs, their overrides made.
         extra: the command line's ``section.key=value`` overrides.
+        suite_cfgs: each run's config as :func:`config_of` gives it, when the caller has them (``None``: made here).
     Returns:
         One ``key=file value (replaced by suite values)`` string per replaced setting, sorted by key. Raises what
         :func:`spd_ds.config.load_config` raises for the file (it has read it before).
@@ -192,8 +194,8 @@ def replaced_file_settings(base_config: str | None, runs: Sequence[SuiteRun], ex
                           and os.path.realpath(resolve_path(a)) == os.path.realpath(resolve_path(b)))
 
     file_cfg, out = load_config(base_config), {}
-    for sr in runs:
-        suite_cfg = config_of(sr, base_config)
+    for k, sr in enumerate(runs):
+        suite_cfg = config_of(sr, base_config) if suite_cfgs is None else suite_cfgs[k]
         for key in sorted({o.split("=", 1)[0].strip() for o in sr.overrides} & in_file):
             section, name = key.split(".")
             before, after = getattr(getattr(file_cfg, section), name), getattr(getattr(suite_cfg, section), name)

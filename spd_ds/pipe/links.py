@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from spd_ds.dist import STARTUP_TIMEOUT_S
+from spd_ds.dist import startup_timeout_s
 from spd_ds.pipe.comm import FLAG_ANCHORS, Link
 from spd_ds.pipe.topology import PipePlan
 
@@ -60,7 +60,7 @@ class PipeLinks:
         # up to seconds apart (rank 0 builds the head), so a gloo group gets the start-up timeout (a small
         # deepspeed.timeout_s failed here with "Gloo connectFullMesh failed ... Connect timeout"); every wait of SPD's
         # on these groups passes its own deadline (spd_ds.pipe.comm.Link). NCCL groups keep timeout_s.
-        connect = datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
+        connect = datetime.timedelta(seconds=startup_timeout_s(timeout_s))
         down = down_group()  # hidden states flow down on the grid's pipe group
         gloo_up = "nccl" not in str(dist.get_backend()).lower()
         up = dist.new_group(ranks=ranks, timeout=connect if gloo_up else td)  # anchors flow up on their own group
