@@ -289,17 +289,18 @@ def test_benchmark_head_patterns_are_checked_before_any_suite(tmp_path):
 
 def test_benchmark_refuses_before_the_first_suite(tmp_path):
     """Suite b's 4B default shape on CPU, and an n of suite c the model cannot split, are one-line errors before any
-    suite runs (nothing is written under --out but the folder)."""
+    suite runs; the refused run leaves no --out folder behind (it left the empty folder it had made)."""
     shape = make_random_shape(tmp_path)
     p = run(["launch/benchmark.py", "--suite", "b", "--out", str(tmp_path / "b")], timeout=300,
             CUDA_VISIBLE_DEVICES="")  # a CPU run on any host
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and "needs a GPU; on CPU add --model-b random:smollm2-135m" in last, p.stderr[-2000:]
+    assert not (tmp_path / "b").exists()
     p = run(["launch/benchmark.py", "--suite", "c", "--stages", "2", "40", "--out", str(tmp_path / "c"),
              f"model.name={shape}", "eval.prompt_sets=[random]", "eval.progress=false"], timeout=300)
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and "partition.num_stages=40 exceeds" in last, p.stderr[-2000:]
-    assert list((tmp_path / "c").iterdir()) == []  # n = 2 did not run first
+    assert not (tmp_path / "c").exists()  # n = 2 did not run first, and the empty --out is removed
     p = run(["launch/eval.py", *tiny(shape, tmp_path / "eos", "decoding.eos_token_ids=[999999]")], timeout=300)
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and "decoding.eos_token_ids [999999] are outside the target's vocabulary" in last

@@ -48,7 +48,7 @@ from pathlib import Path
 
 
 from spd_ds.cli import (checks_outputs, chosen_engine, decoding_user_errors, ensure_output_dir, experiment_parser,
-                        int_at_least, rank_and_world, run_cli, setup_logging, setup_process)
+                        int_at_least, rank_and_world, removed_if_left_empty, run_cli, setup_logging, setup_process)
 from spd_ds.pipe.topology import detect_world_size
 
 
@@ -147,6 +147,12 @@ def tp_skip_reason(cfg) -> str | None:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
+    with removed_if_left_empty(args.out):  # a refused run leaves no empty --out behind
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The suites of :func:`main` once its arguments are parsed; returns the exit status."""
     setup_logging()
     setup_process()
     import torch
