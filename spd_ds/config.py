@@ -327,8 +327,9 @@ def _one_value(path: Sequence[str]) -> tuple[str, str] | None:
     return kinds[t][0], kinds[t][1] if default is None or t is bool else str(default)
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """Load ``path`` (YAML) over the defaults, then apply ``section.key=value`` overrides (values parsed as YAML).
+def load_config(path: str | os.PathLike | DictConfig | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Load ``path`` (YAML, or a file :func:`load_yaml` has read) over the defaults, then apply ``section.key=value``
+    overrides (values parsed as YAML).
 
     Raises:
         ConfigError: missing file, a file that is not a YAML mapping of sections, unknown section/key (the message
@@ -337,7 +338,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     base = OmegaConf.structured(ExperimentConfig)
     try:
         if path is not None:
-            base = OmegaConf.merge(base, _load_yaml(Path(path)))
+            base = OmegaConf.merge(base, path if isinstance(path, DictConfig) else load_yaml(Path(path)))
         for o in overrides:
             if "=" not in o or "." not in o.split("=", 1)[0]:
                 raise ConfigError(f"override {o!r} must look like section.key=value (e.g. partition.num_stages=3)")
@@ -394,9 +395,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     return cfg
 
 
-def _load_yaml(p: Path):
-    """The experiment file ``p`` as an OmegaConf mapping; ConfigError if it is missing, a folder, not YAML, or not a
-    mapping of sections."""
+def load_yaml(p: Path) -> DictConfig:
+    """The experiment file ``p`` as an OmegaConf mapping (what :func:`load_config` merges over the defaults);
+    ConfigError if it is missing, a folder, not YAML, or not a mapping of sections."""
     if not p.exists():
         raise ConfigError(f"config file {p} not found")
     if not p.is_file():

@@ -281,6 +281,31 @@ def test_benchmark_numbers_are_checked_by_their_own_flag(argv, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_benchmark_builds_its_parser_once_and_passes_the_options_keys(tmp_path, monkeypatch):
+    """The benchmark built its parser a second time to read the options' defaults; once is enough. The config keys
+    of the options given on the command line still reach replaced_file_settings as the user's own settings."""
+    from spd_ds.eval import benchmark as bm
+
+    bench, built = launcher_module("benchmark"), []
+    real = bench.build_parser
+    monkeypatch.setattr(bench, "build_parser", lambda: built.append(1) or real())
+    monkeypatch.setattr(bench, "setup_process", lambda: None)  # no thread settings or launcher watch in pytest
+    monkeypatch.setattr(bench, "setup_logging", lambda: None)
+
+    class Stop(Exception):
+        pass
+
+    def stop(base_config, runs, extra=(), suite_cfgs=None):
+        raise Stop(list(extra))
+
+    monkeypatch.setattr(bm, "replaced_file_settings", stop)  # the last step before any model is looked for
+    with pytest.raises(Stop) as e:
+        bench._main(["--suite", "c", "--stages", "2", "--num-prompts", "1", "--out", str(tmp_path / "o"),
+                     "decoding.temperature=0"])
+    assert e.value.args[0] == ["decoding.temperature=0", "data.num_prompts=", "partition.num_stages="]
+    assert len(built) == 1
+
+
 def test_error_prefix():
     assert cli.error_prefix("error", {}) == "error"
     assert cli.error_prefix("train.py", {"RANK": "0", "WORLD_SIZE": "4"}) == "train.py (rank 0 of 4)"

@@ -389,6 +389,30 @@ def test_benchmark_names_the_config_file_settings_its_suites_replace(tmp_path):
     assert bm.replaced_file_settings(None, runs) == []
 
 
+def test_benchmark_reads_the_config_file_once_to_name_the_replaced_settings(tmp_path, monkeypatch):
+    """replaced_file_settings read the --config file twice (its keys with yaml.safe_load, its values with
+    load_config); one read gives both, the same names as before."""
+    import io
+
+    from spd_ds.eval import benchmark as bm
+
+    f = tmp_path / "base.yaml"
+    f.write_text("decoding:\n  max_new_tokens: 8\ndata:\n  num_prompts: 1\n")
+    runs = bm.suite_runs(["c"], cuda=False, stages_c=[2])
+    cfgs = [bm.config_of(sr, str(f)) for sr in runs]
+    opened, real_open = [], io.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.path.abspath(file) == str(f):
+            opened.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counting_open)
+    assert bm.replaced_file_settings(str(f), runs, [], cfgs) == [
+        "data.num_prompts=1 (replaced by 4)", "decoding.max_new_tokens=8 (replaced by 128)"]
+    assert len(opened) == 1, opened
+
+
 def test_benchmark_suites_do_not_take_the_config_files_heads(tmp_path):
     """--config launch/configs/smollm2_spd.yaml (its n = 2 head.checkpoint) with --suite c --stages 3: the suite ran
     the file's n = 2 head at n = 3 and stopped on the partition mismatch, where its documented default is an untrained

@@ -106,7 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     The options of :data:`SEVERAL_VALUES` take every word up to the next option, so ``section.key=value`` words among
     them are taken out first and applied as the overrides they are (``--prompt-sets gsm8k data.eval_dir=DIR``,
-    ``--stages 2 decoding.temperature=1``; argparse read the latter as a bad stage count)."""
+    ``--stages 2 decoding.temperature=1``; argparse read the latter as a bad stage count). ``args.option_keys`` lists
+    the config keys (``key=``, :data:`OPTION_KEYS`) of the options given a value other than their default: the user's
+    choice, not the suites'."""
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, moved, several = [], [], False
     for w in argv:
@@ -119,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(rest)
     args.overrides = sorted([*args.overrides, *moved], key=argv.index)  # in command-line order: a later one wins
+    args.option_keys = [f"{key}=" for dest, keys in OPTION_KEYS.items() if getattr(args, dest) != ap.get_default(dest)
+                        for key in keys]
     return args
 
 
@@ -204,10 +208,7 @@ def _run(args: argparse.Namespace) -> int:
                 log.warning("suite %s (%s): no tp_ar baseline: %s", sr.suite, sr.label, tp_why)
     t0 = time.time()
     cfgs = [bm.config_of(sr, args.config) for sr in runs]
-    ap = build_parser()  # the keys of options given on the command line are the user's choice, not the suites'
-    chosen = [f"{key}=" for dest, keys in OPTION_KEYS.items() if getattr(args, dest) != ap.get_default(dest)
-              for key in keys]
-    replaced = bm.replaced_file_settings(args.config, runs, [*args.overrides, *chosen], cfgs)
+    replaced = bm.replaced_file_settings(args.config, runs, [*args.overrides, *args.option_keys], cfgs)
     if replaced:  # the file lies under the suites' settings: say which of its values are not used
         log.warning("--config %s: the suites' own settings replace its %s; give them with the benchmark's options "
                     "(--max-new-tokens, --num-prompts, --prompt-sets, --spd-head, ...) or as section.key=value on the "

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from omegaconf import DictConfig
 
 from spd_ds.builder import resolve_path
-from spd_ds.config import DEFAULT_PROMPT_SETS, ConfigError, ExperimentConfig, load_config
+from spd_ds.config import DEFAULT_PROMPT_SETS, ConfigError, ExperimentConfig, load_config, load_yaml
 from spd_ds.eval.regression import DEFAULT_HEAD_DIR
 from spd_ds.eval.report import REPEAT_NGRAM
 from spd_ds.head import SpeculationHead
@@ -179,23 +180,21 @@ def replaced_file_settings(base_config: str | None, runs: Sequence[SuiteRun], ex
         suite_cfgs: each run's config as :func:`config_of` gives it, when the caller has them (``None``: made here).
     Returns:
         One ``key=file value (replaced by suite values)`` string per replaced setting, sorted by key. Raises what
-        :func:`spd_ds.config.load_config` raises for the file (it has read it before).
+        :func:`spd_ds.config.load_config` raises for the file (it has read it before). The file is read once.
     """
     if base_config is None:
         return []
-    import yaml
-
-    data = yaml.safe_load(Path(base_config).read_text()) or {}
-    in_file = {f"{sec}.{k}" for sec, keys in data.items() if isinstance(keys, dict) for k in keys}
+    data = load_yaml(Path(base_config))  # the keys it sets, and (over the defaults) their values
+    in_file = {f"{sec}.{k}" for sec, keys in data.items() if isinstance(keys, DictConfig) for k in keys}
     in_file -= {o.split("=", 1)[0].strip() for o in extra}
 
     def same(a, b) -> bool:  # a path in the file and the suite's resolved one (head.checkpoint) are the same
         return a == b or (isinstance(a, str) and isinstance(b, str)
                           and os.path.realpath(resolve_path(a)) == os.path.realpath(resolve_path(b)))
 
-    file_cfg, out = load_config(base_config), {}
+    file_cfg, out = load_config(data), {}
     for k, sr in enumerate(runs):
-        suite_cfg = config_of(sr, base_config) if suite_cfgs is None else suite_cfgs[k]
+        suite_cfg = load_config(data, sr.overrides) if suite_cfgs is None else suite_cfgs[k]  # = config_of(sr, ...)
         for key in sorted({o.split("=", 1)[0].strip() for o in sr.overrides} & in_file):
             section, name = key.split(".")
             before, after = getattr(getattr(file_cfg, section), name), getattr(getattr(suite_cfg, section), name)
