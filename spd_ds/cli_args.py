@@ -1,8 +1,10 @@
-"""``argparse`` pieces of the launch programs beside :mod:`spd_ds.cli` (kept apart to keep that module small)."""
+"""Checks of the launch programs' arguments beside :mod:`spd_ds.cli` (kept apart to keep that module small): an
+option given twice (:class:`GivenOnce`, an ``argparse`` action), a value given twice in a list (:func:`repeated`)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Sequence
 
 
 class GivenOnce(argparse.Action):
@@ -16,3 +18,10 @@ class GivenOnce(argparse.Action):
             parser.error(f"{option_string} is given twice ({before!r} and {values!r}); give one (files are not "
                          "layered: put further settings as section.key=value overrides)")
         setattr(namespace, self.dest, values)
+
+
+def repeated(values: Sequence) -> list:
+    """The values of ``values`` equal to an earlier one, in order (``[]``: each is given once), for the checks that
+    refuse a list naming one value twice (``--suite c c``, ``eval.baselines=[ar,ar]``): its second run would replace
+    the first's results."""
+    return [v for k, v in enumerate(values) if v in values[:k]]

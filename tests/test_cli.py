@@ -42,6 +42,16 @@ def test_a_second_config_file_is_refused_not_silently_kept_instead_of_the_first(
            "settings as section.key=value overrides)" in capsys.readouterr().err
 
 
+def test_repeated_lists_the_values_given_twice():
+    """The one check behind the lists refused with a value given twice (--suite / --stages / --alphas,
+    eval.baselines, oracle alphas): the values equal to an earlier one, in order."""
+    from spd_ds.cli_args import repeated
+
+    assert repeated([]) == [] and repeated(["ar", "ar_graph"]) == []
+    assert repeated(["ar", "ar_graph", "ar", "ar_graph", "ar"]) == ["ar", "ar_graph", "ar"]
+    assert repeated([2, 3, 2.0]) == [2.0]  # equal, not identical
+
+
 def test_overrides_before_and_after_options():
     infer = launcher_module("infer")
     args = infer.parse_args(["--local_rank=1", "--config", "x.yaml", "deepspeed.timeout_s=20", "--no-compare-ar",

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from spd_ds.cli import (checks_outputs, chosen_engine, decoding_user_errors, ensure_output_dir, experiment_parser,
                         int_at_least, rank_and_world, removed_if_left_empty, run_cli, setup_logging, setup_process)
+from spd_ds.cli_args import repeated
 from spd_ds.pipe.topology import detect_world_size
 
 
@@ -174,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
                           f"(here {args.out}); give --out DIR instead of eval.output_dir")
     for flag, values in (("--suite", args.suite), ("--stages", args.stages),
                          ("--alphas", [f"{a:g}" for a in args.alphas])):  # one report folder / row per value
-        twice = [v for k, v in enumerate(values or []) if v in values[:k]]
+        twice = repeated(values or [])
         if twice:
             raise ConfigError(f"{flag} gives {twice[0]} twice; give each value once (a second run would replace the "
                               "first's results)")

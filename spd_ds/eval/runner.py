@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from spd_ds import builder
+from spd_ds.cli_args import repeated
 from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.decoding.cycle import GenerationResult
 from spd_ds.eval.inputs import (EvalPrompt, check_same_stages, encode_eval_prompts, fit_max_length, load_eval_records,
@@ -195,7 +196,7 @@ def spd_variants(cfg: ExperimentConfig, arch, alphas: Sequence[float] | None = N
             c = copy.deepcopy(cfg)
             c.decoding.oracle_alpha = float(a)
             out.append(_Variant(f"spd_oracle_{float(a):g}", f"oracle drafts, alpha={float(a):g}", c, float(a)))
-        twice = [v.name for k, v in enumerate(out) if v.name in [u.name for u in out[:k]]]
+        twice = repeated([v.name for v in out])
         if twice:  # one report row per name: the second run would replace the first's results
             raise ConfigError(f"oracle alphas {[float(a) for a in alphas]} give {twice[0]} twice; give each alpha once")
         if cfg.eval.ppsd_checkpoint:
@@ -322,7 +323,7 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
     unknown = [b for b in cfg.eval.baselines if b not in BASELINES]
     if unknown:
         raise ConfigError(f"unknown baseline(s) {unknown} in eval.baselines; known: {', '.join(BASELINES)}")
-    twice = [b for k, b in enumerate(cfg.eval.baselines) if b in cfg.eval.baselines[:k]]
+    twice = repeated(cfg.eval.baselines)
     if twice:  # one report row per name: it would run twice, the second run replacing the first's results
         raise ConfigError(f"eval.baselines names {twice[0]} twice ({list(cfg.eval.baselines)}); give each once")
     from spd_ds.eval.tp_baseline import check_tp_request
