@@ -126,8 +126,8 @@ def test_a_chat_template_is_a_file_or_jinja_text(tmp_path):
 
 
 def test_prepare_train_data_and_draft_vocab_cli_errors_are_one_line(tmp_path, capsys):
-    """The data programs end a user error with one line and exit status 2, before reading the corpus; export keeps
-    conv_id when it clips (the held-out split keys on it)."""
+    """The data programs end a user error with one line and exit status 2, before reading the corpus, and leave no
+    empty output folder behind; export keeps conv_id when it clips (the held-out split keys on it)."""
     from spd_ds.commands import build_draft_vocab, prepare_train_data
 
     model = make_chat_model(tmp_path)
@@ -161,6 +161,11 @@ def test_prepare_train_data_and_draft_vocab_cli_errors_are_one_line(tmp_path, ca
             code = e.code
         err = capsys.readouterr().err
         assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+    for argv in (["export", "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "new" / "sub" / "e.gz")],
+                 ["selfdistill", "--model", str(model), "--data", str(tmp_path / "none.jsonl"),
+                  "--out", str(tmp_path / "new" / "sd")]):  # refused after the output folder was made
+        assert prepare_train_data.main(argv) == 2 and "not found" in capsys.readouterr().err, argv
+        assert not (tmp_path / "new").exists(), argv  # no empty folder left behind
     ids = tmp_path / "ids.jsonl"
     ids.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
         {"from": "human", "value": "q" * 30}, {"from": "gpt", "value": "a" * 30},

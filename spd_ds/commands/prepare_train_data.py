@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from spd_ds.cli import add_version_argument, check_output_file, ensure_output_dir, float_in, int_at_least
+    from spd_ds.cli import (add_version_argument, check_output_file, ensure_output_dir, float_in, int_at_least,
+                            removed_if_left_empty)
 
     pos, nonneg = int_at_least(1), int_at_least(0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -254,16 +255,18 @@ def _main(argv: list[str] | None = None) -> int:
     sd.add_argument("--device", default=None, help="default: cuda if available")
     sd.add_argument("--chat-template", default=None)
     args = ap.parse_args(argv)
-    if args.cmd == "selfdistill":  # before the model loads: a bad output path fails now, not after generating
-        ensure_output_dir(args.out, "--out")
-    else:
-        check_output_file(args.out, "--out")
-    if args.cmd in ("export", "export-prompts"):
-        args.data = args.data or ["sharegpt"]
-        return _export(args) if args.cmd == "export" else _export_prompts(args)
-    if args.cmd == "selfdistill":
-        return _selfdistill(args)
-    return _regenerate(args)
+    out_dir = args.out if args.cmd == "selfdistill" else os.path.dirname(os.path.abspath(args.out))
+    with removed_if_left_empty(out_dir):  # a refused run leaves no empty output folder behind
+        if args.cmd == "selfdistill":  # before the model loads: a bad output path fails now, not after generating
+            ensure_output_dir(args.out, "--out")
+        else:
+            check_output_file(args.out, "--out")
+        if args.cmd in ("export", "export-prompts"):
+            args.data = args.data or ["sharegpt"]
+            return _export(args) if args.cmd == "export" else _export_prompts(args)
+        if args.cmd == "selfdistill":
+            return _selfdistill(args)
+        return _regenerate(args)
 
 
 if __name__ == "__main__":
