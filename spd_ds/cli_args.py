@@ -23,5 +23,12 @@ class GivenOnce(argparse.Action):
 def repeated(values: Sequence) -> list:
     """The values of ``values`` equal to an earlier one, in order (``[]``: each is given once), for the checks that
     refuse a list naming one value twice (``--suite c c``, ``eval.baselines=[ar,ar]``): its second run would replace
-    the first's results."""
+    the first's results.
+
+    Args:
+        values: a short list of comparable values (suite names, stage counts, baseline names; compared with ``==``,
+            quadratic in its length).
+    Returns:
+        Each repeat, once per repeat (``[2, 2, 2]`` gives ``[2, 2]``). Raises nothing; the caller words the error.
+    """
     return [v for k, v in enumerate(values) if v in values[:k]]
