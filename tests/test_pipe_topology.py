@@ -76,12 +76,18 @@ def test_detect_world_size(monkeypatch):
     assert detect_world_size() == 3
 
 
-def test_ds_config(tmp_path):
+def test_ds_config(tmp_path, monkeypatch):
     from spd_ds.pipe.runner import load_ds_config
 
     cfg = load_config(None, [])
     ds = load_ds_config(cfg)  # ds_configs/infer.json
     assert ds["train_micro_batch_size_per_gpu"] == 1 and "fp16" not in ds
+    monkeypatch.chdir(tmp_path)  # another directory: a relative deepspeed.config is found in the repository
+    named = load_config(None, ["deepspeed.config=ds_configs/infer.json"])
+    assert load_ds_config(named) == ds and load_ds_config(cfg) == ds  # it said 'not found' for the named one
+    (tmp_path / "ds_configs").mkdir()
+    (tmp_path / "ds_configs" / "infer.json").write_text(json.dumps({"steps_per_print": 7}))
+    assert load_ds_config(named)["steps_per_print"] == 7  # the working directory's file first
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"bf16": {"enabled": True}}))
     with pytest.raises(ConfigError, match="set model.dtype instead"):

@@ -54,7 +54,7 @@ def test_outside_vocab_policies_and_agreement():
     assert top1_agreement(s, t, ids).tolist() == [True, False]  # an argmax outside D is never matched
 
 
-def test_lr_schedule_and_ds_config(tmp_path):
+def test_lr_schedule_and_ds_config(tmp_path, monkeypatch):
     f = WarmupLinear(4, 20)
     assert [round(f(s), 3) for s in (0, 3, 4, 12, 20, 25)] == [0.25, 1.0, 1.0, 0.5, 0.0, 0.0]
     assert math.isclose(WarmupLinear(0, 10)(0), 1.0)
@@ -88,6 +88,8 @@ def test_lr_schedule_and_ds_config(tmp_path):
         load_ds_config({"zero_optimization": 2}, 1)
     with pytest.raises(ConfigError, match="not found"):
         load_ds_config(str(tmp_path / "none.json"), 1)
+    monkeypatch.chdir(tmp_path)  # another directory: the default and a relative path are found in the repository
+    assert load_ds_config(None, 6) == cfg == load_ds_config("ds_configs/zero2.json", 6)  # both said 'not found'
     bad = tmp_path / "bad.json"
     bad.write_text('{"zero_optimization": {"stage": 2},}')
     with pytest.raises(ConfigError, match="is not valid JSON"):

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from spd_ds.builder import resolve_path
 from spd_ds.config import ConfigError, ExperimentConfig, read_json_object
 from spd_ds.decoding.drafters import Drafter
 from spd_ds.decoding.cycle import GenerationResult, check_prompt
@@ -46,24 +47,20 @@ DrafterFactory = Callable[[object, list, Callable[[], list]], Drafter]
 
 
 def load_ds_config(cfg: ExperimentConfig) -> dict:
-    """The DeepSpeed JSON config: ``deepspeed.config``, else ``ds_configs/infer.json`` (cwd, then the repository),
-    else built-in defaults.
+    """The DeepSpeed JSON config: ``deepspeed.config``, else ``ds_configs/infer.json``, else built-in defaults (a
+    relative path is looked for in the working directory, then in the repository: :func:`spd_ds.builder.resolve_path`).
 
     Raises:
         ConfigError: missing file, bad JSON, or fp16/bf16 enabled (the dtype is ``model.dtype``; DeepSpeed would cast
             every module, the head included).
     """
     path = cfg.deepspeed.config
-    candidates = [Path(path)] if path else [Path("ds_configs/infer.json"),
-                                            Path(__file__).resolve().parents[2] / "ds_configs" / "infer.json"]
-    ds = None
-    for p in candidates:
-        if p.exists():
-            ds = read_json_object(p, "deepspeed.config", "fix the file or set another deepspeed.config")
-            break
-    if ds is None:
-        if path:
-            raise ConfigError(f"deepspeed.config {path} not found")
+    p = Path(resolve_path(path or "ds_configs/infer.json"))  # the working directory, else the repository
+    if p.exists():
+        ds = read_json_object(p, "deepspeed.config", "fix the file or set another deepspeed.config")
+    elif path:
+        raise ConfigError(f"deepspeed.config {path} not found")
+    else:
         ds = dict(DEFAULT_DS_CONFIG)
     for key in ("fp16", "bf16", "bfloat16"):
         if isinstance(ds.get(key), dict) and ds[key].get("enabled") not in (False, "auto", None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from spd_ds.builder import resolve_path
 from spd_ds.config import ConfigError, read_json_object
 
 
@@ -12,6 +13,8 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
     """The head engine's DeepSpeed config, with ``train_micro_batch_size_per_gpu`` set to our rows per micro-batch
     (``data.micro_batch_size``, divided among the teacher's pipeline stages) and ``train_batch_size`` left to
     DeepSpeed (micro-batch x accumulation x ranks); a file that sets either is told so through ``warn(message)``.
+    ``path_or_dict``: the config itself, or its file (default ``ds_configs/zero2.json``; a relative path is looked for
+    in the working directory, then in the repository: :func:`spd_ds.builder.resolve_path`).
 
     Raises:
         ConfigError: a missing file or one that is not a JSON object, an ``optimizer``/``scheduler`` section
@@ -23,7 +26,7 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
     if isinstance(path_or_dict, dict):
         cfg = dict(path_or_dict)
     else:
-        p = Path(path_or_dict or "ds_configs/zero2.json")
+        p = Path(resolve_path(str(path_or_dict or "ds_configs/zero2.json")))  # cwd, else the repository
         if not p.exists():
             raise ConfigError(f"DeepSpeed config {p} not found; pass --deepspeed_config ds_configs/zero2.json")
         cfg = read_json_object(p, "DeepSpeed config", "fix the file or pass another --deepspeed_config")
