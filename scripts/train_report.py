@@ -4,9 +4,9 @@
 predicted acceptance against training tokens with decoder-measured points (suite (c) ``benchmark.json`` files).
 
     python scripts/train_report.py runs/heads/smollm2_n2 [more runs] [--name label] [--json]
-    python scripts/train_report.py runs/heads/n2 runs/heads/n3 --png docs/img/acceptance.png \
+    python scripts/train_report.py runs/heads/n2 runs/heads/n3 --png docs/img/acceptance.png \\
         --measured n2:3400:runs/ev_n2/benchmark.json --measured n3:3400:runs/ev_n3/benchmark.json
-    python scripts/train_report.py runs/heads/s3 runs/heads/p3 --png docs/img/n3.png \
+    python scripts/train_report.py runs/heads/s3 runs/heads/p3 --png docs/img/n3.png \\
         --measured s3:3600:runs/ev_n3/benchmark.json --measured p3:3200:ppsd:runs/ev_n3/benchmark.json
     python scripts/train_report.py docs/train_logs/{s3l2,w3l2,x3l2} --convergence   # one head's runs, in order
     python scripts/train_report.py z2l2=docs/train_logs/z2l2/h200_33 --png out.png --measured z2l2:3600:b.json
@@ -162,13 +162,21 @@ def measured_acceptance(bench_json: Path, num_stages: int, method: str = "spd") 
     one run) at ``num_stages`` in a suite (c) ``benchmark.json``.
 
     Raises:
-        ValueError: the file has no ``method`` acceptance row for that n.
+        OSError: the file cannot be read.
+        ValueError: the file is not JSON, has no suite (c) acceptance table (``acceptance_headers`` with a ``draft
+            acc.`` column, ``acceptance`` rows), or has no ``method`` acceptance row for that n.
     """
     d = json.loads(bench_json.read_text())
-    col = d["acceptance_headers"].index("draft acc.")
-    for row in d["acceptance"]:
-        if row[1] == method and int(row[0]) == num_stages:
-            return float(row[col])
+    try:
+        col = d["acceptance_headers"].index("draft acc.")
+        rows = [(row[1], int(row[0]), float(row[col])) for row in d["acceptance"]]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        raise ValueError(f"{bench_json} holds no suite (c) acceptance table (acceptance_headers with a 'draft "
+                         "acc.' column, acceptance rows); pass the benchmark.json of launch/benchmark.py --suite c"
+                         ) from None
+    for name, n, acc in rows:
+        if name == method and n == num_stages:
+            return acc
     raise ValueError(f"{bench_json}: no {method} acceptance row for n = {num_stages}; pass a suite (c) "
                      f"benchmark.json that measured this head")
 
@@ -179,8 +187,8 @@ def num_stages(run: Path) -> int:
 
 
 def main(argv=None) -> int:
-    """Print the report line of every run (``--json``: its dict); with ``--png`` also write the plot. Exit status 0;
-    2 (argparse) for a bad ``--measured``."""
+    """Print the report line of every run (``--json``: its dict); with ``--png`` also write the plot (its folder is
+    made if missing). Exit status 0; 2 (argparse, one line) for a bad run folder, ``--measured`` or ``--png``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="[LABEL=]RUN",
                     help="a training run's directory; LABEL= names it in the plot, --measured and the report lines "
@@ -222,6 +230,8 @@ def main(argv=None) -> int:
     if args.measured and not args.png:
         ap.error("--measured needs --png")
     if args.png:
+        from spd_ds.cli import check_output_file
+        from spd_ds.config import ConfigError
         from spd_ds.eval.plots import plot_training_acceptance
 
         by_name = {names[i]: run for i, run in enumerate(args.runs)}
@@ -234,17 +244,23 @@ def main(argv=None) -> int:
             method, path = (method, rest) if method in METHODS and sep else ("spd", path)
             if name not in by_name or not step.isdigit() or not path:
                 ap.error(f"--measured {m}: expected RUN:STEP:[ppsd:]BENCHMARK_JSON with RUN one of "
-                         f"{', '.join(by_name)}")
+                         f"{', '.join(by_name)} and STEP a whole number of steps")
             run = by_name[name]
             try:
                 acc = measured_acceptance(Path(path), num_stages(run), method)
-            except (OSError, ValueError) as e:
+                points.append((name, (init_steps(run) + int(step)) * tokens_per_step(run), acc))
+            except (OSError, ValueError, KeyError) as e:
                 ap.error(f"--measured {m}: {e}")
-            points.append((name, (init_steps(run) + int(step)) * tokens_per_step(run), acc))
-        plot_training_acceptance([(name, validation_curve(run)) for name, run in by_name.items()], points, args.png,
-                                 caption=args.caption, loop_free={
-                                     name: validation_curve(run, "val_pred_acceptance_noloop")
-                                     for name, run in by_name.items()})
+        try:  # a run that never saved (no config.yaml) has no token axis
+            curves = [(name, validation_curve(run)) for name, run in by_name.items()]
+            loop_free = {name: validation_curve(run, "val_pred_acceptance_noloop") for name, run in by_name.items()}
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--png: {e}")
+        try:  # a new folder is made; one that cannot be made or written fails in one line, not in matplotlib
+            check_output_file(str(args.png), "--png")
+        except ConfigError as e:
+            ap.error(str(e))
+        plot_training_acceptance(curves, points, args.png, caption=args.caption, loop_free=loop_free)
         print(f"wrote {args.png}")
     for i, run in enumerate(args.runs):
         r = report(run)

@@ -290,3 +290,31 @@ def test_labels_name_runs_whose_directories_share_a_name(tmp_path, capsys, monke
     assert drawn["curves"] == ["z2l2", "a2l2"] and [p[0] for p in drawn["points"]] == ["a2l2"]
     out = capsys.readouterr().out
     assert "z2l2: steps 300/300" in out and "a2l2: steps 300/300" in out
+
+
+def test_bad_png_path_benchmark_file_or_unsaved_run_is_one_line(tmp_path, capsys):
+    """What a user gets wrong with ``--png`` and ``--measured`` ends in one argparse line (exit status 2), not a
+    traceback: a benchmark.json of another kind (suite (a): no acceptance table), a --png folder that cannot be made,
+    a run that has not saved yet (no config.yaml: no token axis); a --png folder that is missing is made."""
+    tr = _load()
+    run = _run_dir(tmp_path, "n2")
+    other = tmp_path / "suite_a.json"
+    other.write_text(json.dumps({"speed_headers": ["n", "tok/s"], "speed": [[2, 10.0]]}))
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    unsaved = tmp_path / "live"
+    unsaved.mkdir()
+    (unsaved / "train_log.jsonl").write_text(json.dumps({"step": 10, "loss": 3.0, "tokens_per_s": 1.0,
+                                                         "val_pred_acceptance": 0.2}) + "\n")
+    cases = ((["--png", str(tmp_path / "a.png"), "--measured", f"n2:300:{other}"], "no suite (c) acceptance table"),
+             (["--png", str(blocker / "sub" / "a.png")], "--png's folder"),
+             (["--png", str(tmp_path / "a.png"), "--measured", "n2:x:b.json"], "STEP a whole number"))
+    for extra, why in cases:
+        with pytest.raises(SystemExit) as e:
+            tr.main([str(run), *extra])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        tr.main([str(unsaved), "--png", str(tmp_path / "a.png")])
+    assert e.value.code == 2 and "config.yaml not found" in capsys.readouterr().err
+    png = tmp_path / "new" / "folder" / "acc.png"
+    assert tr.main([str(run), "--png", str(png)]) == 0 and png.stat().st_size > 10_000
