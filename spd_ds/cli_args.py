@@ -1,5 +1,6 @@
 """Checks of the launch programs' arguments beside :mod:`spd_ds.cli` (kept apart to keep that module small): an
-option given twice (:class:`GivenOnce`, an ``argparse`` action), a value given twice in a list (:func:`repeated`)."""
+option given twice (:class:`GivenOnce`, an ``argparse`` action), a value given twice in a list (:func:`repeated`), a
+device this machine has (:func:`torch_device`, an ``argparse`` type)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,35 @@ def repeated(values: Sequence) -> list:
         Each repeat, once per repeat (``[2, 2, 2]`` gives ``[2, 2]``). Raises nothing; the caller words the error.
     """
     return [v for k, v in enumerate(values) if v in values[:k]]
+
+
+def torch_device(text: str) -> str:
+    """An ``argparse`` type: a torch device this machine can use (``cpu``, ``cuda``, ``cuda:N`` with N below the
+    visible GPU count), checked when the command line is read, before any model loads; argparse refuses other values
+    in one line, exit status 2.
+
+    Args:
+        text: the option's value.
+    Returns:
+        ``text`` unchanged.
+    Raises:
+        argparse.ArgumentTypeError: not a device name torch knows, or a CUDA device this machine does not have.
+    """
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; give cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise argparse.ArgumentTypeError(f"{text}: torch {torch.__version__} sees no CUDA device here; give cpu "
+                                             "(or leave the option out)")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {count} visible GPU(s), cuda:0 to "
+                                             f"cuda:{count - 1}")
+    return text
+
+
+torch_device.__name__ = "device"

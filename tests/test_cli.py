@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spd_ds import cli
+from spd_ds import cli, cli_args
 from spd_ds.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -517,15 +517,35 @@ def test_dev_stdout_as_output_file_to_a_pipe():
     (["regenerate", "--time-budget", "0"], "argument --time-budget: must be > 0, got 0"),
     (["selfdistill", "--time-budget", "-5"], "argument --time-budget: must be > 0, got -5"),
     (["selfdistill", "--flush-every", "0"], "argument --flush-every: must be > 0, got 0"),
+    (["selfdistill", "--device", "gpu"], "argument --device: 'gpu' is not a device; give cpu, cuda or cuda:N"),
 ])
 def test_data_commands_refuse_numbers_out_of_range(argv, message, capsys):
     """A negative temperature used to decode greedily without a word (regenerate); the parser refuses it, and the
-    other numbers out of range, in one line with exit status 2 before anything loads."""
+    other numbers out of range, in one line with exit status 2 before anything loads; so is a device name torch does
+    not know (it was a RuntimeError traceback after the model had loaded)."""
     from spd_ds.commands.prepare_train_data import main
 
     with pytest.raises(SystemExit) as e:
         main([argv[0], "--data", "x", "--out", "y", *argv[1:]])
     assert e.value.code == 2 and capsys.readouterr().err.strip().endswith(message)
+
+
+def test_selfdistill_refuses_a_gpu_the_machine_lacks(monkeypatch, capsys, tmp_path):
+    """``selfdistill --device cuda`` on a machine without that GPU: one line (exit status 2) when the command line is
+    read, before the model loads and before --out is made (it was torch's 'Torch not compiled with CUDA enabled'
+    traceback after the model had loaded)."""
+    from spd_ds.commands.prepare_train_data import main
+
+    out = tmp_path / "sd"
+    for visible, device, message in ((0, "cuda", "sees no CUDA device here; give cpu"),
+                                     (2, "cuda:2", "this machine has 2 visible GPU(s), cuda:0 to cuda:1")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda v=visible: v > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda v=visible: v)
+        with pytest.raises(SystemExit) as e:
+            main(["selfdistill", "--data", "x", "--out", str(out), "--device", device])
+        assert e.value.code == 2 and message in capsys.readouterr().err and not out.exists()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cli_args.torch_device("cuda:1") == "cuda:1" and cli_args.torch_device("cpu") == "cpu"
 
 
 def test_float_in_accepts_its_bounds():

@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     from spd_ds.cli import (add_version_argument, check_output_file, ensure_output_dir, float_in, int_at_least,
                             removed_if_left_empty)
+    from spd_ds.cli_args import torch_device
 
     pos, nonneg = int_at_least(1), int_at_least(0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -252,7 +253,8 @@ def _main(argv: list[str] | None = None) -> int:
     sd.add_argument("--flush-every", type=float_in(0.0, above=True), default=60.0,
                     help="write finished answers at least this often (s)")
     sd.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
-    sd.add_argument("--device", default=None, help="default: cuda if available")
+    sd.add_argument("--device", type=torch_device, default=None,
+                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     sd.add_argument("--chat-template", default=None)
     args = ap.parse_args(argv)
     out_dir = args.out if args.cmd == "selfdistill" else os.path.dirname(os.path.abspath(args.out))
