@@ -165,13 +165,17 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
 FULL_VOCAB = "full"  # head.draft_vocab value: draft over the target's whole vocabulary
 
 
-def draft_vocab_ids(draft_vocab: str) -> list[int] | None:
+def draft_vocab_ids(draft_vocab: str, vocab_size: int | None = None) -> list[int] | None:
     """The ids of ``head.draft_vocab``: a draft-vocabulary JSON (:func:`~spd_ds.head.load_draft_vocab`), or ``None``
     for ``full`` (the whole vocabulary).
 
+    Args:
+        draft_vocab: the file's path, or ``full``.
+        vocab_size: the target's vocabulary size; given, every id must lie in ``[0, vocab_size)``.
     Raises:
-        ConfigError: the file is missing or unreadable, is not JSON with ``token_ids``, or its ids are not sorted and
-            unique (the message names ``head.draft_vocab``).
+        ConfigError: the file is missing or unreadable, is not JSON with a non-empty integer ``token_ids`` list, its
+            ids are not sorted and unique, or (``vocab_size`` given) an id lies outside the target's vocabulary, as in
+            a file built for another model (the message names ``head.draft_vocab``).
     """
     if draft_vocab == FULL_VOCAB:
         return None
@@ -180,7 +184,7 @@ def draft_vocab_ids(draft_vocab: str) -> list[int] | None:
                           "holds one, launch/build_draft_vocab.py writes one), head.draft_vocab=full (every id), or "
                           "leave it null (a loaded head's own ids, every id for a new head)")
     try:
-        return load_draft_vocab(draft_vocab)
+        ids = load_draft_vocab(draft_vocab)
     except OSError as e:
         raise ConfigError(f"head.draft_vocab={draft_vocab}: cannot read it ({e.strerror or e}); give a "
                           f"draft-vocabulary JSON (e.g. draft_vocab/) or {FULL_VOCAB}") from None
@@ -192,6 +196,11 @@ def draft_vocab_ids(draft_vocab: str) -> list[int] | None:
                           "(docs/training.md, section Draft vocabulary)") from None
     except (ValueError, TypeError) as e:  # load_draft_vocab's messages name the file and what is wrong
         raise ConfigError(f"head.draft_vocab: {e}") from None
+    if vocab_size is not None and not 0 <= ids[0] <= ids[-1] < vocab_size:  # sorted: the ends bound every id
+        raise ConfigError(f"head.draft_vocab={draft_vocab} holds ids in [{ids[0]}, {ids[-1]}], outside the target's "
+                          f"vocabulary of {vocab_size} ids (a file built for another model?); build one for this "
+                          "model with launch/build_draft_vocab.py --model ..., or give head.draft_vocab=full")
+    return ids
 
 
 def check_head_inputs(cfg: ExperimentConfig, ppsd: bool = False) -> None:
@@ -243,7 +252,7 @@ def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartitio
                         cfg.head.tower_init_layer, cfg.head.checkpoint)
         head = SpeculationHead.load(cfg.head.checkpoint, arch, partition)
         if cfg.head.draft_vocab:  # a target-tied head drafts over the given vocabulary (set_draft_vocab)
-            ids = draft_vocab_ids(cfg.head.draft_vocab)
+            ids = draft_vocab_ids(cfg.head.draft_vocab, arch.vocab_size)
             if torch.equal(torch.arange(arch.vocab_size) if ids is None else torch.tensor(ids), head.draft_ids.cpu()):
                 pass  # already its vocabulary
             elif head.lm_head_from_target:
@@ -254,7 +263,7 @@ def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartitio
                 log.warning("head.draft_vocab=%s ignored: head %s stores its own LM head for its %d-id vocabulary",
                             cfg.head.draft_vocab, cfg.head.checkpoint, head.draft_vocab_size)
         return head
-    ids = draft_vocab_ids(cfg.head.draft_vocab) if cfg.head.draft_vocab else None
+    ids = draft_vocab_ids(cfg.head.draft_vocab, arch.vocab_size) if cfg.head.draft_vocab else None
     torch.manual_seed(cfg.train.seed)
     head = SpeculationHead(arch, partition, cfg.head.num_layers, ids, cfg.head.intermediate_size,
                            lm_head_from_target=cfg.head.lm_head_from_target)

@@ -411,10 +411,17 @@ def load_draft_vocab(path: str | os.PathLike) -> list[int]:
     """Token ids of a draft-vocabulary JSON (``token_ids``, ``draft_vocab_size``; reference-compatible format).
 
     Raises:
-        ValueError: the length disagrees with ``draft_vocab_size`` or the ids are not sorted and unique.
+        OSError: the file cannot be read. json.JSONDecodeError: it is not JSON. KeyError: no ``token_ids``.
+        ValueError: ``token_ids`` is not a non-empty list of integers, its length disagrees with
+            ``draft_vocab_size``, or the ids are not sorted and unique (one line naming the file).
     """
     data = json.loads(Path(path).read_text())
-    ids = [int(x) for x in data["token_ids"]]
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is a JSON {type(data).__name__}, not an object with token_ids")
+    raw = data["token_ids"]
+    if not isinstance(raw, list) or not raw or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
+        raise ValueError(f"{path}: token_ids must be a non-empty list of integer token ids")
+    ids = [int(x) for x in raw]
     if len(ids) != int(data.get("draft_vocab_size", len(ids))):
         raise ValueError(f"{path}: {len(ids)} token_ids but draft_vocab_size={data['draft_vocab_size']}")
     if any(b <= a for a, b in zip(ids, ids[1:])):

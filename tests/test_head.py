@@ -145,6 +145,25 @@ def test_head_draft_vocab_config_for_a_loaded_head(arch, tmp_path, caplog):
         precheck(bad)
     with pytest.raises(ConfigError, match=r"head.draft_vocab=.*none.json does not exist; give a draft-vocabulary JSON"):
         precheck(tmp_path / "none.json")
+    # a file built for a larger vocabulary (another model): one line on every rank before any collective, and from
+    # build_head (a new head or a loaded one), not the head's ValueError traceback
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"token_ids": [2, arch.vocab_size + 5], "draft_vocab_size": 2}))
+    outside = rf"head.draft_vocab=.*other.json holds ids in \[2, {arch.vocab_size + 5}\], outside the target's " \
+              rf"vocabulary of {arch.vocab_size} ids"
+    with pytest.raises(ConfigError, match=outside):
+        precheck(other)
+    with pytest.raises(ConfigError, match=outside):
+        load("tied", f"head.draft_vocab={other}")
+    with pytest.raises(ConfigError, match=outside):
+        build_head(load_config(None, [f"model.name={arch.model_dir}", f"head.draft_vocab={other}"]), arch, part)
+    for content, match in (({"token_ids": []}, "token_ids must be a non-empty list of integer token ids"),
+                           ({"token_ids": 5}, "token_ids must be a non-empty list of integer token ids"),
+                           ({"token_ids": ["a"]}, "token_ids must be a non-empty list of integer token ids"),
+                           ([1, 2, 3], "is a JSON list, not an object with token_ids")):
+        bad.write_text(json.dumps(content))
+        with pytest.raises(ConfigError, match=f"head.draft_vocab: .*bad.json.*{match}"):
+            precheck(bad)
 
 
 def test_load_mismatch_errors(arch, tiny_root, tmp_path):

@@ -106,7 +106,7 @@ def _precheck_head(cfg: ExperimentConfig, arch) -> None:
     if cfg.head.checkpoint:
         SpeculationHead.check_base_model(cfg.head.checkpoint, arch)
     if cfg.head.draft_vocab:
-        draft_vocab_ids(cfg.head.draft_vocab)
+        draft_vocab_ids(cfg.head.draft_vocab, arch.vocab_size)
 
 
 def _eos_with_tokenizer(cfg: ExperimentConfig, arch, default: list[int]) -> list[int]:
