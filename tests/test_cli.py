@@ -85,6 +85,15 @@ def test_benchmark_overrides_after_options_that_take_several_values():
         launcher_module("benchmark").parse_args(["--stages", "model.device=cpu"])
 
 
+@pytest.mark.parametrize("alphas", [["2"], ["1", "-0.5"], ["nan"]])
+def test_benchmark_refuses_an_oracle_alpha_outside_0_1_when_the_command_line_is_read(alphas, capsys):
+    """``--alphas 2`` reached suite b's evaluation only: suite a ran to its end first (minutes), then the run stopped
+    on 'oracle alpha must be in [0, 1], got 2.0'. Refused in one argparse line (exit status 2) before any suite."""
+    with pytest.raises(SystemExit) as e:
+        launcher_module("benchmark").parse_args(["--suite", "a", "b", "--alphas", *alphas])
+    assert e.value.code == 2 and "argument --alphas: must be >= 0 and <= 1" in capsys.readouterr().err
+
+
 def test_infer_takes_overrides_after_options():
     """The issue's command line: overrides after ``--no-compare-ar`` reach the config (the unknown key proves it:
     argparse no longer says ``unrecognized arguments``)."""

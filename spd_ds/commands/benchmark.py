@@ -48,7 +48,8 @@ from pathlib import Path
 
 
 from spd_ds.cli import (checks_outputs, chosen_engine, decoding_user_errors, ensure_output_dir, experiment_parser,
-                        int_at_least, rank_and_world, removed_if_left_empty, run_cli, setup_logging, setup_process)
+                        float_in, int_at_least, rank_and_world, removed_if_left_empty, run_cli, setup_logging,
+                        setup_process)
 from spd_ds.cli_args import repeated
 from spd_ds.pipe.topology import detect_world_size
 
@@ -83,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-b", default=None,
                     help=f"random-weight shape of suite b (default: {DEFAULT_MODEL_B}, which needs a GPU: without one "
                          "suite b stops unless --model-b is given; random:smollm2-135m fits a CPU)")
-    ap.add_argument("--alphas", nargs="+", type=float, default=[1.0, 0.8, 0.6],
-                    help="oracle alphas of suite b (default: %(default)s)")
+    ap.add_argument("--alphas", nargs="+", type=float_in(0.0, 1.0), default=[1.0, 0.8, 0.6],
+                    help="oracle alphas of suite b, each in [0, 1] (default: %(default)s)")
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 5, 6], help="n values of suite c (default: "
                     "%(default)s)")
     ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"],
@@ -114,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     rest, moved, several = [], [], False
     for w in argv:
         if w.startswith("-") and not _is_number(w):  # an option (a negative number is a value: --alphas -1 is refused
-            several = w in SEVERAL_VALUES           # by its check, not taken for an option)
+            several = w in SEVERAL_VALUES           # by its type, not taken for an option)
         elif several and OVERRIDE_WORD.match(w):
             moved.append(w)
             continue

@@ -192,7 +192,7 @@ def spd_variants(cfg: ExperimentConfig, arch, alphas: Sequence[float] | None = N
         out = []
         for a in alphas:
             if not 0.0 <= float(a) <= 1.0:
-                raise ConfigError(f"oracle alpha must be in [0, 1], got {a}")
+                raise ConfigError(f"eval.oracle_alphas: each alpha must be in [0, 1], got {a}")
             c = copy.deepcopy(cfg)
             c.decoding.oracle_alpha = float(a)
             out.append(_Variant(f"spd_oracle_{float(a):g}", f"oracle drafts, alpha={float(a):g}", c, float(a)))
