@@ -38,13 +38,16 @@ def test_counts_selection_and_file_round_trip(tmp_path):
         select_draft_vocab(counts, 13)
 
 
-def test_build_draft_vocab_launcher(tmp_path):
+def test_build_draft_vocab_launcher(tmp_path, capsys):
     from spd_ds.commands import build_draft_vocab
 
     model = make_chat_model(tmp_path)
     data = make_chats(tmp_path / "chats.jsonl", 50)
     out = tmp_path / "vocab.json"
-    assert build_draft_vocab.main(["--model", str(model), "--data", str(data), "--size", "20", "--out", str(out)]) == 0
+    assert build_draft_vocab.main(["--model", str(model), "--data", str(data), "--size", "20", "--out", str(out),
+                                   "--max-seq-length", "64"]) == 0
+    err = capsys.readouterr().err  # the data line names this command's options, not the training config's keys
+    assert "build_draft_vocab: 50 conversations" in err and "--max-seq-length 64" in err and "data." not in err
     rec = json.loads(out.read_text())
     assert set(rec) == REFERENCE_KEYS and rec["draft_vocab_size"] == 20 and rec["mask_assistant"] is True
     assert 2 in rec["token_ids"]  # <|im_end|>

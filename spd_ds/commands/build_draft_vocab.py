@@ -69,7 +69,10 @@ def _main(argv: list[str] | None = None) -> int:
     check_selfdistill_target(args.data, model_fingerprint(model_dir), args.model)
     records = load_records(args.data, limit=args.max_conversations)
     data = tokenize_records(records, tok, args.max_seq_length, 1, "truncate", args.num_workers)
-    print(f"build_draft_vocab: {data.summary()}", file=sys.stderr)
+    # its own words, not TokenizedData.summary's: that one names the training config (data.max_seq_length, ...)
+    print(f"build_draft_vocab: {len(data)} conversations, {data.num_tokens} tokens; left out "
+          f"{data.dropped_no_assistant} without an assistant token within --max-seq-length {args.max_seq_length}, "
+          f"cut {data.truncated} to it", file=sys.stderr)
     counts = count_assistant_tokens(data.input_ids, data.assistant_mask, V)
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     eos |= set(generation_eos_ids(model_dir))
