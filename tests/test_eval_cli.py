@@ -40,6 +40,19 @@ def test_eval_cli_tiny_model(tmp_path):
     assert (tmp_path / "out" / "acceptance_by_depth.png").exists()
 
 
+def test_eval_without_matplotlib_names_only_the_files_it_wrote(tmp_path):
+    """Installed without matplotlib (``pip install -e .`` leaves it out), eval skips its plots with a warning; its
+    last line said it had written them anyway ('wrote .../summary.json, per_prompt.jsonl, acceptance_by_depth.png,
+    cycle_time_split.png')."""
+    shape = make_random_shape(tmp_path)
+    code = ("import sys; sys.modules['matplotlib'] = None; from spd_ds.commands.eval import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    p = run(["-c", code, *tiny(shape, tmp_path / "out", "eval.baselines=[ar]")])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "plots skipped" in p.stderr and not list((tmp_path / "out").glob("*.png"))
+    assert p.stdout.strip().splitlines()[-1] == f"wrote {tmp_path / 'out'}/summary.json, per_prompt.jsonl"
+
+
 def test_eval_cli_bad_config_is_one_line(tmp_path):
     p = run(["launch/eval.py", "eval.nope=1"])
     assert p.returncode == 2 and "valid keys of eval" in p.stderr

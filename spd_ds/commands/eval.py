@@ -15,8 +15,9 @@ eval.oracle_alphas=[1,0.8,0.6]`` (oracle drafts), ``model.name=random:qwen3-4b m
 eval.prompt_sets=[random]`` (random weights of a real shape).
 
 Writes ``eval.output_dir``/``per_prompt.jsonl``, ``summary.json`` (the metrics of spd_ds.decoding.metrics.SPDMetrics,
-per prompt set and pooled), ``acceptance_by_depth.png`` and ``cycle_time_split.png``, and prints the table and the
-exactness check (T=0: SPD's tokens against every AR baseline's, first divergence per prompt).
+per prompt set and pooled), ``acceptance_by_depth.png`` and ``cycle_time_split.png`` (with ``eval.plots`` and
+matplotlib, ``pip install -e .[eval]``), and prints the table and the exactness check (T=0: SPD's tokens against
+every AR baseline's, first divergence per prompt).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 
 from spd_ds.cli import (checks_outputs, decoding_user_errors, ensure_output_dir, experiment_parser,
@@ -81,7 +83,7 @@ def _main(argv=None) -> int:
 
 def _evaluate(cfg, args) -> int:
     """The evaluation of ``_main`` once its output folder is checked; returns the exit status."""
-    from spd_ds.eval.report import bandwidth_line, exactness_lines, summary_table, write_reports
+    from spd_ds.eval.report import PLOT_FILES, bandwidth_line, exactness_lines, summary_table, write_reports
     from spd_ds.eval.runner import run_eval
 
     if args.engine == "reference" and rank_and_world()[0] != 0:
@@ -99,8 +101,8 @@ def _evaluate(cfg, args) -> int:
     print("\n--- exactness (T=0: SPD tokens vs AR baselines)")
     for line in exactness_lines(summary):
         print(line)
-    print(f"\nwrote {run.cfg.eval.output_dir}/summary.json, per_prompt.jsonl"
-          + (", acceptance_by_depth.png, cycle_time_split.png" if run.cfg.eval.plots else ""))
+    out = Path(run.cfg.eval.output_dir)  # the plots written (none without matplotlib: write_reports warns then)
+    print(f"\nwrote {out}/summary.json, per_prompt.jsonl" + "".join(f", {p}" for p in PLOT_FILES if (out / p).exists()))
     log.debug("summary: %s", json.dumps(summary["results"])[:2000])
     if args.strict_exact and summary["exactness"]["checked"]:
         ar = [r for per in summary["exactness"]["by_method"].values() for b, r in per.items() if b == "ar"]
