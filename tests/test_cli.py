@@ -343,6 +343,20 @@ def test_log_level_is_info_on_rank_0_and_error_on_the_other_ranks(env, level):
     assert int(out.stdout) == level
 
 
+def test_prepare_train_data_help_documents_every_option():
+    """Every option of every subcommand says what it is in ``--help`` (regenerate's --model, --out, --limit, ... and
+    selfdistill's --model, --temperature, --seed, --chat-template printed their names alone)."""
+    import argparse
+
+    from spd_ds.commands.prepare_train_data import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == ["export", "export-prompts", "regenerate", "selfdistill"]
+    undocumented = [f"{name} {a.option_strings[0]}" for name, sp in sub.choices.items() for a in sp._actions
+                    if a.help in (None, "")]
+    assert undocumented == []
+
+
 def test_benchmark_help_documents_every_flag_and_its_paths_exist():
     import argparse
     import re

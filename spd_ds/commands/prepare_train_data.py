@@ -180,12 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(_main, argv, user_errors=data_user_errors, prog="prepare_train_data")
 
 
-def _main(argv: list[str] | None = None) -> int:
-    from spd_ds.cli import (add_version_argument, check_output_file, ensure_output_dir, float_in, int_at_least,
-                            removed_if_left_empty)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main`: one subcommand per output kind, every option documented in ``--help``."""
+    from spd_ds.cli import add_version_argument, float_in, int_at_least
     from spd_ds.cli_args import torch_device
 
     pos, nonneg = int_at_least(1), int_at_least(0)
+    model_help = "the target: a model name spd-ds knows or a Hugging Face model folder (default: %(default)s)"
+    template_help = "a Jinja chat template (text or a file) in place of the tokenizer's own (needed where it has none)"
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_version_argument(ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -193,39 +195,43 @@ def _main(argv: list[str] | None = None) -> int:
     ex.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
     ex.add_argument("--limit", type=pos, default=6000, help="conversations to keep (default: %(default)s)")
     ex.add_argument("--max-chars", type=nonneg, default=None, help="drop turns past this many characters")
-    ex.add_argument("--out", default="runs/train_data/sharegpt6k.jsonl.gz")
+    ex.add_argument("--out", default="runs/train_data/sharegpt6k.jsonl.gz",
+                    help="the gzipped JSON-lines file written (default: %(default)s)")
     rg = sub.add_parser("regenerate", help="answer first user turns with the target (pre-tokenised output)")
-    rg.add_argument("--model", default="smollm2-135m-instruct")
+    rg.add_argument("--model", default="smollm2-135m-instruct", help=model_help)
     rg.add_argument("--data", action="append", required=True, help="conversation source; repeatable")
-    rg.add_argument("--out", required=True)
-    rg.add_argument("--limit", type=pos, default=None)
-    rg.add_argument("--max-new-tokens", type=pos, default=512)
-    rg.add_argument("--max-prompt-tokens", type=pos, default=512)
-    rg.add_argument("--batch-size", type=pos, default=256)
+    rg.add_argument("--out", required=True, help="the gzipped JSON-lines file written (pre-tokenised answers)")
+    rg.add_argument("--limit", type=pos, default=None, help="conversations read at most (default: all)")
+    rg.add_argument("--max-new-tokens", type=pos, default=512, help="longest answer (default: %(default)s)")
+    rg.add_argument("--max-prompt-tokens", type=pos, default=512,
+                    help="first user turns with a longer prompt are skipped (default: %(default)s)")
+    rg.add_argument("--batch-size", type=pos, default=256, help="prompts per generate call (default: %(default)s)")
     rg.add_argument("--temperature", type=float_in(0.0), default=0.0, help="0 = greedy")
     rg.add_argument("--sample-fraction", type=float_in(0.0, 1.0), default=None,
-                    help="share of prompts sampled at --temperature (1.0 if 0); the rest greedy")
+                    help="share of prompts sampled (at --temperature, or at 1.0 when --temperature is 0); the rest "
+                         "greedy")
     rg.add_argument("--time-budget", type=float_in(0.0, above=True), default=None,
                     help="stop starting batches after this many seconds")
     rg.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
-    rg.add_argument("--chat-template", default=None)
-    rg.add_argument("--seed", type=int, default=0)
+    rg.add_argument("--chat-template", default=None, help=template_help)
+    rg.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     ep = sub.add_parser("export-prompts", help="only the system/user turns, grouped in rounds (input of selfdistill)")
     ep.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
     ep.add_argument("--limit", type=pos, default=None, help="conversations to keep (default: all)")
     ep.add_argument("--max-turn-chars", type=nonneg, default=32000,
                     help="end a conversation before a turn longer than this (it would not fit a prompt); 0 = no limit")
-    ep.add_argument("--out", default="runs/train_data/sharegpt_prompts.jsonl.gz")
+    ep.add_argument("--out", default="runs/train_data/sharegpt_prompts.jsonl.gz",
+                    help="the gzipped JSON-lines file written (default: %(default)s)")
     sd = sub.add_parser("selfdistill", help="the target answers every user turn (rounds) into resumable shards")
-    sd.add_argument("--model", default="smollm2-135m-instruct")
+    sd.add_argument("--model", default="smollm2-135m-instruct", help=model_help)
     sd.add_argument("--data", action="append", required=True,
                     help="prompts (export-prompts output) or any conversation source; repeatable")
     sd.add_argument("--out", required=True, help="output directory (shards + manifest.json); reruns resume it")
     sd.add_argument("--limit", type=pos, default=None, help="conversations (default: all)")
     sd.add_argument("--greedy", type=nonneg, default=1, help="1 = one greedy answer per turn, 0 = none")
     sd.add_argument("--samples", type=nonneg, default=2, help="sampled answers per turn (at --temperature)")
-    sd.add_argument("--temperature", type=float, default=1.0)
-    sd.add_argument("--seed", type=int, default=0)
+    sd.add_argument("--temperature", type=float, default=1.0, help="of the sampled answers (default: %(default)s)")
+    sd.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     sd.add_argument("--max-new-tokens", type=pos, default=768, help="longest answer (cut answers end the chain)")
     sd.add_argument("--max-prompt-tokens", type=pos, default=2048, help="turns with a longer prompt are not asked")
     sd.add_argument("--max-rounds", type=pos, default=None, help="user turns per conversation at most")
@@ -238,7 +244,9 @@ def _main(argv: list[str] | None = None) -> int:
                     help="end a call once fewer than this share of its rows still generate (they continue later)")
     sd.add_argument("--wave-conversations", type=pos, default=4096,
                     help="conversations tokenised and length-sorted together")
-    sd.add_argument("--cache", choices=["static", "dynamic"], default="static")
+    sd.add_argument("--cache", choices=["static", "dynamic"], default="static",
+                    help="the KV cache of generate: static (compiled, CUDA graphs on a GPU) or dynamic (default: "
+                         "%(default)s)")
     sd.add_argument("--no-compile", action="store_true", help="no torch.compile of the decode step (static cache)")
     sd.add_argument("--compile-cache", default=None,
                     help="file of torch.compile artifacts: loaded before the first compile, rewritten at the end "
@@ -255,8 +263,14 @@ def _main(argv: list[str] | None = None) -> int:
     sd.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     sd.add_argument("--device", type=torch_device, default=None,
                     help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    sd.add_argument("--chat-template", default=None)
-    args = ap.parse_args(argv)
+    sd.add_argument("--chat-template", default=None, help=template_help)
+    return ap
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from spd_ds.cli import check_output_file, ensure_output_dir, removed_if_left_empty
+
+    args = build_parser().parse_args(argv)
     out_dir = args.out if args.cmd == "selfdistill" else os.path.dirname(os.path.abspath(args.out))
     with removed_if_left_empty(out_dir):  # a refused run leaves no empty output folder behind
         if args.cmd == "selfdistill":  # before the model loads: a bad output path fails now, not after generating
