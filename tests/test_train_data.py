@@ -174,6 +174,10 @@ def test_prepare_train_data_and_draft_vocab_cli_errors_are_one_line(tmp_path, ca
     assert prepare_train_data.main(["export", "--data", str(ids), "--max-chars", "62", "--out", str(out)]) == 0
     got = list(iter_json_records(out))
     assert [r["conv_id"] for r in got] == ["c0", "c1", "c2"] and all(len(r["messages"]) == 2 for r in got)
+    assert out.read_bytes()[:2] == b"\x1f\x8b"  # gzip, as its name says
+    plain = tmp_path / "clipped.jsonl"  # a name without .gz: plain JSON lines (it was gzip under a .jsonl name)
+    assert prepare_train_data.main(["export", "--data", str(ids), "--max-chars", "62", "--out", str(plain)]) == 0
+    assert [json.loads(line) for line in plain.read_text().splitlines()] == got
 
 
 def test_normalize_sharegpt_and_messages():

@@ -537,6 +537,9 @@ def test_cli_export_prompts_and_selfdistill(ending_model, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl.gz"
     assert main(["export-prompts", "--data", str(chats), "--out", str(prompts)]) == 0
     assert "6 conversations" in capsys.readouterr().err
+    plain = tmp_path / "p.jsonl"  # plain JSON lines under a name without .gz, read back the same
+    assert main(["export-prompts", "--data", str(chats), "--out", str(plain)]) == 0 and plain.read_text()[0] == "{"
+    assert sd.load_prompt_conversations([str(plain)]) == sd.load_prompt_conversations([str(prompts)])
     out = tmp_path / "sd"
     rc = main(["selfdistill", "--model", str(ending_model), "--data", str(prompts), "--out", str(out),
                "--greedy", "1", "--samples", "1", "--max-new-tokens", "24", "--batch-size", "8",

@@ -17,9 +17,10 @@ Examples::
     python launch/prepare_train_data.py selfdistill --model smollm2-135m-instruct \
         --data runs/train_data/sharegpt_prompts.jsonl.gz --out runs/sd --greedy 1 --samples 2 --time-budget 200
 
-``export`` writes ``{"messages": [{role, content}, ...]}`` JSON lines (gzipped, deterministic bytes); ``regenerate``
-writes pre-tokenised ``{"input_ids", "assistant_mask"}`` lines (with the source's ``conv_id``); ``selfdistill``
-writes a directory of shards (``spd_ds.train.selfdistill``). All are valid ``data.train_files`` entries;
+``export`` writes ``{"messages": [{role, content}, ...]}`` JSON lines (deterministic bytes; gzipped when ``--out``
+ends in ``.gz``, as with ``regenerate`` and ``export-prompts``); ``regenerate`` writes pre-tokenised ``{"input_ids",
+"assistant_mask"}`` lines (with the source's ``conv_id``); ``selfdistill`` writes a directory of shards
+(``spd_ds.train.selfdistill``). All are valid ``data.train_files`` entries;
 ``export-prompts`` writes ``{"id", "rounds"}`` lines, input for ``selfdistill`` only.
 """
 
@@ -34,12 +35,12 @@ from pathlib import Path
 
 
 def _export(args) -> int:
-    from spd_ds.train.data import load_records, write_jsonl_gz
+    from spd_ds.train.data import load_records, write_jsonl
 
     recs = load_records(args.data, limit=args.limit)
     if args.max_chars:
         recs = [_clip(r, args.max_chars) for r in recs]
-    n = write_jsonl_gz(recs, args.out)
+    n = write_jsonl(recs, args.out)
     print(f"prepare_train_data: {n} conversations -> {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)",
           file=sys.stderr)
     return 0
@@ -63,7 +64,7 @@ def _regenerate(args) -> int:
 
     from spd_ds.builder import load_tokenizer
     from spd_ds.train.chat import set_chat_template
-    from spd_ds.train.data import load_records, write_jsonl_gz
+    from spd_ds.train.data import load_records, write_jsonl
     from spd_ds.train.regenerate import regenerate_records
     from spd_ds.zoo import resolve_model
 
@@ -84,7 +85,7 @@ def _regenerate(args) -> int:
               f"--max-prompt-tokens {args.max_prompt_tokens}, or --time-budget ended first); {args.out} not written",
               file=sys.stderr)
         return 1
-    n = write_jsonl_gz(out, args.out)
+    n = write_jsonl(out, args.out)
     gen = sum(sum(r["assistant_mask"]) for r in out)
     ended = sum(r["input_ids"][-1] in eos for r in out)
     print(f"prepare_train_data: regenerated {n} answers ({gen} tokens, {ended} ended with EOS) in {dt:.0f} s, "
@@ -191,16 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_version_argument(ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    ex = sub.add_parser("export", help="normalise conversations into one gzipped JSON-lines file")
+    ex = sub.add_parser("export", help="normalise conversations into one JSON-lines file")
     ex.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
     ex.add_argument("--limit", type=pos, default=6000, help="conversations to keep (default: %(default)s)")
     ex.add_argument("--max-chars", type=nonneg, default=None, help="drop turns past this many characters")
     ex.add_argument("--out", default="runs/train_data/sharegpt6k.jsonl.gz",
-                    help="the gzipped JSON-lines file written (default: %(default)s)")
+                    help="the JSON-lines file written, gzipped if it ends in .gz (default: %(default)s)")
     rg = sub.add_parser("regenerate", help="answer first user turns with the target (pre-tokenised output)")
     rg.add_argument("--model", default="smollm2-135m-instruct", help=model_help)
     rg.add_argument("--data", action="append", required=True, help="conversation source; repeatable")
-    rg.add_argument("--out", required=True, help="the gzipped JSON-lines file written (pre-tokenised answers)")
+    rg.add_argument("--out", required=True,
+                    help="the JSON-lines file written (pre-tokenised answers), gzipped if it ends in .gz")
     rg.add_argument("--limit", type=pos, default=None, help="conversations read at most (default: all)")
     rg.add_argument("--max-new-tokens", type=pos, default=512, help="longest answer (default: %(default)s)")
     rg.add_argument("--max-prompt-tokens", type=pos, default=512,
@@ -221,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--max-turn-chars", type=nonneg, default=32000,
                     help="end a conversation before a turn longer than this (it would not fit a prompt); 0 = no limit")
     ep.add_argument("--out", default="runs/train_data/sharegpt_prompts.jsonl.gz",
-                    help="the gzipped JSON-lines file written (default: %(default)s)")
+                    help="the JSON-lines file written, gzipped if it ends in .gz (default: %(default)s)")
     sd = sub.add_parser("selfdistill", help="the target answers every user turn (rounds) into resumable shards")
     sd.add_argument("--model", default="smollm2-135m-instruct", help=model_help)
     sd.add_argument("--data", action="append", required=True,

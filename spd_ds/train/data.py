@@ -23,6 +23,7 @@ Batches are made from the tokenised examples by :mod:`spd_ds.train.batching`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import io
@@ -463,13 +464,21 @@ def tokenize_records(records: Sequence[dict], tokenizer, max_length: int, min_le
     return out
 
 
-def write_jsonl_gz(records: Iterable[dict], path: str | os.PathLike) -> int:
-    """Write records as gzipped JSON lines (deterministic bytes: no timestamp); returns the count."""
+def write_jsonl_gz(records: Iterable[dict], path: str | os.PathLike, gzipped: bool = True) -> int:
+    """Write records as JSON lines (UTF-8), gzipped unless ``gzipped`` is False (deterministic bytes either way: no
+    gzip timestamp); makes the folder; returns the count."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+    with open(path, "wb") as raw, (gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if gzipped
+                                   else contextlib.nullcontext(raw)) as out:
         for r in records:
-            gz.write((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8"))
+            out.write((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8"))
             n += 1
     return n
+
+
+def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> int:
+    """:func:`write_jsonl_gz`, gzipped when the file's name ends in ``.gz`` and plain JSON lines otherwise (the
+    readers here take either); returns the count."""
+    return write_jsonl_gz(records, path, gzipped=str(path).endswith(".gz"))

@@ -96,10 +96,11 @@ def load_prompt_conversations(sources: Sequence[str], cache_dir: str | None = No
 
 
 def write_prompts(convs: Iterable[PromptConversation], path: str | os.PathLike) -> int:
-    """Write ``{"id", "rounds"}`` gzipped JSON lines (deterministic bytes); returns the count."""
-    from spd_ds.train.data import write_jsonl_gz
+    """Write ``{"id", "rounds"}`` JSON lines (deterministic bytes), gzipped when ``path`` ends in ``.gz``
+    (:func:`spd_ds.train.data.write_jsonl`); returns the count."""
+    from spd_ds.train.data import write_jsonl
 
-    return write_jsonl_gz(({"id": c.uid, "rounds": c.rounds} for c in convs), path)
+    return write_jsonl(({"id": c.uid, "rounds": c.rounds} for c in convs), path)
 
 
 
