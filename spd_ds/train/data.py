@@ -464,10 +464,22 @@ def tokenize_records(records: Sequence[dict], tokenizer, max_length: int, min_le
     return out
 
 
-def write_jsonl_gz(records: Iterable[dict], path: str | os.PathLike, gzipped: bool = True) -> int:
-    """Write records as JSON lines (UTF-8), gzipped unless ``gzipped`` is False (deterministic bytes either way: no
-    gzip timestamp); makes the folder; returns the count."""
+def write_jsonl(records: Iterable[dict], path: str | os.PathLike, gzipped: bool | None = None) -> int:
+    """Write records as UTF-8 JSON lines, one object a line, in deterministic bytes (no gzip timestamp); makes the
+    folder. The readers here (:func:`iter_json_records`) take either form.
+
+    Args:
+        records: JSON-serialisable dicts, written in order.
+        path: the file (replaced if it exists).
+        gzipped: gzip the lines; ``None`` (default): when the file's name ends in ``.gz``.
+    Returns:
+        The number of records written.
+    Raises:
+        OSError: the folder cannot be made or the file written. TypeError: a record JSON cannot encode.
+    """
     path = Path(path)
+    if gzipped is None:
+        gzipped = path.name.endswith(".gz")
     path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     with open(path, "wb") as raw, (gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if gzipped
@@ -478,7 +490,6 @@ def write_jsonl_gz(records: Iterable[dict], path: str | os.PathLike, gzipped: bo
     return n
 
 
-def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> int:
-    """:func:`write_jsonl_gz`, gzipped when the file's name ends in ``.gz`` and plain JSON lines otherwise (the
-    readers here take either); returns the count."""
-    return write_jsonl_gz(records, path, gzipped=str(path).endswith(".gz"))
+def write_jsonl_gz(records: Iterable[dict], path: str | os.PathLike) -> int:
+    """:func:`write_jsonl`, gzipped whatever the file's name (the training loop's ``.tmp`` files); returns the count."""
+    return write_jsonl(records, path, gzipped=True)
