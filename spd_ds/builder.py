@@ -229,8 +229,10 @@ def check_head_inputs(cfg: ExperimentConfig, ppsd: bool = False) -> None:
     if ppsd and cfg.eval.ppsd_checkpoint:
         cfg.eval.ppsd_checkpoint = resolve_path(cfg.eval.ppsd_checkpoint)
         try:
-            SpeculationHead.read_config(cfg.eval.ppsd_checkpoint)
-        except (FileNotFoundError, ValueError) as e:  # as spd_ds.eval.inputs.ppsd_partition says it, later
+            SpeculationHead.read_config(cfg.eval.ppsd_checkpoint, "eval.ppsd_checkpoint")
+        except FileNotFoundError as e:  # its message names the key, as spd_ds.eval.inputs.ppsd_partition's, later
+            raise ConfigError(str(e)) from None
+        except ValueError as e:
             raise ConfigError(f"eval.ppsd_checkpoint: {e}") from None
 
 

@@ -301,10 +301,10 @@ class SpeculationHead(nn.Module):
         return path
 
     @classmethod
-    def read_config(cls, path: str | os.PathLike) -> dict:
-        """The checked ``head_config.json`` of the head folder ``path``
+    def read_config(cls, path: str | os.PathLike, key: str = "head.checkpoint") -> dict:
+        """The checked ``head_config.json`` of the head folder ``path``, given as setting ``key``
         (:func:`spd_ds.head_files.read_config`: its errors, one line each)."""
-        return head_files.read_config(path)
+        return head_files.read_config(path, key)
 
     @classmethod
     def expected_tensors(cls, meta: dict, arch: TargetArch | None = None) -> dict[str, tuple[int, ...]]:

@@ -64,8 +64,7 @@ def draft_id_tensor(draft_token_ids: Sequence[int] | None, vocab_size: int) -> t
 
 
 RETRAIN_HINT = "was it written by launch/train.py? retrain or restore it"
-_HEAD_FOLDER = ("head.checkpoint is a head folder, with head_config.json and head.safetensors, written by "
-                "launch/train.py")
+_HEAD_FOLDER = "{key} is a head folder, with head_config.json and head.safetensors, written by launch/train.py"
 
 
 def _pos_int(v) -> bool:
@@ -126,24 +125,26 @@ def _head_dir_hint(d: Path) -> str:
     return f"{what}did you mean {' or '.join(found)}?"
 
 
-def _file_message(f: Path) -> str:
-    """Why file ``f`` given as ``head.checkpoint`` is refused, and the head folder meant: the folder holding it when
-    that is a head (or ``f`` is a ``head.safetensors``), else the head folders of the training run it lies in."""
-    d = f.parent
+def _file_message(f: Path, key: str) -> str:
+    """Why file ``f`` given as ``key`` (``head.checkpoint``) is refused, and the head folder meant: the folder holding
+    it when that is a head (or ``f`` is a ``head.safetensors``), else the head folders of the training run it lies
+    in."""
+    d, folder = f.parent, _HEAD_FOLDER.format(key=key)
     if (d / HEAD_CONFIG).is_file() or f.name == HEAD_WEIGHTS:
-        return f"head.checkpoint {f} is a file; give the folder that holds it ({d})"
+        return f"{key} {f} is a file; give the folder that holds it ({d})"
     if _run_heads(d) is not None:
-        return f"head.checkpoint {f} is a file, not a head: {_head_dir_hint(d)} ({_HEAD_FOLDER})"
-    return f"head.checkpoint {f} is a file, not a head checkpoint; give a head folder ({_HEAD_FOLDER})"
+        return f"{key} {f} is a file, not a head: {_head_dir_hint(d)} ({folder})"
+    return f"{key} {f} is a file, not a head checkpoint; give a head folder ({folder})"
 
 
-def read_config(path: str | os.PathLike) -> dict:
+def read_config(path: str | os.PathLike, key: str = "head.checkpoint") -> dict:
     """The JSON half of a checkpoint, checked: every key :meth:`~spd_ds.head.SpeculationHead.save` writes that loading
     needs is there with its type (integers >= 1 for the sizes, a string fingerprint, a valid partition), so the rest
     of the code can index it. Cheap: every rank runs it before any collective.
 
     Args:
         path: the head folder (holding ``head_config.json`` and ``head.safetensors``).
+        key: the setting that gave ``path``, named by the FileNotFoundError messages (``eval.ppsd_checkpoint``).
     Returns:
         The parsed ``head_config.json`` (a dict).
     Raises:
@@ -157,17 +158,17 @@ def read_config(path: str | os.PathLike) -> dict:
     d = Path(path)
     p = d / HEAD_CONFIG
     if d.is_file():
-        raise FileNotFoundError(_file_message(d))
+        raise FileNotFoundError(_file_message(d, key))
     if not d.exists():
         backup = d.with_name(d.name + REPLACED_SUFFIX)  # a best head being replaced (train.validate)
         if (backup / HEAD_CONFIG).is_file():
-            raise FileNotFoundError(f"head.checkpoint {d} does not exist, but {backup} holds the head it replaced "
+            raise FileNotFoundError(f"{key} {d} does not exist, but {backup} holds the head it replaced "
                                     "(the run stopped while replacing it); resume the run (--resume puts it back) or "
                                     f"give {backup}")
-        raise FileNotFoundError(f"head.checkpoint {d} does not exist; give a head folder (head_config.json + "
-                                "head.safetensors) written by launch/train.py")
+        raise FileNotFoundError(f"{key} {d} does not exist; give a head folder (head_config.json + head.safetensors) "
+                                "written by launch/train.py")
     if not p.is_file():
-        raise FileNotFoundError(f"{p} not found: {_head_dir_hint(d)} ({_HEAD_FOLDER})")
+        raise FileNotFoundError(f"{p} not found: {_head_dir_hint(d)} ({_HEAD_FOLDER.format(key=key)})")
     try:
         meta = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:

@@ -88,16 +88,18 @@ def test_eval_cli_empty_prompt_set_is_an_error_before_the_model(tmp_path):
 
 @pytest.mark.parametrize("key", ["head.checkpoint", "eval.ppsd_checkpoint"])
 def test_eval_cli_missing_head_folder_is_an_error_before_the_model(tmp_path, key):
-    """A head folder (SPD's or the PPSD head's) that does not exist: one line naming the key, exit 2, before any model
-    is resolved (the model named here does not exist); it came after the model's config was read."""
+    """A head folder (SPD's or the PPSD head's) that does not exist: one line naming the key the user set, exit 2,
+    before any model is resolved (the model named here does not exist); it came after the model's config was read.
+    A missing eval.ppsd_checkpoint was called head.checkpoint ("eval.ppsd_checkpoint: head.checkpoint ... does not
+    exist"), a key the user had not set."""
     f = tmp_path / "prompts.jsonl"
     f.write_text('{"turns": ["hi"]}\n')
     p = run(["launch/eval.py", f"eval.prompt_sets=[{f}]", f"{key}={tmp_path / 'no_head_here'}",
              f"model.name={tmp_path / 'no_model_here'}", f"eval.output_dir={tmp_path / 'out'}"])
     assert p.returncode == 2, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: " + ("eval.ppsd_checkpoint: " if key.startswith("eval") else "")
-                           + f"head.checkpoint {tmp_path / 'no_head_here'} does not exist; give a head folder"), last
+    assert last == (f"error: {key} {tmp_path / 'no_head_here'} does not exist; give a head folder (head_config.json "
+                    "+ head.safetensors) written by launch/train.py"), last
     assert "no_model_here" not in p.stderr
 
 
@@ -352,6 +354,25 @@ def test_relative_head_paths_are_found_from_any_directory_as_head_checkpoint_is(
     cfg = load_config(None, [f"head.checkpoint={rel.format(n=2)}", f"eval.ppsd_checkpoint={rel.format(n=2)}"])
     builder.check_head_inputs(cfg, ppsd=True)
     assert cfg.head.checkpoint == cfg.eval.ppsd_checkpoint == str(ROOT / rel.format(n=2))
+
+
+def test_ppsd_checkpoint_errors_name_eval_ppsd_checkpoint(tmp_path):
+    """Where the PPSD head folder is missing or is a file, the line names eval.ppsd_checkpoint, the key the user set,
+    not head.checkpoint: in the early check (builder.check_head_inputs) and where the PPSD variant reads the folder's
+    partition (spd_variants -> ppsd_partition)."""
+    from spd_ds import builder
+    from spd_ds.config import ConfigError, load_config
+    from spd_ds.eval.inputs import ppsd_partition
+
+    missing, a_file = tmp_path / "no_head_here", tmp_path / "notes.txt"
+    a_file.write_text("")
+    for path, what in ((missing, "does not exist; give a head folder"), (a_file, "is a file, not a head checkpoint")):
+        cfg = load_config(None, [f"eval.ppsd_checkpoint={path}"])
+        for fn, args in ((builder.check_head_inputs, (cfg, True)), (ppsd_partition, (str(path), None))):
+            with pytest.raises(ConfigError) as e:
+                fn(*args)
+            assert str(e.value).startswith(f"eval.ppsd_checkpoint {path} {what}"), str(e.value)
+            assert "head.checkpoint" not in str(e.value).replace("eval.ppsd_checkpoint", ""), str(e.value)
 
 
 def test_eval_cli_baseline_given_twice_is_refused(tmp_path):

@@ -247,8 +247,10 @@ def ppsd_partition(path: str, arch) -> StagePartition:
     from spd_ds.head import SpeculationHead
 
     try:
-        part = StagePartition.from_dict(SpeculationHead.read_config(path)["partition"])
-    except (FileNotFoundError, ValueError, KeyError, PartitionError) as e:
+        part = StagePartition.from_dict(SpeculationHead.read_config(path, "eval.ppsd_checkpoint")["partition"])
+    except FileNotFoundError as e:  # the message names eval.ppsd_checkpoint and what to give
+        raise ConfigError(str(e)) from None
+    except (ValueError, KeyError, PartitionError) as e:
         raise ConfigError(f"eval.ppsd_checkpoint: {e}") from None
     if part.num_layers != arch.num_layers:
         raise ConfigError(f"eval.ppsd_checkpoint {path} is for a {part.num_layers}-layer model, not {arch.num_layers}")
