@@ -54,7 +54,10 @@ def test_wrong_world_size_names_the_fix(placement, world):
     msg = str(e.value)
     assert "\n" not in msg and f"world size {world}" in msg
     want = 3 if placement == "colocated" else 4
-    assert f"launch {want} processes (deepspeed --num_gpus {want})" in msg
+    # a hostfile launch takes its world from the slots= counts (the openmpi launcher refuses --num_gpus; with pdsh,
+    # --num_gpus sets every host's slots): the hint said only "deepspeed --num_gpus N"
+    assert (f"launch {want} processes (one node: deepspeed --num_gpus {want}; with --hostfile: slots= counts that add "
+            f"up to {want} over its hosts) or 1 for a single-process run") in msg
     assert isinstance(e.value, ConfigError)
 
 

@@ -69,7 +69,8 @@ class PipePlan:
         """Check that ``world_size`` fits and return the plan.
 
         Raises:
-            WorldSizeError: a one-line message naming the world sizes that fit and how to launch them.
+            WorldSizeError: a one-line message naming the world sizes that fit and how to launch them (``--num_gpus``
+                on one node; with a hostfile, whose slots make the world, the slot counts to give).
         """
         n = partition.num_stages
         ok = allowed_world_sizes(n, placement)
@@ -79,7 +80,8 @@ class PipePlan:
             other_w = n + 1 if placement == "colocated" else n
             raise WorldSizeError(
                 f"world size {world_size} does not fit partition.num_stages={n} with head.placement={placement}: "
-                f"launch {want} processes (deepspeed --num_gpus {want}) or 1 for a single-process run; "
+                f"launch {want} processes (one node: deepspeed --num_gpus {want}; with --hostfile: slots= counts that "
+                f"add up to {want} over its hosts) or 1 for a single-process run; "
                 f"head.placement={other} needs {other_w}"
             )
         return cls(partition, placement, world_size)
