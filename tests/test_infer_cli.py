@@ -124,6 +124,33 @@ def test_unknown_key_is_a_one_line_error():
     assert "unknown config key 'partition.stages'; valid keys of partition: num_stages" in r.stderr
 
 
+def test_num_prompts_override_beside_prompt_is_a_one_line_error(tmp_path):
+    """data.num_prompts=K on the command line beside --prompt was ignored without a word (every --prompt text ran):
+    one line, exit 2, before the model is resolved (the model named here does not exist)."""
+    r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "--prompt", "hi", "--prompt", "ho",
+             "data.num_prompts=1", f"model.name={tmp_path / 'no_model_here'}"])
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == ("error: override 'data.num_prompts=1' does not combine with --prompt: data.num_prompts counts the "
+                    "records taken from data.prompts, which --prompt replaces (all 2 --prompt texts are answered); "
+                    "leave out one of the two"), last
+    assert "no_model_here" not in r.stderr
+
+
+def test_num_prompts_of_the_config_file_beside_prompt_is_not_an_error():
+    """The shipped config sets data.num_prompts: 3 for its prompt set; with --prompt the prompts are the texts given,
+    every one, and the file's value is no error (the user did not set it beside --prompt)."""
+    infer = _infer_module()
+    from spd_ds.config import ConfigError, load_config
+
+    args = infer.parse_args(["--config", str(CONFIG), "--prompt", "a", "--prompt", "b"])
+    cfg = load_config(args.config, args.overrides)
+    assert cfg.data.num_prompts == 3 and infer.load_prompt_texts(cfg, args) == [("prompt0", "a"), ("prompt1", "b")]
+    args = infer.parse_args(["--config", str(CONFIG), "--prompt", "a", "data.num_prompts=null"])  # null too
+    with pytest.raises(ConfigError, match=r"^override 'data.num_prompts=null' does not combine with --prompt"):
+        infer.load_prompt_texts(load_config(args.config, args.overrides), args)
+
+
 @pytest.mark.slow
 def test_too_many_stages_is_a_clear_error(smollm2_dir):
     r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "partition.num_stages=31", "--prompt", "hi"])

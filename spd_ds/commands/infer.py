@@ -39,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = experiment_parser(__doc__, overrides_help="section.key=value overrides, e.g. partition.num_stages=3",
                            engine_help="auto: DeepSpeed engine when launched with WORLD_SIZE > 1, else the reference "
                                        "decoder")
-    ap.add_argument("--prompt", action="append", help="a prompt text (repeatable); default: data.prompts")
+    ap.add_argument("--prompt", action="append", help="a prompt text (repeatable; each one is answered); default: "
+                                                      "the first data.num_prompts records of data.prompts")
     ap.add_argument("--compare-ar", dest="compare_ar", action=argparse.BooleanOptionalAction, default=True,
                     help="also decode every prompt autoregressively on the same stage code: its tok/s beside SPD's "
                          "and, at T=0, a token-for-token check of SPD's answers")
@@ -60,12 +61,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_prompt_texts(cfg, args) -> list[tuple[str, str]]:
     """(id, text) pairs: ``--prompt`` values, else the first turn of each record of ``data.prompts``.
 
+    ``data.num_prompts`` counts the records taken from ``data.prompts``, which ``--prompt`` replaces: one given on the
+    command line (``args.overrides``) beside ``--prompt`` is refused rather than ignored; one from the ``--config``
+    file (the shipped configs set it for their prompt set) is not used with ``--prompt``.
+
     Raises:
-        ConfigError: no prompt at all (an empty file or set), an empty or whitespace-only ``--prompt``, or malformed
-            records (an empty user turn included); raised before any model loads.
+        ConfigError: no prompt at all (an empty file or set), an empty or whitespace-only ``--prompt``, a
+            ``data.num_prompts=...`` override beside ``--prompt``, or malformed records (an empty user turn
+            included); raised before any model loads and before any collective.
         FileNotFoundError / PromptSetUnavailableError: ``data.prompts`` is neither a file nor an obtainable set.
     """
     if args.prompt:
+        for o in args.overrides:
+            if o.split("=", 1)[0].strip() == "data.num_prompts":
+                raise ConfigError(f"override {o!r} does not combine with --prompt: data.num_prompts counts the records "
+                                  f"taken from data.prompts, which --prompt replaces (all {len(args.prompt)} --prompt "
+                                  "texts are answered); leave out one of the two")
         for i, p in enumerate(args.prompt):  # a blank prompt would still be answered (after the template's markers)
             if not p.strip():
                 raise ConfigError(f"--prompt number {i + 1} is empty ({p!r}); give the prompt's text or leave it out")
