@@ -208,7 +208,8 @@ def main(argv=None) -> int:
     labels = [r.split("=", 1)[0] if "=" in r and "/" not in r.split("=", 1)[0] else None for r in args.runs]
     args.runs = [Path(r.split("=", 1)[1]) if lab else Path(r) for r, lab in zip(args.runs, labels)]
     names = {i: lab or run.name for i, (run, lab) in enumerate(zip(args.runs, labels))}
-    missing = [str(r) for r in args.runs if not ((r / "train_log.jsonl").exists() or (r / "train_summary.json").exists())]
+    missing = [str(r) for r in args.runs
+               if not ((r / "train_log.jsonl").exists() or (r / "train_summary.json").exists())]
     if missing:
         ap.error(f"not a training run (no train_log.jsonl or train_summary.json): {', '.join(missing)}")
     if args.convergence:

@@ -50,7 +50,8 @@ def main(argv=None) -> int:
                                                                                arch.vocab_size)}
     for path in args.per_prompt:  # before anything is written
         if not Path(path).is_file():
-            print(f"error: {path}: no such file; give the per_prompt.jsonl of an eval run (<out>/c<n>/)", file=sys.stderr)
+            print(f"error: {path}: no such file; give the per_prompt.jsonl of an eval run (<out>/c<n>/)",
+                  file=sys.stderr)
             return 2
     out, n = Path(args.out), 0
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,8 @@ table.
 
 Usage (GPU machine, repo root, ``export PYTHONPATH=$PWD`` as scripts/gpu_common.sh does)::
 
-    deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/probe [--eval-dir eval_data] [overrides]
+    deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/probe \
+        [--eval-dir eval_data] [overrides]
     CUBLAS_WORKSPACE_CONFIG=:4096:8 deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/det
     deepspeed --num_gpus 2 scripts/diagnostics/gpu_exactness_probe.py --out $OUT/fp32 model.dtype=float32
     python scripts/diagnostics/gpu_exactness_probe.py --single-gpu --ar-repeats 4 --out $OUT/one   # one GPU
@@ -129,8 +130,8 @@ def probe(args) -> None:
     if rank0:
         part = builder.build_partition(cfg, arch)
         cuda = torch.cuda.is_available()
-        target = builder.build_target(cfg, arch, part,
-                                      torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        target = builder.build_target(cfg, arch, part, device)
         eos = builder.eos_token_ids(cfg, arch, tok)
         sampling = builder.sampling_params(cfg)
         for i in range(args.ar_repeats):

@@ -13,6 +13,8 @@ from spd_ds.config import load_config
 from spd_ds.decoding.ar import ARDecoder
 from spd_ds.decoding.drafters import HeadDrafter, OracleDrafter
 from spd_ds.decoding.reference import SPDReferenceDecoder
+from spd_ds.head import SpeculationHead
+from spd_ds.partition import StagePartition
 
 
 def main():
@@ -27,9 +29,9 @@ def main():
         "Explain photosynthesis in three sentences."]]
     eos = builder.eos_token_ids(cfg, arch, tok)
     for n in (2, 3):
-        part = builder.build_partition(cfg, arch) if n == 2 else __import__("spd_ds.partition").partition.StagePartition.build(arch.num_layers, n)
+        part = builder.build_partition(cfg, arch) if n == 2 else StagePartition.build(arch.num_layers, n)
         target = builder.build_target(cfg, arch, part)
-        head = __import__("spd_ds.head").head.SpeculationHead(arch, part)
+        head = SpeculationHead(arch, part)
         ar = ARDecoder(target, eos_token_ids=eos, max_len=1024)
         for p in prompts:
             torch.cuda.synchronize(); t0 = time.perf_counter()

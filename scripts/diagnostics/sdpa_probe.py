@@ -75,8 +75,8 @@ def variation(fn, inputs, repeats: int, load: bool) -> int:
 
 
 def graph_variation(fn, inputs, repeats: int) -> str:
-    """``"bad/total"``: how many of the ``total`` replays of ``fn`` captured in a CUDA graph (static inputs) differ bitwise from an
-    eager call on the same inputs, over ``repeats // 20 + 1`` separate captures of 20 replays each."""
+    """``"bad/total"``: how many of the ``total`` replays of ``fn`` captured in a CUDA graph (static inputs) differ
+    bitwise from an eager call on the same inputs, over ``repeats // 20 + 1`` separate captures of 20 replays each."""
     eager = fn(*inputs)
     bad = 0
     for _ in range(repeats // 20 + 1):
@@ -140,7 +140,8 @@ def main() -> int:
             short = ", ".join(n[:60] for n in names[:4])
             row = [variation(fn, inputs, args.repeats, False), variation(fn, inputs, args.repeats, True),
                    graph_variation(fn, inputs, args.repeats)]
-            lines.append(f"| {sname} | {bname} | {short} | {row[0]}/{args.repeats} | {row[1]}/{args.repeats} | {row[2]} |")
+            lines.append(f"| {sname} | {bname} | {short} | {row[0]}/{args.repeats} | {row[1]}/{args.repeats} "
+                         f"| {row[2]} |")
             print(lines[-1], flush=True)
     x = torch.randn(1, 576, device=dev, dtype=dt)
     w = torch.randn(1536, 576, device=dev, dtype=dt)

@@ -11,8 +11,8 @@ serves as ``--config`` (its ``head.checkpoint`` is ignored).
 
 Usage (repo root; the data as the training run saw it)::
 
-    python scripts/diagnostics/validate_heads.py HEAD_DIR [HEAD_DIR ...] --data runs/sd runs/train_bench/bench1500.jsonl.gz \
-        --records 30 --threads 2
+    python scripts/diagnostics/validate_heads.py HEAD_DIR [HEAD_DIR ...] \
+        --data runs/sd runs/train_bench/bench1500.jsonl.gz --records 30 --threads 2
 
 On the target's own answers of an eval run (every record; ``answers_to_records.py`` writes them)::
 

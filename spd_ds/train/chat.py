@@ -80,8 +80,8 @@ def set_chat_template(tokenizer, template: str | None) -> None:
         except (OSError, ValueError):  # text too long (or odd) for a file name
             is_file = False
         if not is_jinja and not is_file:
-            raise ChatTemplateError(f"chat template {template!r} is neither a file nor Jinja text (no '{{%' or '{{{{' in "
-                                    "it); give an existing template file or the template itself")
+            raise ChatTemplateError(f"chat template {template!r} is neither a file nor Jinja text (no '{{%' or "
+                                    "'{{' in it); give an existing template file or the template itself")
         tokenizer.chat_template = template if is_jinja else p.read_text()
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(

@@ -154,7 +154,8 @@ class HeadTrainModule(nn.Module):
                  autocast: torch.dtype | None = None) -> None:
         super().__init__()
         if attention not in ("flex", "dense"):
-            raise ValueError(f"attention must be flex or dense (resolve 'auto' with resolve_attention), got {attention!r}")
+            raise ValueError(f"attention must be flex or dense (resolve 'auto' with resolve_attention), "
+                             f"got {attention!r}")
         self.head = head
         self.depth_to_type = head.partition.depth_to_type
         self.attention = attention

@@ -194,10 +194,10 @@ class AnswerGenerator:
     Out of device memory (a GPU shared with other jobs, a long-prompt prefill): a call that raises
     ``torch.OutOfMemoryError`` lowers ``token_cap`` (rows x static-cache length of any later call, at first
     ``max_batch_tokens``) to half of the failed call's (rows rounded up) and is run again as calls under the new cap;
-    ``oom_splits`` counts the failed calls. The cap is in tokens, so a long-prompt failure leaves room for more rows of shorter
-    prompts; it does not grow back. The answers are those of a run with smaller calls (sampling is keyed by answer
-    position, not batch row; greedy answers may differ at floating-point near-ties between batch shapes, as with any
-    re-batching). A single row that does not fit raises.
+    ``oom_splits`` counts the failed calls. The cap is in tokens, so a long-prompt failure leaves room for more rows of
+    shorter prompts; it does not grow back. The answers are those of a run with smaller calls (sampling is keyed by
+    answer position, not batch row; greedy answers may differ at floating-point near-ties between batch shapes, as with
+    any re-batching). A single row that does not fit raises.
     """
 
     def __init__(self, model, eos_ids: Sequence[int], pad_id: int, cfg: SelfDistillConfig) -> None:
