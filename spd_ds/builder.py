@@ -153,13 +153,37 @@ def build_partition(cfg: ExperimentConfig, arch: TargetArch) -> StagePartition:
             except HeadMismatchError as e:
                 raise ConfigError(str(e)) from None
         if saved != part:
-            fix = [f"partition.num_stages={saved.num_stages}"] if saved.num_stages != part.num_stages else []
-            if not fix or saved != StagePartition.build(saved.num_layers, saved.num_stages):  # say how it splits
-                fix += [f"partition.{k}=[{','.join(map(str, getattr(saved, k)))}]" for k in ("stage_layers", "anchors")
-                        if list(getattr(saved, k)) != list(getattr(part, k))]
             raise ConfigError(f"head.checkpoint {cfg.head.checkpoint} was trained for partition {saved}, but the "
-                              f"config asks for {part}; set {' '.join(fix)} or use another head")
+                              f"config asks for {part}; set {' '.join(_partition_fix(p, saved))} or use another head")
     return part
+
+
+def _partition_fix(p, saved: StagePartition) -> list[str]:
+    """The fewest ``partition.*`` overrides that turn the settings ``p`` into the partition ``saved``, each one added
+    only while the partition the settings then give still differs: ``num_stages``, then ``stage_layers``, then
+    ``anchors`` (a changed stage count or split moves the default anchors, which the run's own partition does not
+    show; ``stage_layers`` given wins over ``num_stages``)."""
+    num_stages, stage_layers, anchors = p.num_stages, p.stage_layers, p.anchors
+
+    def gives() -> StagePartition | None:
+        try:
+            return StagePartition.build(saved.num_layers, num_stages if stage_layers is None else None, stage_layers,
+                                        anchors)
+        except PartitionError:  # e.g. anchors that fit the old stage count only
+            return None
+
+    fix, now = [], gives()
+    if now is None or now.num_stages != saved.num_stages:
+        num_stages = saved.num_stages
+        fix.append(f"partition.num_stages={num_stages}")
+        now = gives()
+    if now is None or now.stage_layers != saved.stage_layers:
+        stage_layers = list(saved.stage_layers)
+        fix.append(f"partition.stage_layers=[{','.join(map(str, stage_layers))}]")
+        now = gives()
+    if now != saved:
+        fix.append(f"partition.anchors=[{','.join(map(str, saved.anchors))}]")
+    return fix
 
 
 FULL_VOCAB = "full"  # head.draft_vocab value: draft over the target's whole vocabulary

@@ -448,10 +448,23 @@ def test_a_head_of_another_partition_names_the_settings_that_differ(tiny_root, t
     arch = TargetArch(path)
     SpeculationHead(arch, StagePartition.build(6, 2, anchors=[0, 3])).save(tmp_path / "ppsd")
     SpeculationHead(arch, StagePartition.build(6, 2)).save(tmp_path / "spd")
+    SpeculationHead(arch, StagePartition.build(6, 3, anchors=[0, 3, 6])).save(tmp_path / "n3_anchors")
+    SpeculationHead(arch, StagePartition.build(6, None, [1, 2, 3])).save(tmp_path / "n3_split")
     for head, over, fix in (("ppsd", [], "set partition.anchors=[0,3] or"),
                             ("spd", ["partition.num_stages=3"], "set partition.num_stages=2 or"),
-                            ("spd", ["partition.stage_layers=[2,4]"],
-                             "set partition.stage_layers=[3,3] partition.anchors=[0,3,6] or")):
+                            ("spd", ["partition.stage_layers=[2,4]"], "set partition.stage_layers=[3,3] or"),
+                            ("spd", ["partition.anchors=[0,2]", "partition.num_stages=3"],
+                             "set partition.num_stages=2 partition.anchors=[0,3,6] or"),
+                            # a new stage count moves the default anchors: they are named too (it said num_stages and
+                            # stage_layers alone, and the run that followed the advice stopped on the anchors)
+                            ("n3_anchors", [], "set partition.num_stages=3 partition.anchors=[0,3,6] or"),
+                            ("n3_split", [], "set partition.num_stages=3 partition.stage_layers=[1,2,3] or"),
+                            ("n3_split", ["partition.stage_layers=[3,3]"],
+                             "set partition.num_stages=3 partition.stage_layers=[1,2,3] or")):
         cfg = load_config(None, [f"model.name={path}", f"head.checkpoint={tmp_path / head}", *over])
-        with pytest.raises(ConfigError, match=re.escape(fix)):
+        with pytest.raises(ConfigError, match=re.escape(fix)) as info:
             build_partition(cfg, arch)
+        advice = str(info.value).split("; set ")[1].split(" or ")[0].split()  # following the advice loads the head
+        cfg = load_config(None, [f"model.name={path}", f"head.checkpoint={tmp_path / head}", *over, *advice])
+        assert build_partition(cfg, arch) == StagePartition.from_dict(SpeculationHead.read_config(tmp_path / head)
+                                                                      ["partition"])
