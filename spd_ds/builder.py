@@ -19,7 +19,7 @@ from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.decoding.sampling import SamplingParams
 from spd_ds.decoding.stopping import StopStrings
 from spd_ds.head import HeadMismatchError, SpeculationHead, load_draft_vocab
-from spd_ds.models.adapter import Target, TargetArch, resolve_dtype
+from spd_ds.models.adapter import Target, TargetArch, head_layer_config, resolve_dtype
 from spd_ds.models.errors import ModelFileError
 from spd_ds.partition import PartitionError, StagePartition
 
@@ -277,6 +277,7 @@ def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartitio
             log.warning("head.tower_init_layer=%s ignored: head.checkpoint %s is loaded as it is",
                         cfg.head.tower_init_layer, cfg.head.checkpoint)
         head = SpeculationHead.load(cfg.head.checkpoint, arch, partition)
+        _record_loaded_shape(cfg, head)
         if cfg.head.draft_vocab:  # a target-tied head drafts over the given vocabulary (set_draft_vocab)
             ids = draft_vocab_ids(cfg.head.draft_vocab, arch.vocab_size)
             if torch.equal(torch.arange(arch.vocab_size) if ids is None else torch.tensor(ids), head.draft_ids.cpu()):
@@ -299,6 +300,25 @@ def build_head(cfg: ExperimentConfig, arch: TargetArch, partition: StagePartitio
         log.info("head tower from target layer %s: %d tensors copied%s", cfg.head.tower_init_layer, len(copied),
                  f"; kept their initialisation: {', '.join(kept)}" if kept else "")
     return head
+
+
+def _record_loaded_shape(cfg: ExperimentConfig, head: SpeculationHead) -> None:
+    """A loaded head keeps its own shape: ``head.num_layers``, ``head.intermediate_size`` and
+    ``head.lm_head_from_target`` (settings of new heads) take the checkpoint's values in ``cfg``, so that the config a
+    run writes (training's ``config.yaml``) says what ran; a value set to something else than the default is named in
+    a warning (it was dropped without a word, and a warm start's config.yaml said ``num_layers: 1`` for a two-layer
+    head)."""
+    default, hc = type(cfg.head)(), cfg.head
+    width = head_layer_config(head.arch, 1).intermediate_size  # the target's MLP width (intermediate_size null)
+    for key, own in (("num_layers", head.num_layers), ("intermediate_size", head.intermediate_size),
+                     ("lm_head_from_target", head.lm_head_from_target)):
+        given = getattr(hc, key)
+        if given == own or (key == "intermediate_size" and (given or width) == (own or width)):
+            continue
+        if given != getattr(default, key):
+            log.warning("head.%s=%s ignored: head.checkpoint %s has %s (a loaded head keeps its own shape)", key,
+                        given, hc.checkpoint, f"{key}={own}" if own is not None else f"the target's width {width}")
+        setattr(hc, key, own)
 
 
 def sampling_params(cfg: ExperimentConfig, seed: int | None = None, request: int = 0) -> SamplingParams:

@@ -72,7 +72,7 @@ class PartitionConfig:
 
 @dataclasses.dataclass
 class HeadConfig:
-    """Speculation head: ``checkpoint`` directory (None = untrained head), tower ``num_layers`` (L_s),
+    """Speculation head: ``checkpoint`` directory (None = untrained head), tower ``num_layers`` (L_s; new heads),
     ``draft_vocab``: a draft-vocabulary JSON or ``full`` (every id); None = every id for a new head, the checkpoint's
     own for a loaded one (a loaded head with ``lm_head_from_target`` drafts over a given one), ``placement`` in the
     distributed engine

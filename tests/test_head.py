@@ -346,6 +346,39 @@ def test_partitions_and_head_towers_of_the_32_and_24_layer_shapes(shape):
     assert hasattr(layer, "self_attn") and hasattr(layer.mlp, "gate_proj") and not hasattr(layer, "linear_attn")
 
 
+def test_a_loaded_head_keeps_its_shape_and_the_config_records_it(arch, tmp_path, caplog):
+    """``head.num_layers``, ``head.intermediate_size`` and ``head.lm_head_from_target`` shape new heads: a loaded
+    head keeps its own, the config takes them (a warm start's config.yaml said ``num_layers: 1`` for a two-layer
+    head), and a value set to other than the default is named in a warning (it was dropped without a word)."""
+    from spd_ds.builder import build_head
+    from spd_ds.config import load_config
+
+    part = StagePartition.build(6, 2)
+    SpeculationHead(arch, part, num_layers=2, intermediate_size=48, lm_head_from_target=True).save(tmp_path / "h")
+
+    def load(*over):
+        cfg = load_config(None, [f"model.name={arch.model_dir}", f"head.checkpoint={tmp_path / 'h'}", *over])
+        with caplog.at_level("WARNING", logger="spd_ds.builder"):
+            head = build_head(cfg, arch, part)
+        return cfg.head, head
+
+    hc, head = load()  # the defaults (1 layer, the target's width, own LM head): no warning, the head's values kept
+    assert (hc.num_layers, hc.intermediate_size, hc.lm_head_from_target) == (2, 48, True) and head.num_layers == 2
+    assert "ignored" not in caplog.text
+    hc, head = load("head.num_layers=3", "head.intermediate_size=64", "head.lm_head_from_target=false")
+    assert (hc.num_layers, hc.intermediate_size, hc.lm_head_from_target) == (2, 48, True) and head.num_layers == 2
+    for line in ("head.num_layers=3 ignored: head.checkpoint", "has num_layers=2 (a loaded head keeps its own shape)",
+                 "head.intermediate_size=64 ignored", "has intermediate_size=48"):
+        assert line in caplog.text, line
+    assert "lm_head_from_target" not in caplog.text  # false is the default: nothing to tell from a config file's
+    caplog.clear()
+    SpeculationHead(arch, part).save(tmp_path / "h")  # the target's width (stored as null), named as such
+    hc, _ = load(f"head.intermediate_size={arch.config.intermediate_size}")  # the same width: nothing to say
+    assert "ignored" not in caplog.text
+    hc, _ = load("head.intermediate_size=7")
+    assert hc.intermediate_size is None and f"has the target's width {arch.config.intermediate_size}" in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------------- tower init
 def test_tower_init_from_a_target_layer(arch):
     """``head.tower_init_layer``: every tower layer starts as a copy of the target layer (all its tensors match the
