@@ -59,3 +59,13 @@ def test_pipe_bench_checks_out_before_the_run(tmp_path):
     r = _pipe_bench("--out", str(tmp_path / "new" / "out"), "--set", 'decoding.stop=["x"]')
     assert r.returncode == 2 and "decoding.stop is for launch/infer.py" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "new").exists()
+
+
+def test_pipe_bench_takes_positional_overrides_as_the_other_programs_do():
+    """README: any config value is overridden as ``section.key=value``; pipe_bench took them only after --set and
+    stopped on ``unrecognized arguments: partition.num_stages=3``. Positional overrides go with --set's, anywhere."""
+    r = _pipe_bench("decoding.max_new_tokens=4", "--num-prompts", "1", 'decoding.stop=["x"]')
+    assert r.returncode == 2 and "unrecognized arguments" not in r.stderr, r.stderr[-2000:]
+    assert "decoding.stop is for launch/infer.py" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    r = _pipe_bench("--set", "decoding.max_new_tokens=4", "decoding.max_new_tokns=4")
+    assert r.returncode == 2 and "unknown config key 'decoding.max_new_tokns'" in r.stderr, r.stderr[-2000:]

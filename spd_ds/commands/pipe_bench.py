@@ -5,6 +5,8 @@ Run on every rank, like ``launch/infer.py``::
     deepspeed --num_gpus 2 --module spd_ds.commands.pipe_bench --config EXP.yaml --set partition.num_stages=2 \\
         --set model.dtype=bfloat16 --max-new-tokens 128 --out runs/pipe_bench
 
+``section.key=value`` overrides may also stand alone, before or after the options, as in ``launch/infer.py``.
+
 For each prompt the head rank runs AR through the pipeline (every token crosses all stages: same stage code, same
 kernels, same CUDA graphs as SPD's stages) and then SPD; at temperature 0 the tokens must be equal, and the first
 divergence is reported if they are not. ``--single-ar`` also runs the single-process eager AR decoder afterwards
@@ -21,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from spd_ds.cli import add_version_argument, int_at_least
+from spd_ds.cli import ExperimentParser, add_version_argument, int_at_least
 from spd_ds.cli_args import GivenOnce
 from spd_ds.eval.prompts import DEMO_PROMPTS as PROMPTS
 
@@ -35,9 +37,11 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ExperimentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version_argument(ap)
     ap.add_argument("--config", default=None, action=GivenOnce, help="experiment YAML")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides, as the other programs take them "
+                    "(before or after the options; the same as --set)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--prompts", default=None, help="prompt set name or EAGLE jsonl (default: 5 built-in prompts)")
     ap.add_argument("--num-prompts", type=int_at_least(1), default=5, help="prompts to run (default: %(default)s)")
@@ -69,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
     from spd_ds.eval.runner import first_divergence
     from spd_ds.pipe.runner import SPDSession
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, [*args.set, *args.overrides])
     if cfg.decoding.stop:
         raise ConfigError("decoding.stop is for launch/infer.py and the Python API; pipe_bench measures fixed-length "
                           "generations: remove decoding.stop")
