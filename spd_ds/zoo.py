@@ -556,6 +556,10 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, cache_dir: st
         return _resolve_zoo(ZOO[key], _cache(cache_dir))
     if _HUB_ID.match(raw) and not raw.startswith((".", "~")):
         return _resolve_hub(raw)
+    from spd_ds.models.weights import RANDOM_PREFIX, random_shapes
+
+    shape = raw.strip().lower()  # a random-weight shape named without its prefix (--model-b qwen3-4b)
+    hint = f"; random weights of that shape are {RANDOM_PREFIX}{shape}" if shape in random_shapes() else ""
     raise ModelUnavailableError(
-        f"{raw!r} is neither a local model directory, a .gguf file, a zoo name ({', '.join(ZOO)}) nor a hub id"
+        f"{raw!r} is neither a local model directory, a .gguf file, a zoo name ({', '.join(ZOO)}) nor a hub id{hint}"
     )

@@ -122,8 +122,13 @@ def test_unknown_hub_id_offline_raises_one_line(monkeypatch):
 def test_unknown_name_raises(tmp_path):
     with pytest.raises(ModelUnavailableError):
         resolve_model(str(tmp_path / "does" / "not" / "exist"))
-    with pytest.raises(ModelUnavailableError):
+    with pytest.raises(ModelUnavailableError) as e:
         resolve_model("not a model name")
+    assert "random" not in str(e.value)
+    # a random-weight shape named without its prefix (benchmark --model-b qwen3-4b, model.name=qwen3-4b) is pointed at
+    # its random: name (the message named zoo models and hub ids alone)
+    with pytest.raises(ModelUnavailableError, match=r"nor a hub id; random weights of that shape are random:qwen3-4b$"):
+        resolve_model("qwen3-4b")
 
 
 def test_interrupted_conversion_is_redone(tmp_path, monkeypatch):
