@@ -1,13 +1,12 @@
 """Process-group start, shared by every launcher (infer, eval, benchmark, train): ``torch.distributed`` through
-``deepspeed.init_distributed``, a local rendezvous for a plain single-process run, and the CPU shared-memory
-workspace clean-up. Knows nothing of pipelines, evaluation or training (they all import it from here)."""
+``deepspeed.init_distributed``, a local rendezvous for a plain single-process run, and, on CPU, collectives without
+DeepSpeed's shared-memory kernel. Knows nothing of pipelines, evaluation or training (they all import it from here)."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import socket
-from pathlib import Path
 
 import torch
 
@@ -40,10 +39,8 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
     here: infer, eval, benchmark, train). A process group the caller started is wrapped by DeepSpeed, not replaced.
 
     A plain single-process run (no launcher variables) gets a local rendezvous on a free port. On the CPU
-    accelerator DeepSpeed maps a shared-memory all-reduce workspace per rank (``/dev/shm/deepspeed_allreduce_buffer_*``,
-    69 MB each) and never unlinks it, so every run on one machine used to leave ``world`` files behind until
-    ``/dev/shm`` filled up (seen here as OOM kills after a day of test runs). After a barrier (every rank has opened
-    its peers' workspaces by then) each rank unlinks its own file; the mappings stay valid.
+    accelerator the collectives are gloo's: DeepSpeed's shared-memory all-reduce kernel is not loaded
+    (:func:`_without_cpu_shm_kernel`).
 
     Args:
         backend: ``deepspeed.backend`` (None = the accelerator's default: NCCL on GPU, gloo on CPU).
@@ -63,9 +60,11 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
         raise ConfigError("deepspeed.backend=nccl needs CUDA GPUs and none is visible; use deepspeed.backend=gloo "
                           "on CPU (or leave it unset)")
     timeout = datetime.timedelta(seconds=timeout_s)
+    if dist.is_available() and dist.is_initialized() and ds_comm.is_initialized():
+        return False
+    if get_accelerator().device_name() == "cpu":
+        _without_cpu_shm_kernel()
     if dist.is_available() and dist.is_initialized():
-        if ds_comm.is_initialized():
-            return False
         deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)  # wraps the caller's group
         created = False
     else:
@@ -84,9 +83,19 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
                               "use (another run?); pass a free one to the launcher: deepspeed --master_port "
                               "<port> ...") from None
         created = True
-    if get_accelerator().device_name() == "cpu":  # the same on every rank, so the barrier cannot hang
-        dist.barrier()  # not in a finally: unlinking before a slow peer opened the file would leave it spinning
-        shm = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-                                  f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
-        shm.unlink(missing_ok=True)
     return created
+
+
+def _without_cpu_shm_kernel() -> None:
+    """Keep DeepSpeed's CPU shared-memory all-reduce kernel (``deepspeed_shm_comm``) out of this process, so that its
+    collectives fall back to the process group's (gloo). DeepSpeed builds that kernel with ``torch.utils.cpp_extension``
+    when it starts its communication backend, under a lock file in the extensions folder; a process killed while it
+    holds the lock (a rank stopped at start-up, a Ctrl-C during the first build) left the file behind, and every later
+    start on the machine waited for it forever, silently. The kernel also mapped a 69 MB ``/dev/shm`` workspace per
+    rank that DeepSpeed never unlinks. On CPU (tests and development; the GPU path uses NCCL) it buys nothing
+    measurable: the pipeline's traffic is point-to-point, and DeepSpeed's own fallback is the process group's
+    all-reduce. DeepSpeed loads the kernel only where ``deepspeed.ops.__compatible_ops__`` marks it compatible; the
+    mark is set False here, before the backend starts."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

@@ -1,6 +1,7 @@
 """``spd_ds.pipe.comm.Link`` between two gloo processes: in-order delivery, and send bookkeeping that stays bounded
 (a gloo send never reports completion before ``wait()``, so a scan of every pending send would grow each cycle);
-``spd_ds.dist.init_process_group`` with a process group the caller started, and its backend check."""
+``spd_ds.dist.init_process_group`` with a process group the caller started, its backend check, and a start on CPU that
+does not load DeepSpeed's shared-memory kernel."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def _init_worker(rank: int, port: int, out) -> None:
     try:
         created = init_process_group(None, 60.0)
         again = init_process_group(None, 60.0)
-        out.put((rank, created, again, ds_comm.is_initialized(), ds_comm.get_rank(), ds_comm.get_world_size(), port))
+        out.put((rank, created, again, ds_comm.is_initialized(), ds_comm.get_rank(), ds_comm.get_world_size(),
+                 ds_comm.comm.cdb.shm_comm_op is None, port))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -88,10 +90,29 @@ def _init_worker(rank: int, port: int, out) -> None:
 
 def test_init_process_group_wraps_a_group_the_caller_started():
     got = sorted(_run_two(_init_worker))
-    assert [g[:-1] for g in got] == [(0, False, False, True, 0, 2), (1, False, False, True, 1, 2)]
+    # DeepSpeed's CPU shared-memory kernel stays unloaded (spd_ds.dist._without_cpu_shm_kernel), so no
+    # /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> workspace (69 MB, never unlinked) is made
+    assert [g[:-1] for g in got] == [(0, False, False, True, 0, 2, True), (1, False, False, True, 1, 2, True)]
     port = got[0][-1]
     left = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
     assert not left, left
+
+
+def test_a_stale_extension_lock_does_not_hold_up_the_start(tmp_path):
+    """A process killed while DeepSpeed JIT-built its CPU shared-memory kernel left ``<extensions>/deepspeed_shm_comm/
+    lock`` behind, and every later start on the machine waited on it forever without a word (seen as a CI run that
+    hung in ``FileBaton.wait``). The kernel is no longer loaded on CPU: a start with that lock present completes."""
+    import subprocess
+    import sys
+
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "lock").write_text("")
+    code = ("import deepspeed.comm.comm as c\nfrom spd_ds.dist import init_process_group\n"
+            "print(init_process_group('gloo', 30.0), c.cdb.shm_comm_op is None)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "True True", (r.stdout, r.stderr[-2000:])
 
 
 def test_nccl_without_cuda_is_a_one_line_error_before_any_collective(monkeypatch):

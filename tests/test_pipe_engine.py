@@ -256,8 +256,9 @@ def test_localhost_hostfile_with_the_documented_flags(world2):
 
 
 def test_no_shared_memory_workspace_left_behind(world2):
-    # DeepSpeed's CPU all-reduce maps /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> (69 MB) per
-    # rank and never unlinks it; spd_ds.dist.init_process_group does, or every run would leak world x 69 MB
+    # DeepSpeed's CPU shared-memory all-reduce maps /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    # (69 MB) per rank and never unlinks it; spd_ds.dist.init_process_group keeps that kernel out on CPU, or every run
+    # would leak world x 69 MB
     left = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{world2['_master_port']}_*"))
     assert not left, left
 
