@@ -410,8 +410,8 @@ def load_yaml(p: Path) -> DictConfig:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         quote = ", and quote a value that holds ': '" if "mapping values are not allowed" in problem else ""
-        raise ConfigError(f"config file {p} is not valid YAML{where}: {problem}; check its indentation{quote}") \
-            from None
+        fix = "give each key once (merge the two)" if "duplicate key" in problem else f"check its indentation{quote}"
+        raise ConfigError(f"config file {p} is not valid YAML{where}: {problem}; {fix}") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {p} must be a mapping of sections (model:, partition:, head:, ...), "
                           f"got a {'list' if isinstance(loaded, ListConfig) else type(loaded).__name__}")

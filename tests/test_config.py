@@ -175,6 +175,10 @@ def test_bad_config_files_are_one_line_errors(tmp_path):
     bad.write_text("model:\n  name: x\n   dtype: float32\n")  # over-indented
     with pytest.raises(ConfigError, match=r"not valid YAML \(line 3, column 9\).*check its indentation"):
         load_config(bad)
+    bad.write_text("model:\n  name: x\nmodel:\n  dtype: float32\n")  # a section given twice: not an indentation slip
+    with pytest.raises(ConfigError, match=r"\(line 3, column 1\): found duplicate key model; give each key once "
+                                          r"\(merge the two\)$"):
+        load_config(bad)
     lst = tmp_path / "list.yaml"
     lst.write_text("- model\n- head\n")
     with pytest.raises(ConfigError, match="must be a mapping of sections .* got a list"):
