@@ -1,6 +1,6 @@
 """Checks of the launch programs' arguments beside :mod:`spd_ds.cli` (kept apart to keep that module small): an
 option given twice (:class:`GivenOnce`, an ``argparse`` action), a value given twice in a list (:func:`repeated`), a
-device this machine has (:func:`torch_device`, an ``argparse`` type)."""
+device this machine has (:func:`torch_device`, an ``argparse`` type), the key of an override (:func:`override_key`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ class GivenOnce(argparse.Action):
             parser.error(f"{option_string} is given twice ({before!r} and {values!r}); give one (files are not "
                          "layered: put further settings as section.key=value overrides)")
         setattr(namespace, self.dest, values)
+
+
+def override_key(override: str) -> str:
+    """The ``section.key`` of a ``section.key=value`` override as the launch programs take it (``"data.num_prompts"``
+    for ``" data.num_prompts =3"``; the whole text, stripped, when it holds no ``=``). Never raises: malformed
+    overrides are refused by :func:`spd_ds.config.load_config`."""
+    return override.split("=", 1)[0].strip()
 
 
 def repeated(values: Sequence) -> list:

@@ -94,8 +94,12 @@ def _without_cpu_shm_kernel() -> None:
     start on the machine waited for it forever, silently. The kernel also mapped a 69 MB ``/dev/shm`` workspace per
     rank that DeepSpeed never unlinks. On CPU (tests and development; the GPU path uses NCCL) it buys nothing
     measurable: the pipeline's traffic is point-to-point, and DeepSpeed's own fallback is the process group's
-    all-reduce. DeepSpeed loads the kernel only where ``deepspeed.ops.__compatible_ops__`` marks it compatible; the
-    mark is set False here, before the backend starts."""
+    all-reduce. DeepSpeed loads the kernel only where ``deepspeed.ops.__compatible_ops__`` marks the accelerator's
+    ``ShareMemCommBuilder`` op compatible (``deepspeed.comm.torch.build_shm_op``); that mark is set False here, under
+    the builder's own name, before the backend starts."""
     import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:  # None: this accelerator has no such kernel
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False

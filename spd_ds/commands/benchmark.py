@@ -50,7 +50,7 @@ from pathlib import Path
 from spd_ds.cli import (checks_outputs, chosen_engine, decoding_user_errors, ensure_output_dir, experiment_parser,
                         float_in, int_at_least, rank_and_world, removed_if_left_empty, run_cli, setup_logging,
                         setup_process)
-from spd_ds.cli_args import repeated
+from spd_ds.cli_args import override_key, repeated
 from spd_ds.pipe.topology import detect_world_size
 
 
@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace) -> int:
     from spd_ds.eval.report import summarize, write_reports
     from spd_ds.eval.runner import run_baselines, run_eval
 
-    given = [o for o in args.overrides if o.split("=", 1)[0].strip() == "eval.output_dir"]
+    given = [o for o in args.overrides if override_key(o) == "eval.output_dir"]
     if given:  # each suite's reports go to --out/<suite>: the override would be dropped without a word
         raise ConfigError(f"override {given[-1]!r}: the benchmark writes each suite's reports under --out/<suite> "
                           f"(here {args.out}); give --out DIR instead of eval.output_dir")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from spd_ds.cli import (check_output_file, checks_outputs, chosen_engine, decoding_user_errors, experiment_parser,
                         rank_and_world, removed_if_left_empty, run_cli, setup_logging, setup_process)
+from spd_ds.cli_args import override_key
 from spd_ds.config import ConfigError, load_config, validate
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_accept_length, pooled_decode_tok_s
 from spd_ds.pipe.topology import detect_world_size
@@ -73,7 +74,7 @@ def load_prompt_texts(cfg, args) -> list[tuple[str, str]]:
     """
     if args.prompt:
         for o in args.overrides:
-            if o.split("=", 1)[0].strip() == "data.num_prompts":
+            if override_key(o) == "data.num_prompts":
                 raise ConfigError(f"override {o!r} does not combine with --prompt: data.num_prompts counts the records "
                                   f"taken from data.prompts, which --prompt replaces (all {len(args.prompt)} --prompt "
                                   "texts are answered); leave out one of the two")

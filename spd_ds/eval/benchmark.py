@@ -27,6 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from spd_ds.builder import resolve_path
+from spd_ds.cli_args import override_key
 from spd_ds.config import DEFAULT_PROMPT_SETS, ConfigError, ExperimentConfig, load_config, load_yaml
 from spd_ds.eval.regression import DEFAULT_HEAD_DIR
 from spd_ds.eval.report import REPEAT_NGRAM
@@ -186,7 +187,7 @@ def replaced_file_settings(base_config: str | None, runs: Sequence[SuiteRun], ex
         return []
     data = load_yaml(Path(base_config))  # the keys it sets, and (over the defaults) their values
     in_file = {f"{sec}.{k}" for sec, keys in data.items() if isinstance(keys, DictConfig) for k in keys}
-    in_file -= {o.split("=", 1)[0].strip() for o in extra}
+    in_file -= {override_key(o) for o in extra}
 
     def same(a, b) -> bool:  # a path in the file and the suite's resolved one (head.checkpoint) are the same
         return a == b or (isinstance(a, str) and isinstance(b, str)
@@ -195,7 +196,7 @@ def replaced_file_settings(base_config: str | None, runs: Sequence[SuiteRun], ex
     file_cfg, out = load_config(data), {}
     for k, sr in enumerate(runs):
         suite_cfg = load_config(data, sr.overrides) if suite_cfgs is None else suite_cfgs[k]  # = config_of(sr, ...)
-        for key in sorted({o.split("=", 1)[0].strip() for o in sr.overrides} & in_file):
+        for key in sorted({override_key(o) for o in sr.overrides} & in_file):
             section, name = key.split(".")
             before, after = getattr(getattr(file_cfg, section), name), getattr(getattr(suite_cfg, section), name)
             if not same(before, after) and after not in out.setdefault((key, str(before)), []):
