@@ -77,6 +77,22 @@ def make_chats(path: Path, n: int = 200, seed: int = 0, sharegpt: bool = False) 
 
 
 # ---------------------------------------------------------------------------------------------------- reading
+def test_a_data_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    """A data file without read permission (or otherwise unopenable) was a PermissionError traceback; now a
+    DataError naming it (simulated: tests often run as root, who reads every file)."""
+    from spd_ds.train import data as data_mod
+
+    f = make_chats(tmp_path / "chats.jsonl", 3)
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(data_mod, "open", refused, raising=False)  # the module's open, before the builtin
+    with pytest.raises(DataError, match=f"^data file {f} cannot be read \\(PermissionError: Permission denied\\); "
+                                        "make it readable or leave it out of data.train_files$"):
+        load_records([str(f)])
+
+
 def test_cut_off_json_array_is_read_record_by_record(tmp_path):
     recs = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
             for i in range(5)]

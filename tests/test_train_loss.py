@@ -112,6 +112,27 @@ def test_lr_schedule_and_ds_config(tmp_path, monkeypatch):
     assert said == []
 
 
+
+def test_ds_config_values_deepspeed_refuses_are_one_line_before_any_engine(tmp_path):
+    """A value DeepSpeed's own config parser refuses (a pydantic field, Apex AMP, a checkpoint setting) raised a
+    traceback at the head engine's deepspeed.initialize, after the target, the teacher and the data had loaded; a
+    gradient_clipping that is no number raised a TypeError at the first step. Now load_ds_config refuses them."""
+    for bad in ("abc", -1.0, True, float("nan")):
+        with pytest.raises(ConfigError, match="gradient_clipping in the DeepSpeed config must be a number >= 0"):
+            load_ds_config({"gradient_clipping": bad}, 1)
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "lots"}}))
+    with pytest.raises(ConfigError) as e:
+        load_ds_config(str(path), 1)
+    assert str(e.value) == (f"the DeepSpeed config {path} is refused by DeepSpeed (DeepSpeedZeroConfig."
+                            "reduce_bucket_size: Input should be a valid integer, unable to parse string as an "
+                            "integer (got 'lots')); fix the file or pass another --deepspeed_config (e.g. "
+                            "ds_configs/zero2.json)")
+    with pytest.raises(ConfigError, match=r"^the DeepSpeed config is refused by DeepSpeed \(Checkpoint config "
+                                          "contains invalid tag_validation value of BOGUS"):
+        load_ds_config({"checkpoint": {"tag_validation": "bogus"}}, 1)
+    assert load_ds_config({"gradient_clipping": 0.5, "bf16": {"enabled": True}}, 1)["gradient_clipping"] == 0.5
+
 def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
     from types import SimpleNamespace
 

@@ -556,3 +556,65 @@ def test_auto_attention_that_falls_back_records_dense(setup):
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "dense attention (auto: the resumed run's)" in proc.stderr, proc.stderr[-3000:]
     assert "was trained with other settings" not in proc.stderr and "schedule ends at step 6" in proc.stderr
+
+
+
+# (overrides or options, the error line's text; TMP is the test's folder) for the test below
+EARLY_REFUSALS = [
+    (["train.autocast=fp16"], "error: train.autocast must be auto, bf16 or off, got 'fp16'"),
+    (["train.attention=flash"], "error: train.attention must be one of ('auto', 'flex', 'dense'), got 'flash'"),
+    (["train.attention=flex"], "error: train.attention=flex needs CUDA (FlexAttention has no CPU backward)"),
+    (["train.teacher_pipe_degree=3"], "error: train.teacher_pipe_degree=3 must be 1 or n=2 and divide the world "
+                                      "size 1"),
+    (["train.teacher_pipe_degree=2", "data.micro_batch_size=3", "WORLD_SIZE=2"],
+     "error (rank 0 of 2): data.micro_batch_size=3 must be a multiple of train.teacher_pipe_degree=2"),
+    (["data.chat_template=/no/such/template.jinja"], "error: chat template '/no/such/template.jinja' is neither a "
+                                                     "file nor Jinja text"),
+    (["data.train_files=[TMP/bad.jsonl]"], "error: TMP/bad.jsonl: not JSON lines nor a JSON array"),
+    (["data.train_files=[TMP/none.jsonl]"], "error: data source 'TMP/none.jsonl' holds no usable conversation"),
+    (["--deepspeed_config", "TMP/zero.json"], "error: the DeepSpeed config TMP/zero.json is refused by DeepSpeed "
+                                              "(DeepSpeedZeroConfig.reduce_bucket_size: Input should be a valid "
+                                              "integer"),
+    (["--deepspeed_config", "TMP/apex.json"], "Apex AMP integration has been removed"),
+    (["--resume"], None),  # no checkpoint in train.output_dir: starts fresh, and says so first
+    (["train.teacher_pipe_degree=1", "data.micro_batch_size=3"], None),  # good settings of the same kinds
+]
+
+
+@pytest.mark.parametrize("extra,said", EARLY_REFUSALS, ids=[" ".join(c[0]) for c in EARLY_REFUSALS])
+def test_bad_training_settings_fail_before_the_process_group(tmp_path, monkeypatch, capsys, extra, said):
+    """Settings that training refused only once the process group was up and the target resolved and loaded (the
+    train: values, a data file that does not parse or holds no conversation, a DeepSpeed config value DeepSpeed
+    refuses at the head engine's initialize, a chat template that is no file) are one line, exit status 2, before
+    the process group starts (here it cannot: starting it is an error). No model is needed to get there. A
+    ``--resume`` where train.output_dir holds no checkpoint starts fresh (a job script may pass it every time): the
+    line that says so comes before anything loads, so that a mistyped output_dir can be stopped at once."""
+    import spd_ds.dist
+    from spd_ds.commands import train as train_launcher
+
+    def no_group(*args, **kwargs):
+        raise RuntimeError("the process group started")
+
+    monkeypatch.setattr(spd_ds.dist, "init_process_group", no_group)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    config = _experiment(tmp_path, tmp_path / "no_model_needed", make_chats(tmp_path / "chats.jsonl", 20))
+    (tmp_path / "bad.jsonl").write_text('{"messages": [}\n')
+    (tmp_path / "none.jsonl").write_text('{"foo": 1}\n')
+    (tmp_path / "zero.json").write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "lots"}}))
+    (tmp_path / "apex.json").write_text(json.dumps({"amp": {"enabled": True}}))
+    args = [a.replace("TMP", str(tmp_path)) for a in extra]
+    for a in [a for a in args if a.startswith("WORLD_SIZE=")]:  # the launcher's (RANK unset reads as 0)
+        monkeypatch.setenv("WORLD_SIZE", a.split("=")[1])
+        args.remove(a)
+    if said is None:  # gets as far as the process group
+        with pytest.raises(RuntimeError, match="the process group started"):
+            train_launcher.main(["--config", str(config), *args])
+        if "--resume" in args:
+            assert (f"train.resume: no checkpoint under {tmp_path / 'run' / 'checkpoints'}; starting fresh"
+                    in capsys.readouterr().err)
+        return
+    assert train_launcher.main(["--config", str(config), *args]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and said.replace("TMP", str(tmp_path)) in errors[0] and "Traceback" not in err, err

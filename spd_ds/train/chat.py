@@ -63,26 +63,39 @@ def has_generation_markers(tokenizer) -> bool:
     return bool(tpl) and bool(_GENERATION_TAG.search(tpl))
 
 
+def read_chat_template(template: str | None) -> str | None:
+    """``data.chat_template`` as Jinja text: the file it names, or the text itself (``None`` when not set). Needs no
+    tokenizer, so training checks it before the target is loaded.
+
+    Raises:
+        ChatTemplateError: ``template`` is neither an existing file nor Jinja text (a mistyped path would otherwise
+            become the template, and every prompt its file name).
+    """
+    from pathlib import Path
+
+    if not template:
+        return None
+    p = Path(template).expanduser()
+    is_jinja = "{%" in template or "{{" in template
+    try:
+        is_file = not is_jinja and p.is_file()
+    except (OSError, ValueError):  # text too long (or odd) for a file name
+        is_file = False
+    if not is_jinja and not is_file:
+        raise ChatTemplateError(f"chat template {template!r} is neither a file nor Jinja text (no '{{%' or "
+                                "'{{' in it); give an existing template file or the template itself")
+    return template if is_jinja else p.read_text()
+
+
 def set_chat_template(tokenizer, template: str | None) -> None:
     """Install ``template`` (a Jinja string or a path to a ``.jinja``/text file) on ``tokenizer``; check one exists.
 
     Raises:
         ChatTemplateError: no template given and the tokenizer has none; or ``template`` is neither an existing file
-            nor Jinja text (a mistyped path would otherwise become the template, and every prompt its file name).
+            nor Jinja text (:func:`read_chat_template`).
     """
-    from pathlib import Path
-
     if template:
-        p = Path(template).expanduser()
-        is_jinja = "{%" in template or "{{" in template
-        try:
-            is_file = not is_jinja and p.is_file()
-        except (OSError, ValueError):  # text too long (or odd) for a file name
-            is_file = False
-        if not is_jinja and not is_file:
-            raise ChatTemplateError(f"chat template {template!r} is neither a file nor Jinja text (no '{{%' or "
-                                    "'{{' in it); give an existing template file or the template itself")
-        tokenizer.chat_template = template if is_jinja else p.read_text()
+        tokenizer.chat_template = read_chat_template(template)
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             "the tokenizer has no chat template; set data.chat_template to a Jinja template (file path or string)"

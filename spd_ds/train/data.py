@@ -68,12 +68,16 @@ def iter_json_records(path: str | os.PathLike) -> Iterator[dict]:
     is read as gzip when its first bytes say so, whatever its name.
 
     Raises:
-        DataError: the file is neither JSON lines nor a JSON array/object, is not UTF-8 text, or is a complete JSON
-            array (closed by ``]``) with a record that does not decode.
+        DataError: the file cannot be read (permissions), is neither JSON lines nor a JSON array/object, is not
+            UTF-8 text, or is a complete JSON array (closed by ``]``) with a record that does not decode.
     """
     path = Path(path)
-    with open(path, "rb") as fh:
-        gzipped = fh.read(2) == b"\x1f\x8b"
+    try:
+        with open(path, "rb") as fh:
+            gzipped = fh.read(2) == b"\x1f\x8b"
+    except OSError as e:  # no read permission, a directory named like a data file, ...: not a traceback
+        raise DataError(f"data file {path} cannot be read ({type(e).__name__}: {e.strerror or e}); make it readable "
+                        "or leave it out of data.train_files") from None
     try:
         with (gzip.open if gzipped else open)(path, "rt", encoding="utf-8") as fh:
             text = fh.read()

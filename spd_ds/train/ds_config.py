@@ -21,8 +21,12 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
             (spd-ds passes its own), fp16, ``zero_optimization.stage`` other than 0, 1 or 2 (ZeRO-3 partitions
             the head's weights, and the head written from them would be empty), ``zero_optimization.offload_optimizer``
             without ``"zero_force_ds_cpu_optimizer": false`` (DeepSpeed refuses to offload a client optimizer, after
-            the model and data are loaded), ``gradient_accumulation_steps`` below 1.
+            the model and data are loaded), ``gradient_accumulation_steps`` below 1, a ``gradient_clipping`` that
+            is no number >= 0, and any value DeepSpeed's own config parser refuses (:func:`check_with_deepspeed`:
+            it would otherwise raise at the head engine's ``deepspeed.initialize``, after the target, the teacher
+            engine and the data are loaded).
     """
+    where = ""  # the file, in messages
     if isinstance(path_or_dict, dict):
         cfg = dict(path_or_dict)
     else:
@@ -30,6 +34,7 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
         if not p.exists():
             raise ConfigError(f"DeepSpeed config {p} not found; pass --deepspeed_config ds_configs/zero2.json")
         cfg = read_json_object(p, "DeepSpeed config", "fix the file or pass another --deepspeed_config")
+        where = f" {p}"
     for key in ("optimizer", "scheduler"):
         if key in cfg:
             raise ConfigError(f"remove the '{key}' section from the DeepSpeed config: spd-ds passes a torch AdamW "
@@ -59,8 +64,42 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
     gas = cfg.setdefault("gradient_accumulation_steps", 1)
     if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
         raise ConfigError(f"gradient_accumulation_steps in the DeepSpeed config must be an integer >= 1, got {gas!r}")
+    clip = cfg.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:  # (nan too) a str: TypeError
+        raise ConfigError(f"gradient_clipping in the DeepSpeed config must be a number >= 0 (0 = no clipping), "
+                          f"got {clip!r}")
     cfg.setdefault("steps_per_print", 1 << 30)
+    check_with_deepspeed(cfg, where)
     return cfg
 
 
-__all__ = ["load_ds_config"]
+def check_with_deepspeed(cfg: dict, where: str = "") -> None:
+    """Parse the completed head-engine config with DeepSpeed's own ``DeepSpeedConfig`` (no process group needed;
+    its section models check types and allowed values), so that a value it refuses is one line before any process
+    group or model load instead of a traceback from the head engine's ``deepspeed.initialize``. ``where``: the
+    file's path with a leading space (or empty), for the message.
+
+    Raises:
+        ConfigError: one line naming what DeepSpeed refused, and the fix (the file or ``--deepspeed_config``).
+    """
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from spd_ds.cli import one_line
+
+    try:
+        DeepSpeedConfig(dict(cfg))
+    except Exception as e:  # noqa: BLE001 - pydantic's ValidationError, DeepSpeedConfigError, AssertionError, ...
+        errors = getattr(e, "errors", None)  # pydantic: one line per field, without its multi-line layout
+        if callable(errors):
+            try:
+                why = "; ".join(f"{e.title}.{'.'.join(map(str, x['loc']))}: {x['msg']} (got {x.get('input')!r})"
+                                for x in errors())
+            except Exception:  # noqa: BLE001 - the message alone then
+                why = one_line(e, 300)
+        else:
+            why = one_line(e, 300)
+        raise ConfigError(f"the DeepSpeed config{where} is refused by DeepSpeed ({why}); fix the file or pass another "
+                          "--deepspeed_config (e.g. ds_configs/zero2.json)") from None
+
+
+__all__ = ["load_ds_config", "check_with_deepspeed"]

@@ -38,7 +38,8 @@ from spd_ds.train.chat import EmptyMaskError, set_chat_template
 from spd_ds.train.batching import BatchPlanner, batches_on_device
 from spd_ds.train.ds_config import load_ds_config
 from spd_ds.train.data import check_selfdistill_target, check_sources, load_records, tokenize_records
-from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES, kd_loss_chunked, position_weights, top1_agreement
+from spd_ds.train.loss import kd_loss_chunked, position_weights, top1_agreement
+from spd_ds.train.preflight import check_train_settings, resume_note, training_device_type
 from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
@@ -176,8 +177,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
 
     tc, dc = cfg.train, cfg.data
     resume = tc.resume if resume is None else resume
-    if tc.outside_vocab not in OUTSIDE_VOCAB_POLICIES:
-        raise ConfigError(f"train.outside_vocab must be one of {OUTSIDE_VOCAB_POLICIES}, got {tc.outside_vocab!r}")
+    check_train_settings(cfg, rank_and_world()[1], training_device_type())  # every rank, before anything loads
 
     out_dir = Path(tc.output_dir)
     ckpt_dir = out_dir / CHECKPOINTS
@@ -205,6 +205,11 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     check_sources(dc.train_files)  # a missing file is one line before any process group or model load
     check_head_inputs(cfg)  # so is a missing head.checkpoint or head.draft_vocab
     check_stage_attention(cfg.model.attn_implementation, decoding=False)  # the teacher's masks are sdpa's
+    note = resume_note(resume, ckpt_dir)  # before anything loads: a mistyped train.output_dir can be stopped now
+    if note:
+        _say(note, rank_and_world()[0])
+    # the records, read now: a malformed or unreadable data file is one line before any process group or model load
+    records = load_records(dc.train_files, cfg.model.cache_dir, dc.max_conversations)
     init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -273,8 +278,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     teacher = Teacher(teng, tdtype, part.num_types, arch.hidden_size, head.draft_vocab_size)
     dp_rank, dp_world = teng.grid.get_data_parallel_id(), teng.grid.get_data_parallel_world_size()
 
-    # 4. data: records -> (regenerated) -> tokenised -> per-rank plan of packed micro-batches
-    records = load_records(dc.train_files, cfg.model.cache_dir, dc.max_conversations)
+    # 4. data: records (read in 1.) -> (regenerated) -> tokenised -> per-rank plan of packed micro-batches
     if dc.regenerate:
         records = _regenerate_shared(cfg, records, tokenizer, arch, out_dir, rank, world, device,
                                      eos_token_ids(cfg, arch, tokenizer))
@@ -355,8 +359,6 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                 _say(done, rank)
                 return out_dir / "head" if rank == 0 else None
             _say(f"resumed from {ckpt_dir} at step {step} (epoch {epoch}, micro-batch {index})", rank)
-        else:
-            _say(f"train.resume: no checkpoint under {ckpt_dir}; starting fresh", rank)
 
     if validator is not None:
         validator.init_steps = init_steps  # best_head/best.json carries the head's history

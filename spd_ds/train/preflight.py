@@ -1,0 +1,75 @@
+"""The training settings that need neither the target nor a process group, checked by
+:func:`spd_ds.train.loop.train` on every rank before it starts one (or loads anything large): a bad value is one line
+(naming the setting and what to give) within seconds, not after the target is resolved and loaded, and every rank
+raises the same error before any collective can hang."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from spd_ds.config import ConfigError, ExperimentConfig
+
+AUTOCAST_MODES = ("auto", "bf16", "off")
+
+
+def training_device_type() -> str:
+    """``cuda`` where DeepSpeed's accelerator is CUDA (the device :func:`~spd_ds.train.loop.train` trains on), else
+    ``cpu``; needs no process group."""
+    from deepspeed.accelerator import get_accelerator
+
+    return "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
+
+
+def check_train_settings(cfg: ExperimentConfig, world: int, device_type: str) -> None:
+    """Refuse the ``train:``/``data:`` values that training would otherwise refuse only once the target is loaded.
+
+    Checks ``train.outside_vocab``, ``train.autocast``, ``train.attention`` (``flex`` needs CUDA), a set
+    ``train.teacher_pipe_degree`` (1 or ``n``, dividing the world size ``world``) and ``data.micro_batch_size``
+    against it, and ``data.chat_template`` (an existing file or Jinja text). ``n`` is the configured number of stages
+    (``partition.stage_layers`` or ``partition.num_stages``; left to the partition when neither is set).
+
+    Args:
+        cfg: the experiment.
+        world: processes in the launch (the launcher's ``WORLD_SIZE``).
+        device_type: ``cuda`` or ``cpu`` (:func:`training_device_type`).
+    Raises:
+        ConfigError / ChatTemplateError: one line naming the setting and what to change.
+    """
+    from spd_ds.builder import configured_num_stages
+    from spd_ds.train.chat import read_chat_template
+    from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES
+    from spd_ds.train.student import resolve_attention
+
+    tc, dc = cfg.train, cfg.data
+    if tc.outside_vocab not in OUTSIDE_VOCAB_POLICIES:
+        raise ConfigError(f"train.outside_vocab must be one of {OUTSIDE_VOCAB_POLICIES}, got {tc.outside_vocab!r}")
+    if tc.autocast not in AUTOCAST_MODES:
+        raise ConfigError(f"train.autocast must be auto, bf16 or off, got {tc.autocast!r}")
+    try:  # a resumed run's own attention only changes what auto picks, which is never refused
+        resolve_attention(tc.attention, torch.device(device_type))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    degree = tc.teacher_pipe_degree
+    if degree is not None and (cfg.partition.stage_layers or cfg.partition.num_stages is not None):
+        n = configured_num_stages(cfg)
+        if degree not in (1, n) or world % degree:
+            raise ConfigError(f"train.teacher_pipe_degree={degree} must be 1 or n={n} and divide the world size "
+                              f"{world}")
+    if degree is not None and dc.micro_batch_size % degree:
+        raise ConfigError(f"data.micro_batch_size={dc.micro_batch_size} must be a multiple of "
+                          f"train.teacher_pipe_degree={degree} (each pipeline rank trains the head on its share)")
+    read_chat_template(dc.chat_template)
+
+
+def resume_note(resume: bool, ckpt_dir: Path) -> str | None:
+    """The line that says a ``--resume`` (``train.resume=true``) finds no checkpoint in ``ckpt_dir`` and starts
+    fresh (said before anything is loaded, so that a mistyped ``train.output_dir`` can be stopped at once), or
+    ``None``."""
+    if resume and not (Path(ckpt_dir) / "latest").exists():
+        return f"train.resume: no checkpoint under {ckpt_dir}; starting fresh"
+    return None
+
+
+__all__ = ["AUTOCAST_MODES", "check_train_settings", "resume_note", "training_device_type"]
