@@ -384,6 +384,22 @@ def test_eval_cli_baseline_given_twice_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("program", ["launch/eval.py", "launch/benchmark.py"])
+def test_an_unknown_baseline_is_refused_before_the_prompts_and_the_model(tmp_path, program):
+    """eval.baselines=[foo] was refused once the prompts were read (downloaded, for a hub set) and the model resolved;
+    now one line listing the known names, before either (the model named here does not exist)."""
+    extra = ["--suite", "c", "--stages", "2", "--out", str(tmp_path / "b")] if "benchmark" in program else \
+        [f"eval.output_dir={tmp_path / 'b'}"]
+    for given, said in (("[foo]", "unknown baseline(s) ['foo'] in eval.baselines; known: hf_generate, ar, ar_graph, "
+                                  "tp_ar"),
+                        ("[ar,ar]", "eval.baselines names ar twice (['ar', 'ar']); give each once")):
+        p = run([program, *extra, f"eval.baselines={given}", f"model.name={tmp_path / 'no_model_here'}"],
+                timeout=300)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2 and last == f"error: {said}", p.stderr[-2000:]
+        assert "no_model_here" not in p.stderr and not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("option", [["--suite", "c", "c"], ["--stages", "2", "3", "2"],
                                     ["--alphas", "1", "0.8", "1.0"]])
 def test_benchmark_refuses_a_value_given_twice(tmp_path, option):

@@ -166,6 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     from spd_ds import builder
     from spd_ds.config import ConfigError
     from spd_ds.eval import benchmark as bm
+    from spd_ds.eval.baselines import check_baseline_names
     from spd_ds.eval.inputs import resolve_model_name
     from spd_ds.eval.report import summarize, write_reports
     from spd_ds.eval.runner import run_baselines, run_eval
@@ -210,6 +211,8 @@ def _run(args: argparse.Namespace) -> int:
                 log.warning("suite %s (%s): no tp_ar baseline: %s", sr.suite, sr.label, tp_why)
     t0 = time.time()
     cfgs = [bm.config_of(sr, args.config) for sr in runs]
+    for cfg in cfgs:  # eval.baselines (an override, or the file's): before any head, model or prompt is read
+        check_baseline_names(cfg.eval.baselines)
     replaced = bm.replaced_file_settings(args.config, runs, [*args.overrides, *args.option_keys], cfgs)
     if replaced:  # the file lies under the suites' settings: say which of its values are not used
         log.warning("--config %s: the suites' own settings replace its %s; give them with the benchmark's options "

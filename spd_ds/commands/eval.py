@@ -73,6 +73,9 @@ def _main(argv=None) -> int:
     setup_logging()
     setup_process()
     cfg = load_config(args.config, args.overrides)
+    from spd_ds.eval.baselines import check_baseline_names
+
+    check_baseline_names(cfg.eval.baselines)  # before the prompts are read or the model resolved
     if args.strict_exact:
         _check_strict_exact(cfg)
     with removed_if_left_empty(cfg.eval.output_dir):  # a refused run leaves no empty eval.output_dir

@@ -93,6 +93,25 @@ def register_baseline(name: str, factory: Union[str, BaselineFactory]) -> None:
     BASELINES[name] = factory
 
 
+def check_baseline_names(names: Sequence[str]) -> None:
+    """Refuse an ``eval.baselines`` list that names a baseline not in :data:`BASELINES` (the message lists the known
+    names) or one twice (one report row per name: the second run would replace the first's results). Needs no model
+    or prompt: the eval and benchmark commands call it right after the config is read.
+
+    Raises:
+        ConfigError: one line naming the value and what to give instead.
+    """
+    from spd_ds.cli_args import repeated
+    from spd_ds.config import ConfigError
+
+    unknown = [b for b in names if b not in BASELINES]
+    if unknown:
+        raise ConfigError(f"unknown baseline(s) {unknown} in eval.baselines; known: {', '.join(BASELINES)}")
+    twice = repeated(names)
+    if twice:
+        raise ConfigError(f"eval.baselines names {twice[0]} twice ({list(names)}); give each once")
+
+
 def resolve_baseline(name: str) -> BaselineFactory:
     """The factory of baseline ``name`` (importing its module now).
 

@@ -306,7 +306,7 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
         ConfigError, PromptError, PromptSetUnavailableError, the engine's errors; :class:`EngineUnavailableError`
         if ``deepspeed`` is asked for but the pipeline engine cannot be imported.
     """
-    from spd_ds.eval.baselines import BASELINES
+    from spd_ds.eval.baselines import check_baseline_names
 
     from spd_ds.cli import chosen_engine
 
@@ -320,12 +320,7 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
         part = builder.build_partition(variants[0].cfg, arch)
         log.info("eval.spd=false: the run takes the PPSD head's partition, %d stages %s, anchors %s",
                  part.num_stages, list(part.stage_layers), list(part.anchors))
-    unknown = [b for b in cfg.eval.baselines if b not in BASELINES]
-    if unknown:
-        raise ConfigError(f"unknown baseline(s) {unknown} in eval.baselines; known: {', '.join(BASELINES)}")
-    twice = repeated(cfg.eval.baselines)
-    if twice:  # one report row per name: it would run twice, the second run replacing the first's results
-        raise ConfigError(f"eval.baselines names {twice[0]} twice ({list(cfg.eval.baselines)}); give each once")
+    check_baseline_names(cfg.eval.baselines)  # (the commands check it first: here for direct callers)
     from spd_ds.eval.tp_baseline import check_tp_request
     from spd_ds.pipe.topology import detect_world_size
 
