@@ -16,8 +16,8 @@ def run_stages(target, caches, ids, pos0):
     return target.ends.logits(h)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text",
-                                        "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text",
+                                        "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_stages_in_turn_reproduce_hf_logits(tiny_root, model_type, n):
     from transformers import AutoModelForCausalLM
@@ -292,7 +292,8 @@ def test_damaged_or_mismatched_model_files_are_one_line_user_errors(tiny_root, t
     bad = copy("shape")
     save_file({k: (v[:, :32].contiguous() if k == "model.layers.0.mlp.down_proj.weight" else v)
                for k, v in tensors.items()}, str(bad / "model.safetensors"))
-    with pytest.raises(ModelFileError, match=r"down_proj.weight has shape \(64, 32\) in the checkpoint but \(64, 128\)"):
+    with pytest.raises(ModelFileError,
+                       match=r"down_proj.weight has shape \(64, 32\) in the checkpoint but \(64, 128\)"):
         Target(TargetArch(bad), StagePartition.build(4, 2), torch.float32, "cpu")
     # sharded: the shards the index names are read, another safetensors beside them is not; a missing shard is named
     from transformers import AutoModelForCausalLM

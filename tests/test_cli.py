@@ -64,7 +64,8 @@ def test_overrides_before_and_after_options():
     assert bench.overrides == ["e.f=3", "g.h=4"] and bench.suite == ["c"] and bench.out == "o"
     # --prompt-sets takes every word up to the next option: the overrides among them are given back as overrides
     bench = launcher_module("benchmark").parse_args(["--prompt-sets", "gsm8k", "runs/my.set.jsonl",
-                                                     "data.eval_dir=runs/eval_sets", "model.device=cpu", "--suite", "c"])
+                                                     "data.eval_dir=runs/eval_sets", "model.device=cpu",
+                                                     "--suite", "c"])
     assert bench.prompt_sets == ["gsm8k", "runs/my.set.jsonl"]
     assert bench.overrides == ["data.eval_dir=runs/eval_sets", "model.device=cpu"]
     bench = launcher_module("benchmark").parse_args(["--prompt-sets", "gsm8k", "x.y=2", "--out", "o", "x.y=3"])
@@ -411,8 +412,10 @@ def test_console_scripts_are_declared_and_resolve_to_the_launchers_main():
 
 def test_no_sys_path_manipulation_anywhere():
     """Nothing puts a path on sys.path: launchers, scripts and tests import the installed package (pip install -e .)."""
-    hits = [p.relative_to(ROOT).as_posix() for d in ("spd_ds", "launch", "scripts", "tests") for p in (ROOT / d).rglob("*.py")
-            if any(f"sys.path.{m}(" in p.read_text() for m in ("insert", "append", "extend")) and p.name != "test_cli.py"]
+    hits = [p.relative_to(ROOT).as_posix()
+            for d in ("spd_ds", "launch", "scripts", "tests") for p in (ROOT / d).rglob("*.py")
+            if any(f"sys.path.{m}(" in p.read_text() for m in ("insert", "append", "extend"))
+            and p.name != "test_cli.py"]
     assert hits == []
 
 
@@ -594,7 +597,8 @@ def test_an_error_line_is_one_write(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Recorder())
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert cli.run_cli(lambda argv: (_ for _ in ()).throw(ConfigError("bad value")), [], user_errors=(ConfigError,)) == 2
+    assert cli.run_cli(lambda argv: (_ for _ in ()).throw(ConfigError("bad value")), [],
+                       user_errors=(ConfigError,)) == 2
     assert writes == ["error (rank 1 of 2): bad value\n"]
 
 

@@ -129,8 +129,10 @@ def test_bad_values(tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ("train.lr=-1", "train.lr must be >= 0, got -1.0"), ("train.save_every=0", "train.save_every must be >= 1"),
-    ("train.log_every=0", "train.log_every must be >= 1"), ("train.kd_temperature=0", "train.kd_temperature must be > 0"),
-    ("train.loss_chunk=0", "train.loss_chunk must be >= 1"), ("train.warmup_steps=-5", "train.warmup_steps must be >= 0"),
+    ("train.log_every=0", "train.log_every must be >= 1"),
+    ("train.kd_temperature=0", "train.kd_temperature must be > 0"),
+    ("train.loss_chunk=0", "train.loss_chunk must be >= 1"),
+    ("train.warmup_steps=-5", "train.warmup_steps must be >= 0"),
     ("train.max_steps=0", "train.max_steps must be >= 1 (or null)"), ("train.epochs=-1", "train.epochs must be >= 0"),
     ("train.max_time_s=-1", "train.max_time_s must be > 0 (or null)"),
     ("train.full_pipeline_prob=2", "must be in [0, 1], got 2.0"),
@@ -193,7 +195,8 @@ def test_a_cuda_device_without_cuda_is_a_config_error(monkeypatch):
     from spd_ds.builder import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match="model.device=cuda but torch .* sees no CUDA device here; use model.device=cpu"):
+    with pytest.raises(ConfigError,
+                       match="model.device=cuda but torch .* sees no CUDA device here; use model.device=cpu"):
         resolve_device("cuda")
     assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
 

@@ -20,7 +20,8 @@ PROMPT = [3, 9, 27, 81 % 96, 50, 11, 7]
 @pytest.fixture(scope="module", params=["llama", "qwen3", "random:qwen3.5-tiny"])
 def target(request, tmp_path_factory):
     shape = request.param
-    arch = TargetArch(shape if shape.startswith("random:") else make_random_shape(tmp_path_factory.mktemp("shapes"), shape))
+    arch = TargetArch(shape if shape.startswith("random:")
+                      else make_random_shape(tmp_path_factory.mktemp("shapes"), shape))
     return Target(arch, StagePartition.build(arch.num_layers, 2), torch.float32, "cpu")
 
 

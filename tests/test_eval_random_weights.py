@@ -100,7 +100,8 @@ def test_weights_are_seeded_per_tensor_and_stage_local(tmp_path, monkeypatch):
 def test_zero_centred_norms_are_generated_as_their_identity():
     """Qwen3.5's RMSNorms scale by ``1 + w`` (identity: zeros), its gated norm by ``w`` (identity: ones)."""
     a = TargetArch("random:qwen3.5-tiny")
-    for name in ("model.layers.0.input_layernorm.weight", "model.layers.3.self_attn.q_norm.weight", "model.norm.weight"):
+    for name in ("model.layers.0.input_layernorm.weight", "model.layers.3.self_attn.q_norm.weight",
+                 "model.norm.weight"):
         assert torch.equal(a.load_tensor(name), torch.zeros_like(a.load_tensor(name))), name
     assert torch.equal(a.load_tensor("model.layers.0.linear_attn.norm.weight"), torch.ones(16))
     b = TargetArch("random:smollm2-135m")  # other families: unchanged (ones), so are their fingerprints

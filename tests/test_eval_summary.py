@@ -137,7 +137,8 @@ def test_oracle_sweep_in_one_run(heads, tmp_path):
     rows = per_prompt_rows(run)
     assert len(rows) == 3 * 2
     assert [r["draft_acceptance_rate"] for r in rows if r["method"] == "spd_oracle_1"] == [1.0, 1.0]
-    assert all(r["draft_acceptance_rate"] is None and r["tokens_per_cycle"] is None for r in rows if r["method"] == "ar")
+    assert all(r["draft_acceptance_rate"] is None and r["tokens_per_cycle"] is None
+               for r in rows if r["method"] == "ar")
     # the summary names the alphas that ran, not the config's decoding.oracle_alpha (1.0 whatever the sweep was)
     assert s["decoding"]["oracle_alphas"] == [1.0, 0.5] and "oracle_alpha" not in s["decoding"]
     assert {m: d["oracle_alpha"] for m, d in s["methods"].items()} == {"spd_oracle_1": 1.0, "spd_oracle_0.5": 0.5,

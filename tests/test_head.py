@@ -258,7 +258,8 @@ def test_shipped_head_loads(smollm2_arch, n):
              for k in (2, 3)]
     assert sum(sizes) <= 40e6, sizes
     name = "model.embed_tokens.weight" if smollm2_arch.tied_embeddings else "lm_head.weight"
-    assert torch.equal(head.lm_head.weight, smollm2_arch.load_tensor(name)[head.draft_ids].to(head.lm_head.weight.dtype))
+    assert torch.equal(head.lm_head.weight,
+                       smollm2_arch.load_tensor(name)[head.draft_ids].to(head.lm_head.weight.dtype))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "header", "header_length", "shapes"])
@@ -297,7 +298,8 @@ def test_qwen3_5_head_tower_is_a_gated_attention_layer_with_a_dense_mlp(tiny_roo
         assert type(layer).__name__ == "Qwen3_5DecoderLayer"  # the dense family's class, MoE targets too
         assert not hasattr(layer, "linear_attn") and hasattr(layer.mlp, "gate_proj")
         assert layer.self_attn.q_proj.out_features == 2 * cfg.num_attention_heads * cfg.head_dim  # output gate
-    want = cfg.intermediate_size if family != "qwen3_5_moe_text" else cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    want = (cfg.intermediate_size if family != "qwen3_5_moe_text"
+            else cfg.moe_intermediate_size * cfg.num_experts_per_tok)
     assert head.layers[0].mlp.gate_proj.out_features == want
     feats = torch.randn(5, part.num_types, arch.hidden_size)
     out = head.logits(head.tower(head.aggregate(feats, [4, 3, 2, 1, 0])[None], torch.arange(5)))
@@ -412,7 +414,8 @@ def test_tower_init_on_a_hybrid_target(tiny_root, family):
     copied = head.init_tower_from_layer(full)
     assert "self_attn.q_proj.weight" in copied and "input_layernorm.weight" in copied
     assert ("mlp.gate_proj.weight" in copied) == (family == "qwen3_5_text")
-    assert torch.equal(head.layers[0].self_attn.o_proj.weight, arch.load_tensor(f"model.layers.{full}.self_attn.o_proj.weight"))
+    assert torch.equal(head.layers[0].self_attn.o_proj.weight,
+                       arch.load_tensor(f"model.layers.{full}.self_attn.o_proj.weight"))
 
 
 # ---------------------------------------------------------------------------------------------------- bad checkpoints

@@ -211,7 +211,8 @@ def test_failed_head_capture_falls_back_to_the_eager_head(arch8, monkeypatch, ca
     with caplog.at_level("WARNING", logger="spd_ds.builder"):
         drafter = builder.build_head_drafter(cfg, head, 64, "cpu")
     assert type(drafter) is HeadDrafter
-    assert "CUDA graph capture failed (operation not permitted when stream is capturing); drafting eagerly" in caplog.text
+    assert ("CUDA graph capture failed (operation not permitted when stream is capturing); drafting eagerly"
+            in caplog.text)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")

@@ -272,8 +272,10 @@ def test_bf16_static_path_equals_ar_through_the_pipeline(world2, name):
 
 
 @pytest.mark.parametrize("world", [
-    pytest.param(1, marks=pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU (run on the GPU machine)")),
-    pytest.param(2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on the GPU machine)")),
+    pytest.param(1, marks=pytest.mark.skipif(torch.cuda.device_count() < 1,
+                                             reason="needs a GPU (run on the GPU machine)")),
+    pytest.param(2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                             reason="needs 2 GPUs (run on the GPU machine)")),
 ])
 def test_cuda_engine_equals_ar_through_the_same_pipeline(tmp_path, tiny_root, world):
     """On 2 GPUs (NCCL, bf16, static caches and CUDA-graph stages by default), and on one (both stages' graphs and the

@@ -27,7 +27,8 @@ def test_static_cache_writes_at_bound_positions_and_masks_the_rest():
     assert m.shape == (1, 1, 3, 6) and m[0, 0].tolist() == [[i <= r for i in range(6)] for r in range(3)]
     c.bind(torch.tensor([1]))  # a rollback: writing at position 1 hides everything after it
     c.update(5 * torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 0)
-    assert c.keys[0][0, 0, 1].eq(5).all() and c.attention_mask(torch.tensor([1]))[0, 0, 0].tolist() == [True, True] + [False] * 4
+    assert (c.keys[0][0, 0, 1].eq(5).all()
+            and c.attention_mask(torch.tensor([1]))[0, 0, 0].tolist() == [True, True] + [False] * 4)
     with pytest.raises(RuntimeError, match="static=True"):
         StageKVCache([0], 1, 2, 4, torch.float32, "cpu").bind(pos)
 

@@ -68,7 +68,8 @@ def test_mt_bench_from_registry(tmp_path):
     assert len(recs) == 80
     assert recs[0]["question_id"] == 81 and recs[0]["category"] == "writing"
     assert all(len(r["turns"]) == 2 for r in recs)
-    assert len({r["question_id"] for r in recs}) == 80 and {r["category"] for r in recs} >= {"writing", "math", "coding"}
+    assert (len({r["question_id"] for r in recs}) == 80
+            and {r["category"] for r in recs} >= {"writing", "math", "coding"})
 
 
 def test_gsm8k_offline_without_source_raises_one_line(tmp_path, monkeypatch):
@@ -242,7 +243,8 @@ def test_default_prompt_sets_skip_an_unavailable_set_explicit_ones_fail(smollm2_
     aliased = load_config(None, [f"data.eval_dir={eval_dir}", "data.num_prompts=1",
                                  "eval.prompt_sets=[MT-Bench,human-eval,gsm8k]"])
     assert [p.prompt_set for p in load_eval_prompts(aliased, tok, tok.vocab_size)] == ["MT-Bench", "human-eval"]
-    explicit = load_config(None, [f"data.eval_dir={eval_dir}", "data.num_prompts=2", "eval.prompt_sets=[mt_bench,gsm8k]"])
+    explicit = load_config(None, [f"data.eval_dir={eval_dir}", "data.num_prompts=2",
+                                  "eval.prompt_sets=[mt_bench,gsm8k]"])
     with pytest.raises(PromptSetUnavailableError, match="gsm8k"):
         load_eval_prompts(explicit, tok, tok.vocab_size)
     # the report groups rows by set label: a set given twice, or two files of one name, would merge

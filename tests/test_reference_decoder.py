@@ -85,7 +85,8 @@ def test_max_new_tokens_exact(arch, max_new):
     target, head = build(arch, 3)
     prompt = [4, 5]
     ar = ARDecoder(target).generate(prompt, 10).tokens
-    res = SPDReferenceDecoder(target, OracleDrafter([4, 5] + ar, 1.0, vocab_size=96), max_len=64).generate(prompt, max_new)
+    res = SPDReferenceDecoder(target, OracleDrafter([4, 5] + ar, 1.0, vocab_size=96),
+                              max_len=64).generate(prompt, max_new)
     assert res.tokens == ar[:max_new]
 
 

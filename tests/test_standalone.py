@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-OUTSIDE = re.compile(r"parents\[2\]|\.\./shared|/\s*\"shared\"|SHARED_DATA|SHARED_EVAL|EVAL_SOURCE|/work/shared|shared/data")
+OUTSIDE = re.compile(r"parents\[2\]|\.\./shared|/\s*\"shared\"|SHARED_DATA|SHARED_EVAL|EVAL_SOURCE"
+                     r"|/work/shared|shared/data")
 
 
 def test_tests_read_nothing_outside_the_checkout():

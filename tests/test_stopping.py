@@ -96,7 +96,8 @@ def test_every_decoder_stops_at_the_same_token(tiny, n, temperature):
         stop_ar = StopStrings([letters(ar_free[cut - 3:cut])], letters)
         k_ar = first_hit(ar_free, stop_ar)
         ar = ARDecoder(target, sampling, stop_strings=stop_ar).generate(prompt, max_new)
-        graph = ARGraphDecoder(target, sampling, max_len=128, sync_every=4, stop_strings=stop_ar).generate(prompt, max_new)
+        graph = ARGraphDecoder(target, sampling, max_len=128, sync_every=4,
+                               stop_strings=stop_ar).generate(prompt, max_new)
         assert ar.tokens == graph.tokens == ar_free[:k_ar] and ar.finish_reason == graph.finish_reason == "stop"
 
 

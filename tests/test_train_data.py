@@ -153,7 +153,8 @@ def test_prepare_train_data_and_draft_vocab_cli_errors_are_one_line(tmp_path, ca
     sd_dir.mkdir()
     (sd_dir / "manifest.json").write_text("{}")
     cases = [
-        (build_draft_vocab, ["--model", str(model), "--data", str(data), "--size", "0", "--out", str(tmp_path / "v.json")],
+        (build_draft_vocab,
+         ["--model", str(model), "--data", str(data), "--size", "0", "--out", str(tmp_path / "v.json")],
          "--size: must be >= 1"),
         (build_draft_vocab, ["--model", str(model), "--data", str(data), "--size", "5000",
                              "--out", str(tmp_path / "v.json")], "--size 5000 is larger than the model's vocabulary"),

@@ -162,8 +162,8 @@ def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
     tc = SimpleNamespace(lr=1e-3, warmup_steps=2, lr_stable_fraction=0.0, weight_decay=0.0)
     check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, tc, 12, said.append)
     assert said == []  # the same settings: nothing to say
-    check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, SimpleNamespace(**{**vars(tc), "lr": 0.5, "warmup_steps": 10}),
-                           8, said.append)
+    check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0,
+                           SimpleNamespace(**{**vars(tc), "lr": 0.5, "warmup_steps": 10}), 8, said.append)
     assert len(said) == 2 and "train.lr=0.5 (the run keeps 0.001); train.warmup_steps=10 (the run keeps 2)" in said[0]
     assert "ends at step 8, before its schedule's end at step 12" in said[1]
     with pytest.raises(ConfigError, match="schedule ends at step 12 .* now ask for 30 steps"):

@@ -23,8 +23,8 @@ from spd_ds.decoding.reference import SPDReferenceDecoder
 from spd_ds.models.adapter import Target, TargetArch
 from spd_ds.partition import StagePartition
 from spd_ds.train.mask import (
-    COMPLETE, block_types, key_kind, packed_causal_block_mask, packed_causal_mask, row_kinds, sample_fill, segment_positions,
-    structural_block_mask, structural_mask, structural_mask_mod,
+    COMPLETE, block_types, key_kind, packed_causal_block_mask, packed_causal_mask, row_kinds, sample_fill,
+    segment_positions, structural_block_mask, structural_mask, structural_mask_mod,
 )
 from tests.tiny_models import make_tiny_model
 

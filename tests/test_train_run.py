@@ -430,7 +430,8 @@ def test_teacher_pipeline_degree_n(setup):
     cfg = _experiment(tmp / "c", model, data, teacher_pipe_degree=2, max_steps=8, save_every=100,
                       compile_cache=str(tmp / "c" / "cc.bin"),  # no inductor kernels on CPU: loads, saves nothing
                       compile_teacher="aot_eager", compile_loss="aot_eager",  # each rank: its own stage's layers
-                      teacher_attention="flex")  # FlexAttention inside the compiled layers (train.teacher_attention=flex)
+                      # FlexAttention inside the compiled layers (train.teacher_attention=flex)
+                      teacher_attention="flex")
     proc = _launch(cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "pipe=1, data=0" in proc.stdout + proc.stderr  # a real two-stage pipeline
