@@ -156,14 +156,7 @@ class SpeculationHead(nn.Module):
             ConfigError: ``layer`` outside ``[-L, L)``, a linear-attention layer (Qwen3.5: the tower is full
                 attention), or no parameter matching.
         """
-        L = self.arch.num_layers
-        if not -L <= int(layer) < L:
-            raise ConfigError(f"head.tower_init_layer={layer} is outside [-{L}, {L}) for this {L}-layer target")
-        k = int(layer) % L
-        if self.arch.is_linear(k):
-            full = [i for i in range(L) if not self.arch.is_linear(i)]
-            raise ConfigError(f"head.tower_init_layer={layer}: target layer {k} is linear attention; the tower is full "
-                             f"attention: pick one of {full[-4:]} (e.g. {full[-1] - L})")
+        k = tower_init_index(layer, self.arch)
         copied = []
         for name, p in self.layers[0].named_parameters():
             src = f"model.layers.{k}.{name}"
@@ -405,6 +398,24 @@ class SpeculationHead(nn.Module):
             state["lm_head.weight"] = head.lm_head.weight.detach().clone()
         head.load_state_dict(state)
         return head
+
+
+def tower_init_index(layer: int, arch: TargetArch) -> int:
+    """The target layer index (``0..L-1``) that ``head.tower_init_layer=layer`` names; needs only the target's config
+    (training checks it before the process group starts: :func:`spd_ds.train.preflight.check_target_settings`).
+
+    Raises:
+        ConfigError: ``layer`` outside ``[-L, L)``, or a linear-attention layer (Qwen3.5: the tower is full attention).
+    """
+    L = arch.num_layers
+    if not -L <= int(layer) < L:
+        raise ConfigError(f"head.tower_init_layer={layer} is outside [-{L}, {L}) for this {L}-layer target")
+    k = int(layer) % L
+    if arch.is_linear(k):
+        full = [i for i in range(L) if not arch.is_linear(i)]
+        raise ConfigError(f"head.tower_init_layer={layer}: target layer {k} is linear attention; the tower is full "
+                          f"attention: pick one of {full[-4:]} (e.g. {full[-1] - L})")
+    return k
 
 
 def load_draft_vocab(path: str | os.PathLike) -> list[int]:

@@ -577,17 +577,30 @@ EARLY_REFUSALS = [
                                               "(DeepSpeedZeroConfig.reduce_bucket_size: Input should be a valid "
                                               "integer"),
     (["--deepspeed_config", "TMP/apex.json"], "Apex AMP integration has been removed"),
+    # what the target's config.json refuses (its geometry: no weight is read)
+    (["data.max_seq_length=1000"], "error: data.max_seq_length=1000 exceeds the target's context of 512 positions; "
+                                   "set data.max_seq_length <= 512"),
+    (["head.tower_init_layer=9"], "error: head.tower_init_layer=9 is outside [-4, 4) for this 4-layer target"),
+    (["partition.num_stages=9"], "error: partition.num_stages=9 exceeds the model's 4 decoder layers; use at most 4"),
+    (["partition.stage_layers=[2,3]"], "error: partition.stage_layers=[2, 3] sums to 5, but the model has 4 decoder "
+                                       "layers"),
+    (["partition.anchors=[0,2,9]"], "error: partition.anchors must be <= num_layers=4, got [0, 2, 9]"),
+    (["head.draft_vocab=TMP/vocab500.json"], "error: head.draft_vocab=TMP/vocab500.json holds ids in [0, 500], "
+                                             "outside the target's vocabulary of 128 ids"),
+    (["model.name=TMP/no_model"], "error: 'TMP/no_model' is neither a local model directory"),
     (["--resume"], None),  # no checkpoint in train.output_dir: starts fresh, and says so first
     (["train.teacher_pipe_degree=1", "data.micro_batch_size=3"], None),  # good settings of the same kinds
 ]
 
 
 @pytest.mark.parametrize("extra,said", EARLY_REFUSALS, ids=[" ".join(c[0]) for c in EARLY_REFUSALS])
-def test_bad_training_settings_fail_before_the_process_group(tmp_path, monkeypatch, capsys, extra, said):
+def test_bad_training_settings_fail_before_the_process_group(tmp_path, tiny_root, monkeypatch, capsys, extra, said):
     """Settings that training refused only once the process group was up and the target resolved and loaded (the
     train: values, a data file that does not parse or holds no conversation, a DeepSpeed config value DeepSpeed
-    refuses at the head engine's initialize, a chat template that is no file) are one line, exit status 2, before
-    the process group starts (here it cannot: starting it is an error). No model is needed to get there. A
+    refuses at the head engine's initialize, a chat template that is no file; the partition, data.max_seq_length,
+    head.tower_init_layer and head.draft_vocab's ids against the target's config.json, and a model that does not
+    resolve) are one line, exit status 2, before the process group starts (here it cannot: starting it is an
+    error). Only the tiny target's config.json and safetensors headers are read to get there. A
     ``--resume`` where train.output_dir holds no checkpoint starts fresh (a job script may pass it every time): the
     line that says so comes before anything loads, so that a mistyped output_dir can be stopped at once."""
     import spd_ds.dist
@@ -599,7 +612,8 @@ def test_bad_training_settings_fail_before_the_process_group(tmp_path, monkeypat
     monkeypatch.setattr(spd_ds.dist, "init_process_group", no_group)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    config = _experiment(tmp_path, tmp_path / "no_model_needed", make_chats(tmp_path / "chats.jsonl", 20))
+    config = _experiment(tmp_path, make_chat_model(tiny_root), make_chats(tmp_path / "chats.jsonl", 20))
+    (tmp_path / "vocab500.json").write_text(json.dumps({"token_ids": [0, 5, 500]}))
     (tmp_path / "bad.jsonl").write_text('{"messages": [}\n')
     (tmp_path / "none.jsonl").write_text('{"foo": 1}\n')
     (tmp_path / "zero.json").write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "lots"}}))

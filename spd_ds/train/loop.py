@@ -39,7 +39,8 @@ from spd_ds.train.batching import BatchPlanner, batches_on_device
 from spd_ds.train.ds_config import load_ds_config
 from spd_ds.train.data import check_selfdistill_target, check_sources, load_records, tokenize_records
 from spd_ds.train.loss import kd_loss_chunked, position_weights, top1_agreement
-from spd_ds.train.preflight import check_train_settings, resume_note, training_device_type
+from spd_ds.train.preflight import (check_target_settings, check_train_settings, resume_note,
+                                   training_device_type)
 from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
@@ -166,8 +167,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    from spd_ds.builder import (build_arch, build_head, build_partition, check_head_inputs, eos_token_ids,
-                                load_tokenizer)
+    from spd_ds.builder import build_arch, build_head, check_head_inputs, eos_token_ids, load_tokenizer
     from spd_ds.cli import checks_outputs, ensure_output_dir, rank_and_world
     from spd_ds.compile_cache import load_compile_cache, save_compile_cache
     from spd_ds.models.adapter import resolve_dtype
@@ -210,6 +210,9 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         _say(note, rank_and_world()[0])
     # the records, read now: a malformed or unreadable data file is one line before any process group or model load
     records = load_records(dc.train_files, cfg.model.cache_dir, dc.max_conversations)
+    # the target (its config.json: no weight is read yet) and the partition: what its geometry refuses is one line too
+    arch = build_arch(cfg, decoding=False)  # training keeps torch's own attention kernels (model.sdpa_backends)
+    part = check_target_settings(cfg, arch)  # partition, data.max_seq_length, head.tower_init_layer, draft ids
     init_process_group(cfg.deepspeed.backend, init_timeout_s(cfg))
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -224,13 +227,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     if tc.compile_cache:
         _say(f"compile cache {tc.compile_cache}: {n_cached} artifacts loaded", rank)
 
-    # 2. target, partition, head (same partition for the teacher and the head)
-    arch = build_arch(cfg, decoding=False)  # training keeps torch's own attention kernels (model.sdpa_backends)
-    part = build_partition(cfg, arch)
-    if dc.max_seq_length > arch.max_positions:  # a document may fill a row; the teacher's features end at its context
-        why = " (its sliding window)" if arch.max_positions_source == "sliding_window" else ""
-        raise ConfigError(f"data.max_seq_length={dc.max_seq_length} exceeds the target's context of "
-                          f"{arch.max_positions} positions{why}; set data.max_seq_length <= {arch.max_positions}")
+    # 2. tokenizer and head (the partition above: the same for the teacher and the head)
     tokenizer = load_tokenizer(arch)
     set_chat_template(tokenizer, dc.chat_template)
     head = build_head(cfg, arch, part)  # seeded with train.seed: identical on every rank

@@ -1,15 +1,21 @@
-"""The training settings that need neither the target nor a process group, checked by
-:func:`spd_ds.train.loop.train` on every rank before it starts one (or loads anything large): a bad value is one line
-(naming the setting and what to give) within seconds, not after the target is resolved and loaded, and every rank
-raises the same error before any collective can hang."""
+"""The training settings checked by :func:`spd_ds.train.loop.train` on every rank before it starts the process group
+(or loads anything large): a bad value is one line (naming the setting and what to give) within seconds, not after
+the target is loaded, and every rank raises the same error before any collective can hang.
+:func:`check_train_settings` needs neither the target nor a process group; :func:`check_target_settings` needs only
+the target's geometry (its ``config.json``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig
+
+if TYPE_CHECKING:
+    from spd_ds.models.adapter import TargetArch
+    from spd_ds.partition import StagePartition
 
 AUTOCAST_MODES = ("auto", "bf16", "off")
 
@@ -63,6 +69,39 @@ def check_train_settings(cfg: ExperimentConfig, world: int, device_type: str) ->
     read_chat_template(dc.chat_template)
 
 
+def check_target_settings(cfg: ExperimentConfig, arch: "TargetArch") -> "StagePartition":
+    """Refuse the settings that need the target's geometry (its ``config.json``, read by the
+    :class:`~spd_ds.models.adapter.TargetArch` that :func:`spd_ds.builder.build_arch` makes; no weight is read), on
+    every rank before the process group starts: the partition (``partition.num_stages`` / ``stage_layers`` /
+    ``anchors`` against the target's layers, and against ``head.checkpoint``'s partition;
+    :func:`~spd_ds.builder.build_partition`), ``data.max_seq_length`` against the target's context, a new head's
+    ``head.tower_init_layer`` against its layers (:func:`~spd_ds.head.tower_init_index`) and ``head.draft_vocab``'s ids
+    against its vocabulary (:func:`~spd_ds.builder.draft_vocab_ids`).
+
+    Args:
+        cfg: the experiment (``head.checkpoint`` / ``head.draft_vocab`` resolved in it, as the builders do).
+        arch: the target's :class:`~spd_ds.models.adapter.TargetArch`.
+    Returns:
+        The run's :class:`~spd_ds.partition.StagePartition`.
+    Raises:
+        ConfigError: one line naming the setting and what to give.
+    """
+    from spd_ds.builder import build_partition, draft_vocab_ids
+    from spd_ds.head import tower_init_index
+
+    part = build_partition(cfg, arch)
+    dc = cfg.data
+    if dc.max_seq_length > arch.max_positions:  # a document may fill a row; the teacher's features end at its context
+        why = " (its sliding window)" if arch.max_positions_source == "sliding_window" else ""
+        raise ConfigError(f"data.max_seq_length={dc.max_seq_length} exceeds the target's context of "
+                          f"{arch.max_positions} positions{why}; set data.max_seq_length <= {arch.max_positions}")
+    if cfg.head.tower_init_layer is not None and not cfg.head.checkpoint:  # (a loaded head ignores it)
+        tower_init_index(cfg.head.tower_init_layer, arch)
+    if cfg.head.draft_vocab:
+        draft_vocab_ids(cfg.head.draft_vocab, arch.vocab_size)
+    return part
+
+
 def resume_note(resume: bool, ckpt_dir: Path) -> str | None:
     """The line that says a ``--resume`` (``train.resume=true``) finds no checkpoint in ``ckpt_dir`` and starts
     fresh (said before anything is loaded, so that a mistyped ``train.output_dir`` can be stopped at once), or
@@ -72,4 +111,4 @@ def resume_note(resume: bool, ckpt_dir: Path) -> str | None:
     return None
 
 
-__all__ = ["AUTOCAST_MODES", "check_train_settings", "resume_note", "training_device_type"]
+__all__ = ["AUTOCAST_MODES", "check_target_settings", "check_train_settings", "resume_note", "training_device_type"]
