@@ -276,9 +276,9 @@ def _hold_fifo(path: str, what: str) -> None:
 def check_output_file(path: str, what: str) -> None:
     """Check an output *file* path now, so that a bad one fails in one line before any work rather than after it:
     an existing file must be writable (``/dev/stdout`` is fine, a pipe or a terminal included), a new one's folder
-    is created (:func:`ensure_output_dir`); a folder at ``path`` itself is refused. A FIFO (named pipe; also
-    ``/dev/stdout`` when stdout is a pipe) must have a reader already: its write end is opened now and held open
-    until the process ends (:func:`_hold_fifo`).
+    is created (:func:`ensure_output_dir`); a folder at ``path`` itself, or a path ending in ``/``, is refused. A FIFO
+    (named pipe; also ``/dev/stdout`` when stdout is a pipe) must have a reader already: its write end is opened now
+    and held open until the process ends (:func:`_hold_fifo`).
 
     Args:
         path: the file; what: how the user named it (``--output``, ``--out``), for the message.
@@ -302,8 +302,8 @@ def check_output_file(path: str, what: str) -> None:
         _hold_fifo(path, what)
         return
     path = os.path.realpath(path) if os.path.islink(path) else path  # a link's target, even a dangling one's
-    if os.path.isdir(path):
-        raise ConfigError(f"{what} {path} is a folder; give a file path inside it")
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):  # a new dir/: its file would be written as "dir"
+        raise ConfigError(f"{what} {path} names a folder; give a file path inside it")
     if os.path.exists(path):
         if not os.access(path, os.W_OK):
             raise ConfigError(f"{what} {path} exists and is not writable; give another path")

@@ -459,6 +459,10 @@ def test_output_folder_is_made_or_refused_in_one_line_before_the_run(tmp_path):
         cli.check_output_file(os.path.join(unwritable, "out.jsonl"), "--output")
     with pytest.raises(ConfigError, match=r"^--output - is not supported; give a file path"):
         cli.check_output_file("-", "--output")
+    for folder in (str(tmp_path / "a"), str(tmp_path / "new") + "/"):  # a folder, or a new one's path: dir/ (its
+        with pytest.raises(ConfigError, match=r"names a folder; give a file path inside it$"):  # file was "dir")
+            cli.check_output_file(folder, "--output")
+    assert not (tmp_path / "new").exists()
     dangling = tmp_path / "dangling.jsonl"  # a link to a file not made yet: its target's folder is checked (made)
     dangling.symlink_to(tmp_path / "later" / "out.jsonl")
     cli.check_output_file(str(dangling), "--output")
@@ -572,6 +576,25 @@ def test_selfdistill_refuses_a_gpu_the_machine_lacks(monkeypatch, capsys, tmp_pa
         assert e.value.code == 2 and message in capsys.readouterr().err and not out.exists()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert cli_args.torch_device("cuda:1") == "cuda:1" and cli_args.torch_device("cpu") == "cpu"
+
+
+def test_selfdistill_refuses_a_compile_cache_it_could_not_write(tmp_path, capsys):
+    """``selfdistill --compile-cache`` naming a folder (or a path below a file) ran to the end and then saved nothing
+    (``0 bytes saved``, the compiled kernels lost); now one line, exit status 2, before the model resolves (here it
+    does not exist), leaving no --out folder behind."""
+    from spd_ds.commands.prepare_train_data import main
+
+    out = tmp_path / "sd"
+    (tmp_path / "file").write_text("")
+    for cache, message in ((f"{tmp_path}", "names a folder; give a file path inside it"),
+                           (f"{tmp_path}/new/", "names a folder; give a file path inside it"),
+                           (f"{tmp_path}/file/cc.bin", "'s folder TMP/file cannot be created as a folder (a file "
+                                                       "stands at it or above it)")):
+        message = "--compile-cache" + ("" if message.startswith("'") else f" {cache} ") + message.replace("TMP",
+                                                                                                         str(tmp_path))
+        assert main(["selfdistill", "--model", str(tmp_path / "no_model"), "--data", "x", "--out", str(out),
+                     "--compile-cache", cache]) == 2
+        assert message in capsys.readouterr().err and not out.exists()
 
 
 def test_float_in_accepts_its_bounds():

@@ -588,6 +588,13 @@ EARLY_REFUSALS = [
     (["head.draft_vocab=TMP/vocab500.json"], "error: head.draft_vocab=TMP/vocab500.json holds ids in [0, 500], "
                                              "outside the target's vocabulary of 128 ids"),
     (["model.name=TMP/no_model"], "error: 'TMP/no_model' is neither a local model directory"),
+    # a compile cache the run could not write at its end (its kernels were lost after training, "0 bytes saved")
+    (["train.compile_cache=TMP"], "error: train.compile_cache TMP names a folder; give a file path inside it"),
+    (["train.compile_cache=TMP/new/"], "error: train.compile_cache TMP/new/ names a folder; give a file path inside "
+                                       "it"),
+    (["train.compile_cache=TMP/bad.jsonl/cc.bin"], "error: train.compile_cache's folder TMP/bad.jsonl cannot be "
+                                                   "created as a folder (a file stands at it or above it)"),
+    (["train.compile_cache=TMP/caches/cc.bin"], None),  # its folder is made at the start (removed when refused)
     (["--resume"], None),  # no checkpoint in train.output_dir: starts fresh, and says so first
     (["train.teacher_pipe_degree=1", "data.micro_batch_size=3"], None),  # good settings of the same kinds
 ]
@@ -625,6 +632,7 @@ def test_bad_training_settings_fail_before_the_process_group(tmp_path, tiny_root
     if said is None:  # gets as far as the process group
         with pytest.raises(RuntimeError, match="the process group started"):
             train_launcher.main(["--config", str(config), *args])
+        assert not (tmp_path / "caches").exists()  # made for train.compile_cache, removed as the run stopped empty
         if "--resume" in args:
             assert (f"train.resume: no checkpoint under {tmp_path / 'run' / 'checkpoints'}; starting fresh"
                     in capsys.readouterr().err)

@@ -27,6 +27,7 @@ ends in ``.gz``, as with ``regenerate`` and ``export-prompts``); ``regenerate`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -274,9 +275,13 @@ def _main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     out_dir = args.out if args.cmd == "selfdistill" else os.path.dirname(os.path.abspath(args.out))
-    with removed_if_left_empty(out_dir):  # a refused run leaves no empty output folder behind
+    cache = getattr(args, "compile_cache", None)  # selfdistill's; its folder is made at the start too
+    with (removed_if_left_empty(out_dir),  # a refused run leaves no empty output folder behind
+          removed_if_left_empty(os.path.dirname(os.path.abspath(cache))) if cache else contextlib.nullcontext()):
         if args.cmd == "selfdistill":  # before the model loads: a bad output path fails now, not after generating
             ensure_output_dir(args.out, "--out")
+            if cache:  # written at the end: a folder, or a path it cannot be written to, lost the compiled kernels
+                check_output_file(cache, "--compile-cache")
         else:
             check_output_file(args.out, "--out")
         if args.cmd in ("export", "export-prompts"):

@@ -13,6 +13,8 @@ See docs/training.md.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 
 
@@ -40,8 +42,10 @@ def _main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     from spd_ds.train.loop import train
 
-    try:
-        with removed_if_left_empty(cfg.train.output_dir):  # a refused run leaves no empty train.output_dir
+    cache = cfg.train.compile_cache  # its folder is made at the start (spd_ds.train.preflight)
+    try:  # a refused run leaves no empty train.output_dir, nor an empty folder made for train.compile_cache
+        with (removed_if_left_empty(cfg.train.output_dir),
+              removed_if_left_empty(os.path.dirname(os.path.abspath(cache))) if cache else contextlib.nullcontext()):
             train(cfg, args.deepspeed_config, resume=True if args.resume else None)
     finally:
         import torch.distributed as tdist
