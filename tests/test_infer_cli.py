@@ -149,6 +149,10 @@ def test_num_prompts_of_the_config_file_beside_prompt_is_not_an_error():
     args = infer.parse_args(["--config", str(CONFIG), "--prompt", "a", "data.num_prompts=null"])  # null too
     with pytest.raises(ConfigError, match=r"^override 'data.num_prompts=null' does not combine with --prompt"):
         infer.load_prompt_texts(load_config(args.config, args.overrides), args)
+    args = infer.parse_args(["--config", str(CONFIG), "--prompt", "a", "data.prompts=gsm8k"])  # the set: likewise
+    with pytest.raises(ConfigError, match=r"^override 'data.prompts=gsm8k' does not combine with --prompt: "
+                                          r"data.prompts names the prompt set or file, which --prompt replaces"):
+        infer.load_prompt_texts(load_config(args.config, args.overrides), args)
 
 
 @pytest.mark.slow

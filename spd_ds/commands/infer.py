@@ -62,22 +62,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_prompt_texts(cfg, args) -> list[tuple[str, str]]:
     """(id, text) pairs: ``--prompt`` values, else the first turn of each record of ``data.prompts``.
 
-    ``data.num_prompts`` counts the records taken from ``data.prompts``, which ``--prompt`` replaces: one given on the
-    command line (``args.overrides``) beside ``--prompt`` is refused rather than ignored; one from the ``--config``
-    file (the shipped configs set it for their prompt set) is not used with ``--prompt``.
+    ``data.prompts`` (the set or file) and ``data.num_prompts`` (how many of its records), which ``--prompt``
+    replaces: either given on the command line (``args.overrides``) beside ``--prompt`` is refused rather than
+    ignored; the ``--config`` file's values (the shipped configs set both) are not used with ``--prompt``.
 
     Raises:
         ConfigError: no prompt at all (an empty file or set), an empty or whitespace-only ``--prompt``, a
-            ``data.num_prompts=...`` override beside ``--prompt``, or malformed records (an empty user turn
-            included); raised before any model loads and before any collective.
+            ``data.prompts=...`` or ``data.num_prompts=...`` override beside ``--prompt``, or malformed records (an
+            empty user turn included); raised before any model loads and before any collective.
         FileNotFoundError / PromptSetUnavailableError: ``data.prompts`` is neither a file nor an obtainable set.
     """
     if args.prompt:
         for o in args.overrides:
-            if override_key(o) == "data.num_prompts":
-                raise ConfigError(f"override {o!r} does not combine with --prompt: data.num_prompts counts the records "
-                                  f"taken from data.prompts, which --prompt replaces (all {len(args.prompt)} --prompt "
-                                  "texts are answered); leave out one of the two")
+            what = {"data.num_prompts": "data.num_prompts counts the records taken from data.prompts",
+                    "data.prompts": "data.prompts names the prompt set or file"}.get(override_key(o))
+            if what:
+                raise ConfigError(f"override {o!r} does not combine with --prompt: {what}, which --prompt replaces "
+                                  f"(all {len(args.prompt)} --prompt texts are answered); leave out one of the two")
         for i, p in enumerate(args.prompt):  # a blank prompt would still be answered (after the template's markers)
             if not p.strip():
                 raise ConfigError(f"--prompt number {i + 1} is empty ({p!r}); give the prompt's text or leave it out")
