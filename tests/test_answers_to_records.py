@@ -103,3 +103,16 @@ def test_validate_heads_scores_every_record_with_all_records(eval_prompts, tmp_p
     assert _script("validate_heads").main(base + ["--all-records", "--draft-vocab", vocab]) == 0
     narrow = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert narrow["val_positions"] == 70 and narrow["val_overlap_by_fill_sampled"] != val["val_overlap_by_fill_sampled"]
+
+
+def test_validate_heads_names_a_wrong_head_folder_in_one_line(tmp_path):
+    """A head argument that is no head folder (missing, or without head_config.json) is one line naming the
+    argument, before the model loads (it was a FileNotFoundError traceback naming head.checkpoint)."""
+    (tmp_path / "empty").mkdir()
+    good = str(ROOT / "spd_ds" / "assets" / "heads" / "smollm2-135m-instruct-n2")
+    for bad, says in ((tmp_path / "nothing", "does not exist"), (tmp_path / "empty", "holds no head")):
+        with pytest.raises(SystemExit) as e:
+            _script("validate_heads").main([good, str(bad), "--data", str(tmp_path / "r.jsonl")])
+        msg = str(e.value.code)
+        assert msg.startswith("error: ") and "\n" not in msg and says in msg and "the head argument" in msg, msg
+        assert "head.checkpoint" not in msg

@@ -72,7 +72,10 @@ def main(argv=None) -> int:
     from spd_ds.train.validate import evaluate, held_out_batches
 
     torch.set_num_threads(args.threads)
-    part0 = SpeculationHead.read_config(args.heads[0])["partition"]
+    try:  # every head folder, before the model: a wrong path is one line naming it
+        part0 = [SpeculationHead.read_config(h, key="the head argument")["partition"] for h in args.heads][0]
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
     cfg = load_config(args.config, [f"partition.num_stages={len(part0['stage_layers'])}",
                                     f"partition.stage_layers={part0['stage_layers']}",
                                     f"partition.anchors={part0['anchors']}", "model.dtype=float32",
