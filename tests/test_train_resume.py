@@ -284,3 +284,30 @@ def test_a_run_from_step_0_refuses_an_earlier_runs_results(tmp_path):
     assert str(e.value) == (f"{run} holds an earlier run's results (train_summary.json, head) and no checkpoint to "
                             "resume; set another train.output_dir (head.checkpoint=<its head or best_head> "
                             "warm-starts from it), or remove them to train there anew")
+
+
+def test_a_resume_on_other_data_of_the_same_size_is_refused():
+    """A checkpoint recorded its data by counts alone (examples, tokens, held-out records): another data set of the
+    same size (one token id changed, or an answer's assistant mask) resumed without a word. The digest of the
+    examples tells them apart; a checkpoint written before it still compares the counts."""
+    from spd_ds.train.data import TokenizedData
+    from spd_ds.train.resume import check_resumed_data, data_identity
+
+    run = TokenizedData([[1, 2, 3, 4], [5, 6]], [[0, 0, 1, 1], [0, 1]])
+    other_ids = TokenizedData([[1, 2, 3, 9], [5, 6]], [[0, 0, 1, 1], [0, 1]])
+    other_mask = TokenizedData([[1, 2, 3, 4], [5, 6]], [[0, 1, 1, 1], [0, 1]])
+    regrouped = TokenizedData([[1, 2, 3], [4, 5, 6]], [[0, 0, 1], [1, 0, 1]])  # the same tokens, split elsewhere
+    saved = data_identity(run, 1)
+    assert saved["examples"] == 2 and saved["tokens"] == 6 and saved["held_out"] == 1
+    check_resumed_data(Path("ck"), saved, data_identity(run, 1))  # the run's own data
+    check_resumed_data(Path("ck"), None, data_identity(other_ids, 1))  # nothing recorded: nothing to compare
+    for other in (other_ids, other_mask, regrouped):
+        now = data_identity(other, 1)
+        assert {k: now[k] for k in ("examples", "tokens", "held_out")} == {"examples": 2, "tokens": 6, "held_out": 1}
+        with pytest.raises(ConfigError, match=r"^ck was trained on other data .*resume with the run's "
+                                              r"data.train_files"):
+            check_resumed_data(Path("ck"), saved, now)
+        counts_only = {k: v for k, v in saved.items() if k != "blake2b"}  # a checkpoint from before the digest
+        check_resumed_data(Path("ck"), counts_only, now)
+    with pytest.raises(ConfigError, match="other data"):
+        check_resumed_data(Path("ck"), saved, data_identity(run, 2))

@@ -45,8 +45,9 @@ from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
-from spd_ds.train.resume import (EVAL_BATCHES, RUN_FILE, check_fresh_output, check_resume, check_resumed_schedule,
-                                  damaged_checkpoint_advice, eval_batches_identity, finished_message, finished_run,
+from spd_ds.train.resume import (EVAL_BATCHES, RUN_FILE, check_fresh_output, check_resume, check_resumed_data,
+                                  check_resumed_schedule, damaged_checkpoint_advice, data_identity,
+                                  eval_batches_identity, finished_message, finished_run,
                                   flex_kept_message, recorded_attention, rng_state, run_identity, set_rng_state,
                                   stale_best_heads, truncate_log)
 from spd_ds.train.validate import Validator, recover_best_head
@@ -282,7 +283,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
     records, held_out = split_held_out(records, dc.held_out_fraction if tc.eval_every else 0.0, tc.seed)
     data = tokenize_records(records, tokenizer, dc.max_seq_length, dc.min_seq_length, dc.overflow, dc.num_workers)
     _say(f"data: {data.summary()}", rank)
-    data_id = {"examples": len(data), "tokens": int(data.num_tokens), "held_out": len(held_out)}
+    data_id = data_identity(data, len(held_out))  # counts and a digest of the examples: a resume checks them
     planner = BatchPlanner(data, dc.max_seq_length, dc.micro_batch_size, dp_rank, dp_world, tc.seed, dc.pack,
                            skip_loops=dc.skip_loops)
     validator = None
@@ -337,9 +338,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                 raise ConfigError(f"checkpoint {ckpt_dir / tag} is damaged ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:160] if str(e) else 'no message'}); "
                                   f"{damaged_checkpoint_advice(ckpt_dir, tag)}") from None
-            if cs.get("data") not in (None, data_id):  # same on every rank: all raise together
-                raise ConfigError(f"{ckpt_dir} was trained on other data ({cs['data']}; now {data_id}): resume with "
-                                  "the run's data.train_files (and data settings), or start a new train.output_dir")
+            check_resumed_data(ckpt_dir, cs.get("data"), data_id)  # same on every rank: all raise together
             check_resumed_schedule(schedule, sched.base_lrs[0], opt.param_groups[0]["weight_decay"], tc,
                                    total_steps, lambda msg: _say(msg, rank))
             # config.yaml records what the run keeps from its checkpoint, not the overrides ignored above

@@ -52,6 +52,40 @@ def draft_vocab_digest(draft_ids: torch.Tensor) -> str:
     return "blake2b:" + hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
 
 
+def data_identity(data, held_out: int) -> dict:
+    """What a checkpoint records of the data it was trained on (the ``data`` of its client state), compared by
+    :func:`check_resumed_data` on a resume: ``{"examples", "tokens", "held_out", "blake2b"}``, the last a digest
+    (``blake2b:<32 hex>``) of every training example's token ids and assistant mask in order, so that other data of
+    the same size is told apart from the run's. ``data``: the tokenised training examples
+    (:class:`~spd_ds.train.data.TokenizedData`); ``held_out``: the number of held-out records."""
+    import numpy as np
+
+    h = hashlib.blake2b(digest_size=16)
+    for ids, mask in zip(data.input_ids, data.assistant_mask):
+        ids = np.asarray(ids, dtype="<i8")
+        h.update(len(ids).to_bytes(8, "little"))
+        h.update(ids.tobytes())
+        h.update(np.asarray(mask, dtype="<i1").tobytes())
+    return {"examples": len(data), "tokens": int(data.num_tokens), "held_out": int(held_out),
+            "blake2b": "blake2b:" + h.hexdigest()}
+
+
+def check_resumed_data(ckpt_dir: Path, saved: dict | None, now: dict) -> None:
+    """Refuse to resume a checkpoint on other data than it was trained on.
+
+    Args:
+        ckpt_dir: the run's ``checkpoints`` folder (for the message).
+        saved: the checkpoint's :func:`data_identity` (``None``: not recorded; a checkpoint written before the
+            digest holds the counts alone, which are then all that is compared).
+        now: this invocation's :func:`data_identity`.
+    Raises:
+        ConfigError: one line naming both and what to change.
+    """
+    if saved is not None and any(k in saved and saved[k] != v for k, v in now.items()):
+        raise ConfigError(f"{ckpt_dir} was trained on other data ({saved}; now {now}): resume with the run's "
+                          "data.train_files (and data settings), or start a new train.output_dir")
+
+
 def _dtype_name(dtype: torch.dtype | None) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (``None``: ``"off"``), as :func:`run_identity` records a dtype."""
     return "off" if dtype is None else str(dtype).removeprefix("torch.")
@@ -424,7 +458,8 @@ def truncate_log(path: Path, step: int) -> None:
 
 
 __all__ = ["RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "EVAL_BATCHES", "DS_STAGE", "DS_BF16", "draft_vocab_digest",
-           "run_identity", "eval_batches_identity", "recorded_attention", "flex_kept_message",
+           "run_identity", "eval_batches_identity", "data_identity", "check_resumed_data", "recorded_attention",
+           "flex_kept_message",
            "check_resume", "check_checkpoint_files", "check_optimizer_shards", "damaged_checkpoint_advice",
            "check_resumed_schedule", "checkpoint_progress", "finished_message", "finished_run", "check_fresh_output",
            "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]
