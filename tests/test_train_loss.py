@@ -133,6 +133,22 @@ def test_ds_config_values_deepspeed_refuses_are_one_line_before_any_engine(tmp_p
         load_ds_config({"checkpoint": {"tag_validation": "bogus"}}, 1)
     assert load_ds_config({"gradient_clipping": 0.5, "bf16": {"enabled": True}}, 1)["gradient_clipping"] == 0.5
 
+
+def test_ds_config_deprecated_cpu_offload_and_a_non_object_fp16_are_one_line():
+    """DeepSpeed reads the deprecated ``zero_optimization.cpu_offload: true`` as an offload_optimizer on the CPU: it
+    passed the offload check and raised ZeRORuntimeException (a traceback) at the head engine's initialize, after the
+    target, the teacher and the data had loaded. ``"fp16": null`` (or true) was an AttributeError traceback."""
+    zero = {"zero_optimization": {"stage": 2, "cpu_offload": True}}
+    with pytest.raises(ConfigError, match=r'^zero_optimization.cpu_offload \(device .cpu.\) .* '
+                                          '"zero_force_ds_cpu_optimizer": false beside it'):
+        load_ds_config(zero, 1)
+    assert load_ds_config({**zero, "zero_force_ds_cpu_optimizer": False}, 1)["zero_optimization"]["cpu_offload"]
+    load_ds_config({"zero_optimization": {"stage": 2, "cpu_offload": False}}, 1)
+    for fp16 in (None, True):
+        with pytest.raises(ConfigError, match="^fp16 in the DeepSpeed config must be a JSON object"):
+            load_ds_config({"fp16": fp16}, 1)
+    load_ds_config({"fp16": {"enabled": False}}, 1)
+
 def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
     from types import SimpleNamespace
 

@@ -20,8 +20,9 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
         ConfigError: a missing file or one that is not a JSON object, an ``optimizer``/``scheduler`` section
             (spd-ds passes its own), fp16, ``zero_optimization.stage`` other than 0, 1 or 2 (ZeRO-3 partitions
             the head's weights, and the head written from them would be empty), ``zero_optimization.offload_optimizer``
-            without ``"zero_force_ds_cpu_optimizer": false`` (DeepSpeed refuses to offload a client optimizer, after
-            the model and data are loaded), ``gradient_accumulation_steps`` below 1, a ``gradient_clipping`` that
+            (or the deprecated ``"cpu_offload": true``) without ``"zero_force_ds_cpu_optimizer": false`` (DeepSpeed
+            refuses to offload a client optimizer, after the model and data are loaded), an ``fp16`` that is no
+            JSON object, ``gradient_accumulation_steps`` below 1, a ``gradient_clipping`` that
             is no number >= 0, and any value DeepSpeed's own config parser refuses (:func:`check_with_deepspeed`:
             it would otherwise raise at the head engine's ``deepspeed.initialize``, after the target, the teacher
             engine and the data are loaded).
@@ -39,7 +40,11 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
         if key in cfg:
             raise ConfigError(f"remove the '{key}' section from the DeepSpeed config: spd-ds passes a torch AdamW "
                               "and a warmup/linear schedule (set train.lr / train.warmup_steps)")
-    if cfg.get("fp16", {}).get("enabled"):
+    fp16 = cfg.get("fp16", {})
+    if not isinstance(fp16, dict):  # (null or true: an AttributeError traceback here)
+        raise ConfigError(f'fp16 in the DeepSpeed config must be a JSON object such as {{"enabled": false}}, got '
+                          f"{fp16!r}; fp16 is not supported for head training (use bf16)")
+    if fp16.get("enabled"):
         raise ConfigError("fp16 is not supported for head training; use bf16 (or train.autocast=bf16)")
     zero = cfg.get("zero_optimization") or {}
     if not isinstance(zero, dict):
@@ -51,9 +56,7 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
     offload = zero.get("offload_optimizer") or {}
     device = offload.get("device", "none") if isinstance(offload, dict) else offload
     if device not in (None, "none") and cfg.get("zero_force_ds_cpu_optimizer", True) is not False:
-        raise ConfigError(f"zero_optimization.offload_optimizer (device {device!r}) in the DeepSpeed config needs "
-                          '"zero_force_ds_cpu_optimizer": false beside it (spd-ds passes a torch AdamW, which '
-                          "DeepSpeed otherwise refuses to offload); add it, or remove offload_optimizer")
+        raise _offload_error(device, "offload_optimizer")
     ignored = [f"{k}={cfg[k]}" for k in ("train_batch_size", "train_micro_batch_size_per_gpu") if k in cfg]
     if ignored and warn is not None:
         warn(f"the DeepSpeed config's {' and '.join(ignored)} {'are' if len(ignored) > 1 else 'is'} ignored: spd-ds "
@@ -69,15 +72,26 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
         raise ConfigError(f"gradient_clipping in the DeepSpeed config must be a number >= 0 (0 = no clipping), "
                           f"got {clip!r}")
     cfg.setdefault("steps_per_print", 1 << 30)
-    check_with_deepspeed(cfg, where)
+    parsed = check_with_deepspeed(cfg, where)
+    offload = parsed.zero_config.offload_optimizer  # as DeepSpeed reads it: the deprecated "cpu_offload": true too
+    device = getattr(offload, "device", None)
+    device = str(getattr(device, "value", device))  # an enum member or its value, as the model keeps it
+    if device in ("cpu", "nvme") and parsed.zero_force_ds_cpu_optimizer:  # its engine's test for the client AdamW
+        raise _offload_error(device, "cpu_offload" if zero.get("cpu_offload") else "offload_optimizer")
     return cfg
 
 
-def check_with_deepspeed(cfg: dict, where: str = "") -> None:
+def _offload_error(device: str, key: str) -> ConfigError:
+    return ConfigError(f"zero_optimization.{key} (device {device!r}) in the DeepSpeed config needs "
+                       '"zero_force_ds_cpu_optimizer": false beside it (spd-ds passes a torch AdamW, which '
+                       f"DeepSpeed otherwise refuses to offload); add it, or remove {key}")
+
+
+def check_with_deepspeed(cfg: dict, where: str = ""):
     """Parse the completed head-engine config with DeepSpeed's own ``DeepSpeedConfig`` (no process group needed;
     its section models check types and allowed values), so that a value it refuses is one line before any process
     group or model load instead of a traceback from the head engine's ``deepspeed.initialize``. ``where``: the
-    file's path with a leading space (or empty), for the message.
+    file's path with a leading space (or empty), for the message. Returns DeepSpeed's parsed ``DeepSpeedConfig``.
 
     Raises:
         ConfigError: one line naming what DeepSpeed refused, and the fix (the file or ``--deepspeed_config``).
@@ -87,7 +101,7 @@ def check_with_deepspeed(cfg: dict, where: str = "") -> None:
     from spd_ds.cli import one_line
 
     try:
-        DeepSpeedConfig(dict(cfg))
+        return DeepSpeedConfig(dict(cfg))
     except Exception as e:  # noqa: BLE001 - pydantic's ValidationError, DeepSpeedConfigError, AssertionError, ...
         errors = getattr(e, "errors", None)  # pydantic: one line per field, without its multi-line layout
         if callable(errors):
