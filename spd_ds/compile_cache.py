@@ -43,6 +43,23 @@ def load_compile_cache(path: str | os.PathLike | None) -> int:
     return n
 
 
+def check_compile_cache_path(path: str | os.PathLike, what: str) -> None:
+    """Check at a run's start that :func:`save_compile_cache` can write ``path`` at its end: an output file
+    (:func:`spd_ds.cli.check_output_file`; a new folder is made) whose folder takes new files even when the file
+    exists (the file is replaced through a temporary file beside it, so a writable file in a folder that is not
+    writable was refused only at the end: '0 bytes saved', the run's kernels lost).
+
+    Args:
+        path: the cache file; what: how the user named it (``train.compile_cache``, ``--compile-cache``).
+    Raises:
+        ConfigError: one line naming ``what`` and the path.
+    """
+    from spd_ds.cli import check_output_file, ensure_output_dir
+
+    check_output_file(str(path), what)
+    ensure_output_dir(os.path.dirname(os.path.abspath(path)), f"{what}'s folder")
+
+
 def save_compile_cache(path: str | os.PathLike | None) -> int:
     """Write every cache artifact this process compiled or loaded so far to ``path`` (atomically: a temporary file
     renamed over it, so concurrent writers leave one whole file). Loaded entries this process never used are not

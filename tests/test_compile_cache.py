@@ -59,3 +59,26 @@ def test_a_failed_save_is_a_warning(tmp_path, caplog):
     (tmp_path / "cc.bin").mkdir()
     assert save_compile_cache(tmp_path / "cc.bin") == 0
     assert "not saved" in caplog.text and not list(tmp_path.glob(".cc.bin.*.tmp"))
+
+
+def test_a_compile_cache_whose_folder_takes_no_file_is_refused_at_the_start(tmp_path):
+    """save_compile_cache replaces the file through a temporary file beside it: an existing, writable file in a folder
+    that takes no new file (here /proc, which root may 'write' by access() but where nothing can be created) passed
+    the start-of-run check and lost the run's kernels at its end ('0 bytes saved'). Training's and selfdistill's
+    checks now try the folder too."""
+    import pytest
+
+    from spd_ds.compile_cache import check_compile_cache_path
+    from spd_ds.config import ConfigError, load_config
+    from spd_ds.train.preflight import check_train_settings
+
+    if not os.path.isfile("/proc/version"):
+        pytest.skip("needs Linux's /proc")
+    with pytest.raises(ConfigError, match=r"^train.compile_cache.* /proc"):
+        check_train_settings(load_config(None, ["train.compile_cache=/proc/version"]), 1, "cpu")
+    with pytest.raises(ConfigError, match=r"^--compile-cache.* /proc"):
+        check_compile_cache_path("/proc/version", "--compile-cache")
+    (tmp_path / "cc.bin").write_bytes(b"x")  # an existing file in a writable folder, and a new one: fine
+    check_compile_cache_path(tmp_path / "cc.bin", "--compile-cache")
+    check_compile_cache_path(tmp_path / "new" / "cc.bin", "--compile-cache")
+    assert (tmp_path / "new").is_dir()

@@ -272,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv: list[str] | None = None) -> int:
     from spd_ds.cli import check_output_file, ensure_output_dir, removed_if_left_empty
+    from spd_ds.compile_cache import check_compile_cache_path
 
     args = build_parser().parse_args(argv)
     out_dir = args.out if args.cmd == "selfdistill" else os.path.dirname(os.path.abspath(args.out))
@@ -281,7 +282,7 @@ def _main(argv: list[str] | None = None) -> int:
         if args.cmd == "selfdistill":  # before the model loads: a bad output path fails now, not after generating
             ensure_output_dir(args.out, "--out")
             if cache:  # written at the end: a folder, or a path it cannot be written to, lost the compiled kernels
-                check_output_file(cache, "--compile-cache")
+                check_compile_cache_path(cache, "--compile-cache")
         else:
             check_output_file(args.out, "--out")
         if args.cmd in ("export", "export-prompts"):

@@ -34,8 +34,9 @@ def check_train_settings(cfg: ExperimentConfig, world: int, device_type: str) ->
     Checks ``train.outside_vocab``, ``train.autocast``, ``train.attention`` (``flex`` needs CUDA), a set
     ``train.teacher_pipe_degree`` (1 or ``n``, dividing the world size ``world``) and ``data.micro_batch_size``
     against it, ``data.chat_template`` (an existing file or Jinja text), and ``train.compile_cache``: a file that can be
-    written (its folder is created now; a folder, a path ending in ``/`` or one that cannot be written is refused:
-    :func:`~spd_ds.cli.check_output_file`), not a cache lost after the run. ``n`` is the configured number of stages
+    written (its folder is created now; a folder, a path ending in ``/`` or one that cannot be written, or whose
+    folder cannot be, is refused: :func:`~spd_ds.compile_cache.check_compile_cache_path`), not a cache lost after
+    the run. ``n`` is the configured number of stages
     (``partition.stage_layers`` or ``partition.num_stages``; left to the partition when neither is set).
 
     Args:
@@ -46,7 +47,7 @@ def check_train_settings(cfg: ExperimentConfig, world: int, device_type: str) ->
         ConfigError / ChatTemplateError: one line naming the setting and what to change.
     """
     from spd_ds.builder import configured_num_stages
-    from spd_ds.cli import check_output_file
+    from spd_ds.compile_cache import check_compile_cache_path
     from spd_ds.train.chat import read_chat_template
     from spd_ds.train.loss import OUTSIDE_VOCAB_POLICIES
     from spd_ds.train.student import resolve_attention
@@ -71,7 +72,7 @@ def check_train_settings(cfg: ExperimentConfig, world: int, device_type: str) ->
                           f"train.teacher_pipe_degree={degree} (each pipeline rank trains the head on its share)")
     read_chat_template(dc.chat_template)
     if tc.compile_cache:  # written at the end by the logging rank: a path it cannot write lost the run's kernels
-        check_output_file(str(tc.compile_cache), "train.compile_cache")
+        check_compile_cache_path(tc.compile_cache, "train.compile_cache")
 
 
 def check_target_settings(cfg: ExperimentConfig, arch: "TargetArch") -> "StagePartition":
