@@ -22,10 +22,10 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
             the head's weights, and the head written from them would be empty), ``zero_optimization.offload_optimizer``
             (or the deprecated ``"cpu_offload": true``) without ``"zero_force_ds_cpu_optimizer": false`` (DeepSpeed
             refuses to offload a client optimizer, after the model and data are loaded), an ``fp16`` that is no
-            JSON object, ``gradient_accumulation_steps`` below 1, a ``gradient_clipping`` that
-            is no number >= 0, and any value DeepSpeed's own config parser refuses (:func:`check_with_deepspeed`:
-            it would otherwise raise at the head engine's ``deepspeed.initialize``, after the target, the teacher
-            engine and the data are loaded).
+            JSON object, ``gradient_accumulation_steps`` below 1, a ``gradient_clipping`` that is no number >= 0,
+            and any value DeepSpeed's own config parser refuses (:func:`check_with_deepspeed`: it would otherwise
+            raise at the head engine's ``deepspeed.initialize``, after the target, the teacher engine and the data
+            are loaded).
     """
     where = ""  # the file, in messages
     if isinstance(path_or_dict, dict):
