@@ -34,6 +34,7 @@ def test_eval_cli_tiny_model(tmp_path):
     p = run(["launch/eval.py", "--strict-exact", *tiny(shape, tmp_path / "out", "eval.baselines=[ar,ar_graph]")])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "spd vs ar: 2/2 prompts identical" in p.stdout
+    assert "eq. accept len: n*N/K, the paper's L'_acc, with each answer's prefill token counted in N" in p.stdout
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert set(s["methods"]) == {"spd", "ar", "ar_graph"} and s["engine"] == "reference"
     assert len((tmp_path / "out" / "per_prompt.jsonl").read_text().splitlines()) == 6

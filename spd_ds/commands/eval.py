@@ -101,6 +101,8 @@ def _evaluate(cfg, args) -> int:
         print(f"\n--- {scope}")
         print(summary_table(summary, scope))
     print(bandwidth_line(summary))
+    print("eq. accept len: n*N/K, the paper's L'_acc, with each answer's prefill token counted in N (on short answers "
+          "it sits above the decode-only figure launch/infer.py prints)")
     print("\n--- exactness (T=0: SPD tokens vs AR baselines)")
     for line in exactness_lines(summary):
         print(line)
