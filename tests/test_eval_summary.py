@@ -193,7 +193,7 @@ def test_one_new_token_has_no_acceptance_figures(heads, tmp_path):
     head, _, *rows = summary_table(s).splitlines()
     cols = [c.strip() for c in head.strip("|").split("|")]
     spd_row = dict(zip(cols, (c.strip() for c in rows[0].strip("|").split("|"))))
-    assert spd_row["method"] == "spd"
+    assert spd_row["method"] == "spd" and spd_row["devices"] == str(s["methods"]["spd"]["devices"])
     assert [spd_row[c] for c in ("eq. accept len", "draft acc.", "tok/cycle")] == ["-", "-", "-"]
     rates = ("draft_acceptance_rate", "tokens_per_cycle", "equivalent_accept_length")
     rows = per_prompt_rows(run_eval(cfg, engine="reference"))  # per_prompt.jsonl's rows say the same (they said 0.0)

@@ -363,12 +363,13 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
 
 def summary_table(summary: dict, scope: str = "overall") -> str:
-    """Methods x headline metrics of a summary (``scope``: ``overall`` or a prompt-set name)."""
+    """Methods x headline metrics of a summary (``scope``: ``overall`` or a prompt-set name); ``devices`` is what a
+    method runs on (the pipeline's stages, ``tp_ar``'s tensor-parallel degree, 1 for a one-process decoder)."""
     bases = [n for n, m in summary["methods"].items() if m["kind"] == "baseline"]
     bw = summary.get("bandwidth")  # a GPU run: GB/s, and % HBM against the GPU's named bandwidth
     cuda = bw is not None and str(summary.get("device", "")).startswith("cuda")
     hbm = cuda and bw.get("gbps") is not None
-    headers = (["method", "stages", "tok/s"] + [f"x {b}" for b in bases]
+    headers = (["method", "stages", "devices", "tok/s"] + [f"x {b}" for b in bases]
                + ["eq. accept len", "draft acc.", "tok/cycle", "cycle ms"] + (["GB/s"] if cuda else [])
                + (["% HBM"] if hbm else []))
     rows = []
@@ -377,7 +378,8 @@ def summary_table(summary: dict, scope: str = "overall") -> str:
         if b is None:
             continue
         split = b["cycle_time_split_ms"] or {}
-        rows.append([name, summary["methods"][name]["num_stages"], b["decode_tok_s"]]
+        method = summary["methods"][name]  # devices: tp_ar is one stage over several (its TP degree)
+        rows.append([name, method["num_stages"], method.get("devices"), b["decode_tok_s"]]
                     + [b["speedup_vs_ar"].get(x) for x in bases]
                     + [b["equivalent_accept_length"], b["draft_acceptance_rate"], b["tokens_per_cycle"],
                        split.get("cycle")] + ([b["achieved_gbps"]] if cuda else [])
