@@ -39,8 +39,8 @@ from spd_ds.train.batching import BatchPlanner, batches_on_device
 from spd_ds.train.ds_config import load_ds_config
 from spd_ds.train.data import check_selfdistill_target, check_sources, load_records, tokenize_records
 from spd_ds.train.loss import kd_loss_chunked, position_weights, top1_agreement
-from spd_ds.train.preflight import (check_target_settings, check_train_settings, resume_note,
-                                   training_device_type)
+from spd_ds.train.preflight import (check_autocast, check_pipe_degree, check_target_settings, check_train_settings,
+                                   resume_note, training_device_type)
 from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
@@ -131,8 +131,7 @@ class Meter:
 
 def _autocast_dtype(mode: str, device: torch.device) -> torch.dtype | None:
     """``train.autocast`` -> the head's compute dtype under autocast (``None`` = off)."""
-    if mode not in ("auto", "bf16", "off"):
-        raise ConfigError(f"train.autocast must be auto, bf16 or off, got {mode!r}")
+    check_autocast(mode)
     use = mode == "bf16" or (mode == "auto" and device.type == "cuda")
     return torch.bfloat16 if use else None
 
@@ -239,11 +238,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
              f" ({'unknown number of' if init_steps is None else init_steps} earlier steps)", rank)
     n = part.num_stages
     degree = tc.teacher_pipe_degree or auto_pipe_degree(arch.model_dir, n, world, device)
-    if degree not in (1, n) or world % degree:
-        raise ConfigError(f"train.teacher_pipe_degree={degree} must be 1 or n={n} and divide the world size {world}")
-    if dc.micro_batch_size % degree:
-        raise ConfigError(f"data.micro_batch_size={dc.micro_batch_size} must be a multiple of "
-                          f"train.teacher_pipe_degree={degree} (each pipeline rank trains the head on its share)")
+    check_pipe_degree(degree, n, world, dc.micro_batch_size)  # (a set one was checked before the process group)
     gas = int(ds_base["gradient_accumulation_steps"])
     ran = recorded_attention(ckpt_dir) if resume and tc.attention == "auto" else None  # auto keeps the run's
     try:  # the compute on this device (auto resolved): part of what a resume must keep

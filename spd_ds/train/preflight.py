@@ -32,12 +32,12 @@ def check_train_settings(cfg: ExperimentConfig, world: int, device_type: str) ->
     """Refuse the ``train:``/``data:`` values that training would otherwise refuse only once the target is loaded.
 
     Checks ``train.outside_vocab``, ``train.autocast``, ``train.attention`` (``flex`` needs CUDA), a set
-    ``train.teacher_pipe_degree`` (1 or ``n``, dividing the world size ``world``) and ``data.micro_batch_size``
-    against it, ``data.chat_template`` (an existing file or Jinja text), and ``train.compile_cache``: a file that can be
-    written (its folder is created now; a folder, a path ending in ``/`` or one that cannot be written, or whose
-    folder cannot be, is refused: :func:`~spd_ds.compile_cache.check_compile_cache_path`), not a cache lost after
-    the run. ``n`` is the configured number of stages
-    (``partition.stage_layers`` or ``partition.num_stages``; left to the partition when neither is set).
+    ``train.teacher_pipe_degree`` and ``data.micro_batch_size`` against it (:func:`check_pipe_degree`; ``n`` is the
+    configured number of stages, ``partition.stage_layers`` or ``partition.num_stages``, left to the partition when
+    neither is set), ``data.chat_template`` (an existing file or Jinja text), and ``train.compile_cache``: a file that
+    can be written (its folder is created now; a folder, a path ending in ``/``, or one that cannot be written or
+    whose folder cannot be, is refused: :func:`~spd_ds.compile_cache.check_compile_cache_path`), not a cache lost
+    after the run.
 
     Args:
         cfg: the experiment.
@@ -55,24 +55,44 @@ def check_train_settings(cfg: ExperimentConfig, world: int, device_type: str) ->
     tc, dc = cfg.train, cfg.data
     if tc.outside_vocab not in OUTSIDE_VOCAB_POLICIES:
         raise ConfigError(f"train.outside_vocab must be one of {OUTSIDE_VOCAB_POLICIES}, got {tc.outside_vocab!r}")
-    if tc.autocast not in AUTOCAST_MODES:
-        raise ConfigError(f"train.autocast must be auto, bf16 or off, got {tc.autocast!r}")
+    check_autocast(tc.autocast)
     try:  # a resumed run's own attention only changes what auto picks, which is never refused
         resolve_attention(tc.attention, torch.device(device_type))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    degree = tc.teacher_pipe_degree
-    if degree is not None and (cfg.partition.stage_layers or cfg.partition.num_stages is not None):
-        n = configured_num_stages(cfg)
-        if degree not in (1, n) or world % degree:
-            raise ConfigError(f"train.teacher_pipe_degree={degree} must be 1 or n={n} and divide the world size "
-                              f"{world}")
-    if degree is not None and dc.micro_batch_size % degree:
-        raise ConfigError(f"data.micro_batch_size={dc.micro_batch_size} must be a multiple of "
-                          f"train.teacher_pipe_degree={degree} (each pipeline rank trains the head on its share)")
+    if tc.teacher_pipe_degree is not None:  # a set one (an automatic one needs the target's size: checked later)
+        known = cfg.partition.stage_layers or cfg.partition.num_stages is not None
+        check_pipe_degree(tc.teacher_pipe_degree, configured_num_stages(cfg) if known else None, world,
+                          dc.micro_batch_size)
     read_chat_template(dc.chat_template)
     if tc.compile_cache:  # written at the end by the logging rank: a path it cannot write lost the run's kernels
         check_compile_cache_path(tc.compile_cache, "train.compile_cache")
+
+
+def check_autocast(mode: str) -> None:
+    """Refuse a ``train.autocast`` that is not one of :data:`AUTOCAST_MODES`.
+
+    Raises:
+        ConfigError: one line naming the value and the modes.
+    """
+    if mode not in AUTOCAST_MODES:
+        raise ConfigError(f"train.autocast must be auto, bf16 or off, got {mode!r}")
+
+
+def check_pipe_degree(degree: int, n: int | None, world: int, micro_batch_size: int) -> None:
+    """Refuse a teacher pipeline degree (``train.teacher_pipe_degree``, set or automatic) that is not 1 or ``n``
+    (the stages) or does not divide the world size ``world`` (processes), or that ``data.micro_batch_size`` (rows)
+    is no multiple of (each pipeline rank trains the head on its share of the rows). ``n`` None: the stage count is
+    not known yet (left to the partition), so only the micro-batch rule applies.
+
+    Raises:
+        ConfigError: one line naming the setting and what it must be.
+    """
+    if n is not None and (degree not in (1, n) or world % degree):
+        raise ConfigError(f"train.teacher_pipe_degree={degree} must be 1 or n={n} and divide the world size {world}")
+    if micro_batch_size % degree:
+        raise ConfigError(f"data.micro_batch_size={micro_batch_size} must be a multiple of "
+                          f"train.teacher_pipe_degree={degree} (each pipeline rank trains the head on its share)")
 
 
 def check_target_settings(cfg: ExperimentConfig, arch: "TargetArch") -> "StagePartition":
@@ -117,4 +137,5 @@ def resume_note(resume: bool, ckpt_dir: Path) -> str | None:
     return None
 
 
-__all__ = ["AUTOCAST_MODES", "check_target_settings", "check_train_settings", "resume_note", "training_device_type"]
+__all__ = ["AUTOCAST_MODES", "check_autocast", "check_pipe_degree", "check_target_settings", "check_train_settings",
+           "resume_note", "training_device_type"]
