@@ -27,6 +27,10 @@ SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # model.sdpa_backends (
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 # model.sdpa_backends=None: the memory-efficient kernel for every decoding attention call on CUDA, torch's choice on CPU
 DEFAULT_SDPA_BACKENDS = {"cuda": ("efficient", "math"), "cpu": ("flash", "efficient", "math")}
+# Settings that name files or folders (lists: every item); load_config expands a leading ~ (~user) in each
+PATH_KEYS = ("model.cache_dir", "head.checkpoint", "head.draft_vocab", "data.prompts", "data.eval_dir",
+             "data.train_files", "data.chat_template", "train.output_dir", "train.compile_cache", "eval.output_dir",
+             "eval.ppsd_checkpoint", "eval.prompt_sets", "deepspeed.config")
 
 
 class ConfigError(ValueError):
@@ -391,6 +395,10 @@ def load_config(path: str | os.PathLike | DictConfig | None = None, overrides: S
                               f"{sample} in the file ({key}='{sample}' on the command line)") from None
         raise ConfigError(f"bad config value: {msg} (key {key})") from None
     cfg: ExperimentConfig = OmegaConf.to_object(base)
+    for section, name in (key.split(".") for key in PATH_KEYS):  # YAML files and key=~/x overrides reach us with
+        value = getattr(getattr(cfg, section), name)  # their ~ unexpanded: expanded here as a shell would
+        setattr(getattr(cfg, section), name, [os.path.expanduser(v) for v in value] if isinstance(value, list)
+                else os.path.expanduser(value) if isinstance(value, str) else value)
     validate(cfg)
     return cfg
 
@@ -558,8 +566,7 @@ _BOUNDS = (
     ("train.save_every", 1, False, False), ("train.log_every", 1, False, False),
     ("train.keep_checkpoints", 0, False, False), ("train.max_time_s", 0, True, True),
     ("train.session_time_s", 0, False, True), ("train.loss_chunk", 1, False, False),
-    ("train.prefetch", 0, False, False),
-    ("train.profile_steps", 1, False, True),
+    ("train.prefetch", 0, False, False), ("train.profile_steps", 1, False, True),
     ("data.micro_batch_size", 1, False, False), ("data.max_conversations", 1, False, True),
     ("data.num_workers", 0, False, False), ("data.min_seq_length", 1, False, False),
     ("eval.baseline_num_prompts", 1, False, True), ("eval.warmup_prompts", 0, False, False),
@@ -590,8 +597,3 @@ def read_json_object(path: str | os.PathLike, what: str, fix: str) -> dict:
 def to_yaml(cfg: ExperimentConfig) -> str:
     """The resolved experiment as YAML (for logs and run directories)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def as_dict(cfg: Any) -> dict:
-    """Plain dict of a config (or section)."""
-    return dataclasses.asdict(cfg)

@@ -361,3 +361,16 @@ def test_one_value_given_to_a_list_key_in_a_yaml_file_is_a_one_line_error(entry,
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path / "e.yaml")
     assert str(e.value) == message
+
+
+def test_a_leading_tilde_in_a_path_setting_is_the_home_folder(tmp_path, monkeypatch):
+    # bash leaves "train.output_dir=~/x" alone (the word is no assignment) and YAML never expands: a run wrote into a
+    # folder named "~" under the working directory
+    monkeypatch.setenv("HOME", str(tmp_path))
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("train:\n  output_dir: ~/runs/head\neval:\n  prompt_sets: [~/sets/mine.jsonl, mt_bench]\n")
+    cfg = load_config(exp, ["head.checkpoint=~/heads/h", "deepspeed.config=~/ds.json", "data.prompts=humaneval"])
+    assert cfg.train.output_dir == f"{tmp_path}/runs/head"
+    assert cfg.eval.prompt_sets == [f"{tmp_path}/sets/mine.jsonl", "mt_bench"]
+    assert (cfg.head.checkpoint, cfg.deepspeed.config) == (f"{tmp_path}/heads/h", f"{tmp_path}/ds.json")
+    assert cfg.data.prompts == "humaneval" and cfg.model.cache_dir is None  # names and nulls stay as they are

@@ -40,13 +40,13 @@ sweep does not use.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from spd_ds.config import as_dict
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_tok_s
 
 log = logging.getLogger(__name__)
@@ -265,7 +265,7 @@ def summarize(run, weight_bytes: int | None = None) -> dict:
         "methods": methods,
         "results": results,
         "exactness": exactness(run),
-        "config": as_dict(cfg),
+        "config": dataclasses.asdict(cfg),
     }
 
 
