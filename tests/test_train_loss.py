@@ -74,9 +74,12 @@ def test_lr_schedule_and_ds_config(tmp_path, monkeypatch):
         load_ds_config({"optimizer": {"type": "AdamW"}}, 1)
     with pytest.raises(ConfigError, match="fp16"):
         load_ds_config({"fp16": {"enabled": True}}, 1)
-    for stage in (3, "2", True):  # ZeRO-3 ran and wrote a head of empty (0-element) weights
-        with pytest.raises(ConfigError, match="zero_optimization.stage .* must be 0, 1 or 2"):
+    for stage, why in ((3, "ZeRO-3 would save empty head weights"), ("2", "give it as a JSON number"),
+                       (True, "use ds_configs/zero2.json")):  # ZeRO-3 ran and wrote a head of empty weights
+        with pytest.raises(ConfigError, match=f"zero_optimization.stage .* must be 0, 1 or 2, got .*; {why}"):
             load_ds_config({"zero_optimization": {"stage": stage}}, 1)
+    # DeepSpeed's legacy "zero_optimization": true is stage 1 (it was refused as no JSON object)
+    assert load_ds_config({"zero_optimization": True}, 1)["zero_optimization"] == {"stage": 1}
     assert load_ds_config({"zero_optimization": {"stage": 1}}, 1)["zero_optimization"]["stage"] == 1
     offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     # DeepSpeed raised ZeRORuntimeException (a traceback) after the model and data had loaded

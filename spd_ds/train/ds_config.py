@@ -14,7 +14,8 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
     (``data.micro_batch_size``, divided among the teacher's pipeline stages) and ``train_batch_size`` left to
     DeepSpeed (micro-batch x accumulation x ranks); a file that sets either is told so through ``warn(message)``.
     ``path_or_dict``: the config itself, or its file (default ``ds_configs/zero2.json``; a relative path is looked for
-    in the working directory, then in the repository: :func:`spd_ds.builder.resolve_path`).
+    in the working directory, then in the repository: :func:`spd_ds.builder.resolve_path`). DeepSpeed's legacy
+    ``"zero_optimization": true`` is returned as ``{"stage": 1}``, what DeepSpeed reads it as.
 
     Raises:
         ConfigError: a missing file or one that is not a JSON object, an ``optimizer``/``scheduler`` section
@@ -47,12 +48,16 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
     if fp16.get("enabled"):
         raise ConfigError("fp16 is not supported for head training; use bf16 (or train.autocast=bf16)")
     zero = cfg.get("zero_optimization") or {}
+    if isinstance(zero, bool):  # DeepSpeed's legacy form (false is {} above): true is ZeRO stage 1, written as
+        zero = cfg["zero_optimization"] = {"stage": 1}  # DeepSpeed's current form (it warns ~40 lines of the legacy)
     if not isinstance(zero, dict):
         raise ConfigError(f"zero_optimization in the DeepSpeed config must be a JSON object, got {zero!r}")
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2):  # ZeRO-3 partitions the weights the head is saved from
-        raise ConfigError(f"zero_optimization.stage in the DeepSpeed config must be 0, 1 or 2, got {stage!r}: ZeRO-3 "
-                          "would save empty head weights; use ds_configs/zero2.json")
+        why = ("ZeRO-3 would save empty head weights; use ds_configs/zero2.json" if stage == 3 else
+               'give it as a JSON number, e.g. "stage": 2' if str(stage).strip() in ("0", "1", "2") else
+               "use ds_configs/zero2.json")
+        raise ConfigError(f"zero_optimization.stage in the DeepSpeed config must be 0, 1 or 2, got {stage!r}; {why}")
     offload = zero.get("offload_optimizer") or {}
     device = offload.get("device", "none") if isinstance(offload, dict) else offload
     if device not in (None, "none") and cfg.get("zero_force_ds_cpu_optimizer", True) is not False:
