@@ -78,6 +78,26 @@ def test_lr_schedule_and_ds_config(tmp_path, monkeypatch):
                        (True, "use ds_configs/zero2.json")):  # ZeRO-3 ran and wrote a head of empty weights
         with pytest.raises(ConfigError, match=f"zero_optimization.stage .* must be 0, 1 or 2, got .*; {why}"):
             load_ds_config({"zero_optimization": {"stage": stage}}, 1)
+    # DeepSpeed ignores a top-level key it does not read: a misspelt one trained without ZeRO, without a word
+    with pytest.raises(ConfigError, match="'zero_optimisation' in the DeepSpeed config is no key DeepSpeed reads "
+                                          r"\(it would be ignored\); did you mean 'zero_optimization'\?"):
+        load_ds_config({"zero_optimisation": {"stage": 2}}, 1)
+    with pytest.raises(ConfigError, match="did you mean 'gradient_clipping'"):
+        load_ds_config({"gradient_clip": 1.0}, 1)
+    said = []
+    load_ds_config({"_comment": "ZeRO-2", "zero_optimization": {"stage": 2}}, 1, said.append)
+    assert said == ["the DeepSpeed config has '_comment', which DeepSpeed does not read: ignored"]
+    many = {"bfloat16": {"enabled": True}, "activation_checkpointing": {}, "flops_profiler": {"enabled": False},
+            "tensorboard": {"enabled": False}, "wandb": {"enabled": False}, "csv_monitor": {"enabled": False},
+            "comms_logger": {"enabled": False}, "zero_allow_untested_optimizer": True, "prescale_gradients": False,
+            "wall_clock_breakdown": False, "memory_breakdown": False, "checkpoint": {}, "data_types": {},
+            "compile": {}, "aio": {}, "autotuning": {"enabled": False}, "steps_per_print": 10, "pipeline": {},
+            "data_efficiency": {}, "torch_autocast": {"enabled": False}, "dataloader_drop_last": False}
+    said.clear()
+    load_ds_config(many, 1, said.append)  # keys DeepSpeed reads, each looked for by its parser
+    for path in ("ds_configs/zero2.json", "ds_configs/infer.json"):
+        load_ds_config(path, 1, lambda msg: said.append(msg) if "does not read" in msg else None)
+    assert said == []
     # DeepSpeed's legacy "zero_optimization": true is stage 1 (it was refused as no JSON object)
     assert load_ds_config({"zero_optimization": True}, 1)["zero_optimization"] == {"stage": 1}
     assert load_ds_config({"zero_optimization": {"stage": 1}}, 1)["zero_optimization"]["stage"] == 1

@@ -3,6 +3,7 @@ or model is built (used by :func:`spd_ds.train.loop.train`)."""
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from spd_ds.builder import resolve_path
@@ -77,7 +78,7 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
         raise ConfigError(f"gradient_clipping in the DeepSpeed config must be a number >= 0 (0 = no clipping), "
                           f"got {clip!r}")
     cfg.setdefault("steps_per_print", 1 << 30)
-    parsed = check_with_deepspeed(cfg, where)
+    parsed = check_with_deepspeed(cfg, where, warn)
     offload = parsed.zero_config.offload_optimizer  # as DeepSpeed reads it: the deprecated "cpu_offload": true too
     device = getattr(offload, "device", None)
     device = str(getattr(device, "value", device))  # an enum member or its value, as the model keeps it
@@ -92,21 +93,65 @@ def _offload_error(device: str, key: str) -> ConfigError:
                        f"DeepSpeed otherwise refuses to offload); add it, or remove {key}")
 
 
-def check_with_deepspeed(cfg: dict, where: str = ""):
+class _ReadKeys(dict):
+    """A config whose top-level reads are recorded in ``seen`` (``[]``, ``get``, ``in``, ``in .keys()``): the keys
+    DeepSpeed's parser looked for, present or not."""
+
+    def __init__(self, cfg: dict, seen: set):
+        super().__init__(cfg)
+        self.seen = seen
+
+    def __getitem__(self, key):
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.seen.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.seen.add(key)
+        return super().__contains__(key)
+
+    def keys(self):
+        return _ReadKeysView(self)
+
+
+class _ReadKeysView:
+    def __init__(self, d: _ReadKeys):
+        self.d = d
+
+    def __contains__(self, key):
+        return key in self.d  # recorded
+
+    def __iter__(self):
+        return iter(dict.keys(self.d))
+
+    def __len__(self):
+        return len(self.d)
+
+
+def check_with_deepspeed(cfg: dict, where: str = "", warn=None):
     """Parse the completed head-engine config with DeepSpeed's own ``DeepSpeedConfig`` (no process group needed;
     its section models check types and allowed values), so that a value it refuses is one line before any process
     group or model load instead of a traceback from the head engine's ``deepspeed.initialize``. ``where``: the
     file's path with a leading space (or empty), for the message. Returns DeepSpeed's parsed ``DeepSpeedConfig``.
 
+    DeepSpeed ignores a top-level key it does not read, so a misspelt one (``zero_optimisation``) silently trained
+    without ZeRO. The keys its parser looks for are recorded while it parses; a key it never looked for is refused
+    when it is close to one it did (a misspelling), else reported through ``warn(message)`` as ignored.
+
     Raises:
-        ConfigError: one line naming what DeepSpeed refused, and the fix (the file or ``--deepspeed_config``).
+        ConfigError: one line naming what DeepSpeed refused, and the fix (the file or ``--deepspeed_config``); a
+            top-level key DeepSpeed does not read that is close to one it reads, with that key.
     """
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from spd_ds.cli import one_line
 
+    seen: set = set()
     try:
-        return DeepSpeedConfig(dict(cfg))
+        parsed = DeepSpeedConfig(_ReadKeys(cfg, seen))
     except Exception as e:  # noqa: BLE001 - pydantic's ValidationError, DeepSpeedConfigError, AssertionError, ...
         errors = getattr(e, "errors", None)  # pydantic: one line per field, without its multi-line layout
         if callable(errors):
@@ -119,6 +164,15 @@ def check_with_deepspeed(cfg: dict, where: str = ""):
             why = one_line(e, 300)
         raise ConfigError(f"the DeepSpeed config{where} is refused by DeepSpeed ({why}); fix the file or pass another "
                           "--deepspeed_config (e.g. ds_configs/zero2.json)") from None
+    unread = [key for key in cfg if key not in seen]
+    for key in unread:
+        close = difflib.get_close_matches(key, sorted(k for k in seen if isinstance(k, str)), n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"{key!r} in the DeepSpeed config{where} is no key DeepSpeed reads (it would be ignored); "
+                              f"did you mean {close[0]!r}?")
+    if unread and warn is not None:
+        warn(f"the DeepSpeed config{where} has {', '.join(map(repr, unread))}, which DeepSpeed does not read: ignored")
+    return parsed
 
 
 __all__ = ["load_ds_config", "check_with_deepspeed"]
