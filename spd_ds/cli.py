@@ -386,9 +386,11 @@ def setup_process() -> None:
     DeepSpeed's accelerator choice (:func:`settle_accelerator`) and, under DeepSpeed's launcher, the watch that ends
     the ranks when the ``deepspeed`` command is gone (:func:`watch_launcher`)."""
     threads = configure_cpu_threads()
-    if threads is not None:
-        log.info("%d local ranks: %d CPU thread(s) per rank (set OMP_NUM_THREADS to choose)", local_world_size(),
-                 threads)
+    if threads is not None:  # more ranks than cores: each waits for a core between its steps (a slow run, not a hang)
+        local, cores = local_world_size(), usable_cores()
+        log.log(logging.WARNING if local > cores else logging.INFO, "%d local ranks on %d CPU cores: %d thread(s) per "
+                "rank%s (set OMP_NUM_THREADS to choose)", local, cores, threads,
+                "; the ranks time-share the cores, so expect a slow run" if local > cores else "")
     settle_accelerator()
     watch_launcher()
 

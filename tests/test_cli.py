@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import subprocess
 import sys
@@ -124,6 +125,21 @@ def test_threads_per_rank_unless_the_user_set_them(restore_threads):
     assert cli.configure_cpu_threads(user, cores=8) is None and user["OMP_NUM_THREADS"] == "3"  # the user's wins
     assert cli.configure_cpu_threads({}, cores=8) is None  # one process: torch's default
     assert cli.local_world_size({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == 4
+
+
+@pytest.mark.parametrize("local, warned", [(3, True), (2, False)])
+def test_more_ranks_than_cores_is_a_warning(local, warned, monkeypatch, caplog):
+    # 3 ranks on 2 cores ran at a fraction of the speed with only an info line about threads
+    monkeypatch.setattr(cli, "configure_cpu_threads", lambda: 1)
+    monkeypatch.setattr(cli, "local_world_size", lambda environ=None: local)
+    monkeypatch.setattr(cli, "usable_cores", lambda: 2)
+    monkeypatch.setattr(cli, "settle_accelerator", lambda: None)
+    monkeypatch.setattr(cli, "watch_launcher", lambda: None)
+    with caplog.at_level(logging.INFO, logger=cli.log.name):
+        cli.setup_process()
+    (record,) = [r for r in caplog.records if "local ranks" in r.getMessage()]
+    assert record.getMessage().startswith(f"{local} local ranks on 2 CPU cores: 1 thread(s) per rank")
+    assert (record.levelno == logging.WARNING) == warned == ("expect a slow run" in record.getMessage())
 
 
 # ---------------------------------------------------------------------------------------------- item 13
