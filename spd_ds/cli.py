@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Sequence, Union
 
-from spd_ds.cli_args import GivenOnce
+from spd_ds.cli_args import GivenOnce, home_expanded
 
 ENGINES = ("auto", "reference", "deepspeed")
 DEBUG_ENV = "SPD_DEBUG"  # 1: print tracebacks instead of one line per failing rank
@@ -569,7 +569,7 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     """
     debug = os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     try:
-        return main(argv)
+        return main(home_expanded(argv))  # --out=~/x as the shell gives --out ~/x
     except BrokenPipeError:  # stdout closed by its reader (`| head`): stop quietly, as command-line tools do
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again

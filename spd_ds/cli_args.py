@@ -1,11 +1,29 @@
 """Checks of the launch programs' arguments beside :mod:`spd_ds.cli` (kept apart to keep that module small): an
 option given twice (:class:`GivenOnce`, an ``argparse`` action), a value given twice in a list (:func:`repeated`), a
-device this machine has (:func:`torch_device`, an ``argparse`` type), the key of an override (:func:`override_key`)."""
+device this machine has (:func:`torch_device`, an ``argparse`` type), the key of an override (:func:`override_key`),
+a home folder in ``--flag=~/path`` (:func:`home_expanded`)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Sequence
+
+_TEXT_FLAGS = frozenset({"--prompt", "--name"})  # values that are text, not paths: left as given
+
+
+def home_expanded(argv: Sequence[str] | None) -> list[str]:
+    """``argv`` (default ``sys.argv[1:]``) with a leading ``~`` (``~user``) expanded in each ``--flag=~/path``
+    value, as the shell expands it in ``--flag ~/path`` but not after the ``=``. Prompt texts (``--prompt=``) and
+    ``--name=`` are left as given; ``section.key=~/path`` overrides are expanded by :func:`spd_ds.config.load_config`."""
+    expanded = []
+    for arg in sys.argv[1:] if argv is None else argv:
+        flag, eq, value = arg.partition("=")
+        if eq and flag.startswith("--") and value.startswith("~") and flag not in _TEXT_FLAGS:
+            arg = f"{flag}={os.path.expanduser(value)}"
+        expanded.append(arg)
+    return expanded
 
 
 class GivenOnce(argparse.Action):

@@ -27,10 +27,10 @@ SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # model.sdpa_backends (
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 # model.sdpa_backends=None: the memory-efficient kernel for every decoding attention call on CUDA, torch's choice on CPU
 DEFAULT_SDPA_BACKENDS = {"cuda": ("efficient", "math"), "cpu": ("flash", "efficient", "math")}
-# Settings that name files or folders (lists: every item); load_config expands a leading ~ (~user) in each
-PATH_KEYS = ("model.cache_dir", "head.checkpoint", "head.draft_vocab", "data.prompts", "data.eval_dir",
-             "data.train_files", "data.chat_template", "train.output_dir", "train.compile_cache", "eval.output_dir",
-             "eval.ppsd_checkpoint", "eval.prompt_sets", "deepspeed.config")
+# Settings that name files or folders (of a list, every item): load_config expands a leading ~ (~user) in each
+PATH_KEYS = ("model.name", "model.cache_dir", "head.checkpoint", "head.draft_vocab", "data.prompts", "data.eval_dir",
+             "data.train_files", "train.output_dir", "train.compile_cache", "eval.output_dir", "eval.ppsd_checkpoint",
+             "eval.prompt_sets", "deepspeed.config")
 
 
 class ConfigError(ValueError):
@@ -579,15 +579,15 @@ def read_json_object(path: str | os.PathLike, what: str, fix: str) -> dict:
     """A JSON file that must hold one object (a DeepSpeed config), read with one-line errors.
 
     Args:
-        path: the file (it must exist: callers say what a missing one means).
-        what: how the user named it, for the message (``--deepspeed_config``, ``deepspeed.config``).
-        fix: what to do about a damaged file, for the message.
+        path: the file (it must exist: callers say what a missing one means); what: how the user named it, for the
+            message (``--deepspeed_config``, ``deepspeed.config``); fix: what to do about a damaged file, likewise.
     Raises:
-        ConfigError: the file is not valid JSON (or not UTF-8), or holds something other than an object.
+        ConfigError: the file is not valid JSON (or not UTF-8, or gives a key twice), or holds no object.
     """
-    try:
-        data = json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys as once  # as DeepSpeed reads it
+    try:  # a key given twice is a ValueError (json's own last-wins would drop the first silently)
+        data = json.loads(Path(path).read_text(), object_pairs_hook=once)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"{what} {path} is not valid JSON ({e}); {fix}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path} must be a JSON object, got {type(data).__name__}; {fix}")

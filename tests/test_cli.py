@@ -694,3 +694,19 @@ def test_missing_draft_vocab_is_one_line_before_the_model(tmp_path, job):
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: head.draft_vocab={missing} does not exist; give a draft-vocabulary JSON"), last
     assert "no_model_here" not in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_home_folder_after_the_equals_sign_of_a_flag_is_expanded(monkeypatch, tmp_path):
+    # the shell expands --out ~/x but leaves --out=~/x: infer --output=~/a.jsonl wrote into ./~/a.jsonl
+    from spd_ds.cli_args import home_expanded
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    argv = ["--output=~/a.jsonl", "--config", "~/kept.yaml", "--prompt=~/not a path", "train.output_dir=~/x",
+            "--deepspeed_config=~/ds.json", "--name=~x", "--flag=a~b"]
+    assert home_expanded(argv) == [f"--output={tmp_path}/a.jsonl", "--config", "~/kept.yaml", "--prompt=~/not a path",
+                                   "train.output_dir=~/x", f"--deepspeed_config={tmp_path}/ds.json", "--name=~x",
+                                   "--flag=a~b"]
+    seen = []
+    assert cli.run_cli(lambda a: seen.append(a) or 0, ["--out=~/o"]) == 0 and seen == [[f"--out={tmp_path}/o"]]
+    monkeypatch.setattr(sys, "argv", ["infer", "--out=~/p"])
+    assert cli.run_cli(lambda a: seen.append(a) or 0) == 0 and seen[-1] == [f"--out={tmp_path}/p"]

@@ -369,8 +369,11 @@ def test_a_leading_tilde_in_a_path_setting_is_the_home_folder(tmp_path, monkeypa
     monkeypatch.setenv("HOME", str(tmp_path))
     exp = tmp_path / "exp.yaml"
     exp.write_text("train:\n  output_dir: ~/runs/head\neval:\n  prompt_sets: [~/sets/mine.jsonl, mt_bench]\n")
-    cfg = load_config(exp, ["head.checkpoint=~/heads/h", "deepspeed.config=~/ds.json", "data.prompts=humaneval"])
+    cfg = load_config(exp, ["head.checkpoint=~/heads/h", "deepspeed.config=~/ds.json", "data.prompts=humaneval",
+                            "model.name=~/models/m", "data.chat_template=~/{{ messages }}"])
     assert cfg.train.output_dir == f"{tmp_path}/runs/head"
     assert cfg.eval.prompt_sets == [f"{tmp_path}/sets/mine.jsonl", "mt_bench"]
     assert (cfg.head.checkpoint, cfg.deepspeed.config) == (f"{tmp_path}/heads/h", f"{tmp_path}/ds.json")
     assert cfg.data.prompts == "humaneval" and cfg.model.cache_dir is None  # names and nulls stay as they are
+    assert cfg.model.name == f"{tmp_path}/models/m"  # a local model folder (config.yaml records it expanded)
+    assert cfg.data.chat_template == "~/{{ messages }}"  # a file or Jinja text: the file's ~ is chat.py's to expand

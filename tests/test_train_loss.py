@@ -98,8 +98,23 @@ def test_lr_schedule_and_ds_config(tmp_path, monkeypatch):
     for path in ("ds_configs/zero2.json", "ds_configs/infer.json"):
         load_ds_config(path, 1, lambda msg: said.append(msg) if "does not read" in msg else None)
     assert said == []
-    # DeepSpeed's legacy "zero_optimization": true is stage 1 (it was refused as no JSON object)
-    assert load_ds_config({"zero_optimization": True}, 1)["zero_optimization"] == {"stage": 1}
+    # DeepSpeed's legacy "zero_optimization": true is stage 1 (it was refused as no JSON object), passed on as given:
+    # its legacy top-level keys (allgather_size) are DeepSpeed's to read
+    legacy = load_ds_config({"zero_optimization": True, "allgather_size": 2e8}, 1, said.append)
+    assert legacy["zero_optimization"] is True and said == []
+    for misplaced, hint in (("stage", "move it there"), ("zero_stage", 'move it there as "stage"'),
+                            ("offload_optimizer", "move it there"), ("stage3_max_live_parameters", "move it there")):
+        with pytest.raises(ConfigError, match=f"'{misplaced}' belongs under zero_optimization .*; {hint}"):
+            load_ds_config({misplaced: {"device": "cpu"} if misplaced.startswith("offload") else 2}, 1)
+    load_ds_config({"sequence_parallel_size": 1, "data_parallel_size": 1}, 1, said.append)  # read by initialize
+    assert said == []
+    for key, fix in (("bf16", "true .bf16 mixed precision. or false"), ("fp16", "false .fp16 is not supported")):
+        with pytest.raises(ConfigError, match=f'{key}.enabled "auto" .* a placeholder .*; give {fix}'):
+            load_ds_config({key: {"enabled": "auto"}}, 1)  # bf16 "auto": DeepSpeed dropped it and trained in fp32
+    dup = tmp_path / "dup.json"
+    dup.write_text('{"zero_optimization": {"stage": 2}, "zero_optimization": {"stage": 0}}')
+    with pytest.raises(ConfigError, match="not valid JSON .Duplicate keys .*zero_optimization"):
+        load_ds_config(str(dup), 1)  # json's last-wins trained at stage 0 without a word
     assert load_ds_config({"zero_optimization": {"stage": 1}}, 1)["zero_optimization"]["stage"] == 1
     offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     # DeepSpeed raised ZeRORuntimeException (a traceback) after the model and data had loaded

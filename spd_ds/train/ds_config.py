@@ -46,11 +46,16 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
     if not isinstance(fp16, dict):  # (null or true: an AttributeError traceback here)
         raise ConfigError(f'fp16 in the DeepSpeed config must be a JSON object such as {{"enabled": false}}, got '
                           f"{fp16!r}; fp16 is not supported for head training (use bf16)")
+    for key in ("bf16", "bfloat16", "fp16"):  # Hugging Face's Trainer fills "auto" in; DeepSpeed alone drops it
+        if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") == "auto":  # (bf16 "auto" trained in fp32)
+            raise ConfigError(f'{key}.enabled "auto" in the DeepSpeed config is a placeholder that only Hugging Face\'s '
+                              "Trainer fills in; give " + ("false (fp16 is not supported for head training; use bf16)"
+                                                           if key == "fp16" else "true (bf16 mixed precision) or false"))
     if fp16.get("enabled"):
         raise ConfigError("fp16 is not supported for head training; use bf16 (or train.autocast=bf16)")
     zero = cfg.get("zero_optimization") or {}
-    if isinstance(zero, bool):  # DeepSpeed's legacy form (false is {} above): true is ZeRO stage 1, written as
-        zero = cfg["zero_optimization"] = {"stage": 1}  # DeepSpeed's current form (it warns ~40 lines of the legacy)
+    if isinstance(zero, bool):  # DeepSpeed's legacy form (false is {} above): true is ZeRO stage 1, with top-level
+        zero = {"stage": 1}  # keys of its own (allgather_size): passed to DeepSpeed as given
     if not isinstance(zero, dict):
         raise ConfigError(f"zero_optimization in the DeepSpeed config must be a JSON object, got {zero!r}")
     stage = zero.get("stage", 0)
@@ -91,6 +96,11 @@ def _offload_error(device: str, key: str) -> ConfigError:
     return ConfigError(f"zero_optimization.{key} (device {device!r}) in the DeepSpeed config needs "
                        '"zero_force_ds_cpu_optimizer": false beside it (spd-ds passes a torch AdamW, which '
                        f"DeepSpeed otherwise refuses to offload); add it, or remove {key}")
+
+
+# Top-level keys DeepSpeed reads outside its config parser: the sequence- and data-parallel mesh
+# (deepspeed.initialize) when a process group exists
+_READ_ELSEWHERE = frozenset({"sequence_parallel_size", "data_parallel_size"})
 
 
 class _ReadKeys(dict):
@@ -164,8 +174,14 @@ def check_with_deepspeed(cfg: dict, where: str = "", warn=None):
             why = one_line(e, 300)
         raise ConfigError(f"the DeepSpeed config{where} is refused by DeepSpeed ({why}); fix the file or pass another "
                           "--deepspeed_config (e.g. ds_configs/zero2.json)") from None
-    unread = [key for key in cfg if key not in seen]
+    unread = [key for key in cfg if key not in seen and key not in _READ_ELSEWHERE]
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero_keys = {a for name, f in DeepSpeedZeroConfig.model_fields.items() for a in (name, f.alias) if a}
     for key in unread:
+        if key in zero_keys or key == "zero_stage":  # a ZeRO setting a level too high: trained without it
+            raise ConfigError(f"{key!r} belongs under zero_optimization in the DeepSpeed config{where} (at the top "
+                              f"level DeepSpeed ignores it); move it there" + (' as "stage"' if key == "zero_stage" else ""))
         close = difflib.get_close_matches(key, sorted(k for k in seen if isinstance(k, str)), n=1, cutoff=0.8)
         if close:
             raise ConfigError(f"{key!r} in the DeepSpeed config{where} is no key DeepSpeed reads (it would be ignored); "
