@@ -48,9 +48,10 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
                           f"{fp16!r}; fp16 is not supported for head training (use bf16)")
     for key in ("bf16", "bfloat16", "fp16"):  # Hugging Face's Trainer fills "auto" in; DeepSpeed alone drops it
         if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") == "auto":  # (bf16 "auto" trained in fp32)
-            raise ConfigError(f'{key}.enabled "auto" in the DeepSpeed config is a placeholder that only Hugging Face\'s '
-                              "Trainer fills in; give " + ("false (fp16 is not supported for head training; use bf16)"
-                                                           if key == "fp16" else "true (bf16 mixed precision) or false"))
+            give = ("false (fp16 is not supported for head training; use bf16)" if key == "fp16" else
+                    "true (bf16 mixed precision) or false")
+            raise ConfigError(f'{key}.enabled "auto" in the DeepSpeed config is a placeholder that only Hugging '
+                              f"Face's Trainer fills in; give {give}")
     if fp16.get("enabled"):
         raise ConfigError("fp16 is not supported for head training; use bf16 (or train.autocast=bf16)")
     zero = cfg.get("zero_optimization") or {}
@@ -180,12 +181,13 @@ def check_with_deepspeed(cfg: dict, where: str = "", warn=None):
     zero_keys = {a for name, f in DeepSpeedZeroConfig.model_fields.items() for a in (name, f.alias) if a}
     for key in unread:
         if key in zero_keys or key == "zero_stage":  # a ZeRO setting a level too high: trained without it
+            as_stage = ' as "stage"' if key == "zero_stage" else ""
             raise ConfigError(f"{key!r} belongs under zero_optimization in the DeepSpeed config{where} (at the top "
-                              f"level DeepSpeed ignores it); move it there" + (' as "stage"' if key == "zero_stage" else ""))
+                              f"level DeepSpeed ignores it); move it there{as_stage}")
         close = difflib.get_close_matches(key, sorted(k for k in seen if isinstance(k, str)), n=1, cutoff=0.8)
         if close:
-            raise ConfigError(f"{key!r} in the DeepSpeed config{where} is no key DeepSpeed reads (it would be ignored); "
-                              f"did you mean {close[0]!r}?")
+            raise ConfigError(f"{key!r} in the DeepSpeed config{where} is no key DeepSpeed reads (it would be "
+                              f"ignored); did you mean {close[0]!r}?")
     if unread and warn is not None:
         warn(f"the DeepSpeed config{where} has {', '.join(map(repr, unread))}, which DeepSpeed does not read: ignored")
     return parsed
