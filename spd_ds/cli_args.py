@@ -16,7 +16,7 @@ _TEXT_FLAGS = frozenset({"--prompt", "--name"})  # values that are text, not pat
 def home_expanded(argv: Sequence[str] | None) -> list[str]:
     """``argv`` (default ``sys.argv[1:]``) with a leading ``~`` (``~user``) expanded in each ``--flag=~/path``
     value, as the shell expands it in ``--flag ~/path`` but not after the ``=``. Prompt texts (``--prompt=``) and
-    ``--name=`` are left as given; ``section.key=~/path`` overrides are :func:`spd_ds.config.load_config`'s to expand."""
+    ``--name=`` are left as given; :func:`spd_ds.config.load_config` expands ``section.key=~/path`` overrides."""
     expanded = []
     for arg in sys.argv[1:] if argv is None else argv:
         flag, eq, value = arg.partition("=")
