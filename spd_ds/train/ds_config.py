@@ -16,18 +16,19 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
     DeepSpeed (micro-batch x accumulation x ranks); a file that sets either is told so through ``warn(message)``.
     ``path_or_dict``: the config itself, or its file (default ``ds_configs/zero2.json``; a relative path is looked for
     in the working directory, then in the repository: :func:`spd_ds.builder.resolve_path`). DeepSpeed's legacy
-    ``"zero_optimization": true`` is returned as ``{"stage": 1}``, what DeepSpeed reads it as.
+    ``"zero_optimization": true`` is checked as ZeRO stage 1, which DeepSpeed reads it as, and passed on as given.
 
     Raises:
-        ConfigError: a missing file or one that is not a JSON object, an ``optimizer``/``scheduler`` section
-            (spd-ds passes its own), fp16, ``zero_optimization.stage`` other than 0, 1 or 2 (ZeRO-3 partitions
+        ConfigError: a missing file or one that is not a JSON object (or gives a key twice), an
+            ``optimizer``/``scheduler`` section (spd-ds passes its own), fp16, ``bf16``/``fp16`` enabled ``"auto"``
+            (Hugging Face's placeholder, which DeepSpeed drops), ``zero_optimization.stage`` other than 0, 1 or 2 (ZeRO-3 partitions
             the head's weights, and the head written from them would be empty), ``zero_optimization.offload_optimizer``
             (or the deprecated ``"cpu_offload": true``) without ``"zero_force_ds_cpu_optimizer": false`` (DeepSpeed
             refuses to offload a client optimizer, after the model and data are loaded), an ``fp16`` that is no
             JSON object, ``gradient_accumulation_steps`` below 1, a ``gradient_clipping`` that is no number >= 0,
-            and any value DeepSpeed's own config parser refuses (:func:`check_with_deepspeed`: it would otherwise
+            any value DeepSpeed's own config parser refuses (:func:`check_with_deepspeed`: it would otherwise
             raise at the head engine's ``deepspeed.initialize``, after the target, the teacher engine and the data
-            are loaded).
+            are loaded), and a top-level key DeepSpeed ignores that is a ZeRO setting or a near miss of a key.
     """
     where = ""  # the file, in messages
     if isinstance(path_or_dict, dict):
@@ -150,11 +151,13 @@ def check_with_deepspeed(cfg: dict, where: str = "", warn=None):
 
     DeepSpeed ignores a top-level key it does not read, so a misspelt one (``zero_optimisation``) silently trained
     without ZeRO. The keys its parser looks for are recorded while it parses; a key it never looked for is refused
-    when it is close to one it did (a misspelling), else reported through ``warn(message)`` as ignored.
+    when it is a ZeRO setting (it belongs under ``zero_optimization``) or close to one it did (a misspelling), else
+    reported through ``warn(message)`` as ignored.
 
     Raises:
         ConfigError: one line naming what DeepSpeed refused, and the fix (the file or ``--deepspeed_config``); a
-            top-level key DeepSpeed does not read that is close to one it reads, with that key.
+            top-level key DeepSpeed does not read that belongs under ``zero_optimization``, or that is close to one
+            it reads (named in the message).
     """
     from deepspeed.runtime.config import DeepSpeedConfig
 
