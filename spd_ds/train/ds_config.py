@@ -21,8 +21,9 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
     Raises:
         ConfigError: a missing file or one that is not a JSON object (or gives a key twice), an
             ``optimizer``/``scheduler`` section (spd-ds passes its own), fp16, ``bf16``/``fp16`` enabled ``"auto"``
-            (Hugging Face's placeholder, which DeepSpeed drops), ``zero_optimization.stage`` other than 0, 1 or 2 (ZeRO-3 partitions
-            the head's weights, and the head written from them would be empty), ``zero_optimization.offload_optimizer``
+            (Hugging Face's placeholder, which DeepSpeed drops), ``zero_optimization.stage`` other than 0, 1 or 2
+            (ZeRO-3 partitions the head's weights, and the head written from them would be empty),
+            ``zero_optimization.offload_optimizer``
             (or the deprecated ``"cpu_offload": true``) without ``"zero_force_ds_cpu_optimizer": false`` (DeepSpeed
             refuses to offload a client optimizer, after the model and data are loaded), an ``fp16`` that is no
             JSON object, ``gradient_accumulation_steps`` below 1, a ``gradient_clipping`` that is no number >= 0,
