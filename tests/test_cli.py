@@ -272,24 +272,26 @@ def test_ctrl_c_is_one_line_and_the_process_dies_of_sigint():
 
 
 def test_launcher_watch_step(monkeypatch):
-    """spd_ds.cli.watch_launcher's rule: the launcher gone (this rank reparented), or the deepspeed command gone
-    (the launcher reparented); a /proc read that fails says nothing (it must not stop a healthy run)."""
+    """spd_ds.launcher_watch.watch_launcher's rule: the launcher gone (this rank reparented), or the deepspeed
+    command gone (the launcher reparented); a /proc read that fails says nothing (it must not stop a healthy run)."""
+    from spd_ds import launcher_watch as lw
+
     parents = {"me": 100, 100: 50}
-    monkeypatch.setattr(cli.os, "getppid", lambda: parents["me"])
-    monkeypatch.setattr(cli, "_parent_of", lambda pid: parents.get(pid))
-    assert cli._watch_step(100, 50) is None
+    monkeypatch.setattr(lw.os, "getppid", lambda: parents["me"])
+    monkeypatch.setattr(lw, "_parent_of", lambda pid: parents.get(pid))
+    assert lw._watch_step(100, 50) is None
     parents[100] = None  # unreadable
-    assert cli._watch_step(100, 50) is None
+    assert lw._watch_step(100, 50) is None
     parents[100] = 1  # the runner ended: the launcher was reparented
-    assert cli._watch_step(100, 50) == "runner"
-    assert cli._watch_step(100, None) is None  # the launcher's parent is not watched (not deepspeed, or not rank 0)
+    assert lw._watch_step(100, 50) == "runner"
+    assert lw._watch_step(100, None) is None  # the launcher's parent is not watched (not deepspeed, or not rank 0)
     parents["me"] = 1  # the launcher itself ended
-    assert cli._watch_step(100, 50) == "launcher" and cli._watch_step(100, None) == "launcher"
-    assert cli._is_ds_runner([b"/usr/bin/python3", b"/venv/bin/deepspeed", b"--num_gpus", b"2"])
-    assert cli._is_ds_runner([b"python", b"-m", b"deepspeed.launcher.runner"])
-    assert not cli._is_ds_runner([b"bash", b"-c", b"python -m deepspeed.launcher.launch x"])
-    assert not cli._is_ds_runner(None)
-    assert cli.watch_launcher() is None  # pytest's parent is no DeepSpeed launcher
+    assert lw._watch_step(100, 50) == "launcher" and lw._watch_step(100, None) == "launcher"
+    assert lw._is_ds_runner([b"/usr/bin/python3", b"/venv/bin/deepspeed", b"--num_gpus", b"2"])
+    assert lw._is_ds_runner([b"python", b"-m", b"deepspeed.launcher.runner"])
+    assert not lw._is_ds_runner([b"bash", b"-c", b"python -m deepspeed.launcher.launch x"])
+    assert not lw._is_ds_runner(None)
+    assert lw.watch_launcher() is None  # pytest's parent is no DeepSpeed launcher
 
 
 def test_launcher_watch_lines_reach_stderr_while_deepspeed_points_it_elsewhere(tmp_path):

@@ -376,8 +376,8 @@ def test_bad_inputs_known_before_decoding_are_one_line_errors(smollm2_dir, tmp_p
 @pytest.mark.parametrize("victim", ["runner", "launcher"])
 def test_every_rank_ends_when_the_deepspeed_command_or_its_launcher_is_killed(smollm2_dir, tmp_path, victim):
     """DeepSpeed's single-node runner forwards no signal: `kill <deepspeed pid>` used to leave the launcher and both
-    ranks decoding. Each rank's launcher watch (spd_ds.cli.watch_launcher) now ends them: SIGTERM to the runner
-    stops the launcher and its ranks; SIGKILL to the launcher makes each rank stop itself."""
+    ranks decoding. Each rank's launcher watch (spd_ds.launcher_watch.watch_launcher) now ends them: SIGTERM to the
+    runner stops the launcher and its ranks; SIGKILL to the launcher makes each rank stop itself."""
     import contextlib
     import signal
     import time
