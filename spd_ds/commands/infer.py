@@ -28,7 +28,8 @@ from pathlib import Path
 from spd_ds.cli import (check_output_file, checks_outputs, chosen_engine, decoding_user_errors, experiment_parser,
                         rank_and_world, removed_if_left_empty, run_cli, setup_logging, setup_process)
 from spd_ds.cli_args import override_key
-from spd_ds.config import ConfigError, load_config, validate
+from spd_ds.config import ConfigError, load_config
+from spd_ds.config_checks import validate
 from spd_ds.decoding.metrics import SPDMetrics, pooled_decode_accept_length, pooled_decode_tok_s
 from spd_ds.pipe.topology import detect_world_size
 

@@ -152,7 +152,7 @@ class TeacherStage(nn.Module):
 
         Returns:
             the number of layers compiled (``nn.Module.compile`` is lazy: the compile, and any backend error, come
-            with the first forward; ``train.compile_teacher`` is checked against the backends by ``config.validate``).
+            with the first forward; ``config_checks.validate`` checks ``train.compile_teacher`` against the backends).
         """
         if self.last:
             self._reduce = torch.compile(target_reductions, backend=backend, dynamic=True)
@@ -225,7 +225,7 @@ def compile_backend(mode: str | None, device: torch.device) -> str | None:
     eager teacher step on a small target is launch-bound: SmolLM2-135M, n = 2, one H200, 154k -> 203k training
     tokens/s in one bench run (docs/training.md, "Training throughput") — and eager (``None``) elsewhere, where
     compiling costs more start-up than it saves; any other value is returned as it is (``None`` = eager; backend
-    names are checked by ``config.validate``).
+    names are checked by ``config_checks.validate``).
 
     Args:
         mode: ``"auto"``, a backend name or ``None``.
