@@ -52,8 +52,8 @@ def load_ds_config(path_or_dict, micro_batch_rows: int, warn=None) -> dict:
         if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") == "auto":  # (bf16 "auto" trained in fp32)
             give = ("false (fp16 is not supported for head training; use bf16)" if key == "fp16" else
                     "true (bf16 mixed precision) or false")
-            raise ConfigError(f'{key}.enabled "auto" in the DeepSpeed config is a placeholder that only Hugging '
-                              f"Face's Trainer fills in; give {give}")
+            raise ConfigError(f'{key}.enabled "auto" in the DeepSpeed config{where} is a placeholder that only '
+                              f"Hugging Face's Trainer fills in; give {give}")
     if fp16.get("enabled"):
         raise ConfigError("fp16 is not supported for head training; use bf16 (or train.autocast=bf16)")
     zero = cfg.get("zero_optimization") or {}
