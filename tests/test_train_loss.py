@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from spd_ds.config import ConfigError
+from spd_ds.train import ds_config as ds_config_module
 from spd_ds.train.loop import WarmupLinear, load_ds_config
 from spd_ds.train.loss import TeacherTargets, kd_loss, position_weights, top1_agreement
 
@@ -111,6 +112,11 @@ def test_lr_schedule_and_ds_config(tmp_path, monkeypatch):
     for key, fix in (("bf16", "true .bf16 mixed precision. or false"), ("fp16", "false .fp16 is not supported")):
         with pytest.raises(ConfigError, match=f'{key}.enabled "auto" .* a placeholder .*; give {fix}'):
             load_ds_config({key: {"enabled": "auto"}}, 1)  # bf16 "auto": DeepSpeed dropped it and trained in fp32
+    # a DeepSpeed that copies the config before reading it records nothing: then nothing is refused or reported
+    with monkeypatch.context() as m:
+        m.setattr(ds_config_module, "_ReadKeys", lambda cfg, seen: dict(cfg))
+        load_ds_config({"zero_optimisation": {"stage": 2}, "_comment": "x"}, 1, said.append)
+    assert said == []
     dup = tmp_path / "dup.json"
     dup.write_text('{"zero_optimization": {"stage": 2}, "zero_optimization": {"stage": 0}}')
     with pytest.raises(ConfigError, match="not valid JSON .Duplicate keys .*zero_optimization"):

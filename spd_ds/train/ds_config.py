@@ -179,6 +179,8 @@ def check_with_deepspeed(cfg: dict, where: str = "", warn=None):
             why = one_line(e, 300)
         raise ConfigError(f"the DeepSpeed config{where} is refused by DeepSpeed ({why}); fix the file or pass another "
                           "--deepspeed_config (e.g. ds_configs/zero2.json)") from None
+    if "train_micro_batch_size_per_gpu" not in seen:  # every parse reads it: this DeepSpeed copied the dict first,
+        return parsed  # so what it read is unknown (a later version): nothing is refused or reported
     unread = [key for key in cfg if key not in seen and key not in _READ_ELSEWHERE]
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
