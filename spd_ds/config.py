@@ -9,7 +9,6 @@ unknown key names the valid keys of its section. The value checks that need no m
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import typing
 from pathlib import Path
@@ -436,7 +435,8 @@ def load_yaml(p: Path) -> DictConfig:
 
 
 def read_json_object(path: str | os.PathLike, what: str, fix: str) -> dict:
-    """A JSON file that must hold one object (a DeepSpeed config), read with one-line errors.
+    """A JSON file that must hold one object (a DeepSpeed config), read with one-line errors and as DeepSpeed reads
+    its config files: Hjson (``//`` comments and trailing commas allowed), a key given twice refused.
 
     Args:
         path: the file (it must exist: callers say what a missing one means); what: how the user named it, for the
@@ -444,10 +444,11 @@ def read_json_object(path: str | os.PathLike, what: str, fix: str) -> dict:
     Raises:
         ConfigError: the file is not valid JSON (or not UTF-8, or gives a key twice), or holds no object.
     """
+    import hjson
     from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys as once  # as DeepSpeed reads it
     try:  # a key given twice is a ValueError (json's own last-wins would drop the first silently)
-        data = json.loads(Path(path).read_text(), object_pairs_hook=once)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        data = hjson.loads(Path(path).read_text(), object_pairs_hook=once)
+    except (hjson.HjsonDecodeError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"{what} {path} is not valid JSON ({e}); {fix}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path} must be a JSON object, got {type(data).__name__}; {fix}")

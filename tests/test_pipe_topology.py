@@ -97,7 +97,7 @@ def test_ds_config(tmp_path, monkeypatch):
         load_ds_config(load_config(None, [f"deepspeed.config={bad}"]))
     with pytest.raises(ConfigError, match="not found"):
         load_ds_config(load_config(None, [f"deepspeed.config={tmp_path / 'missing.json'}"]))
-    bad.write_text('{"steps_per_print": 10,}')
+    bad.write_text('{"steps_per_print": 10')
     with pytest.raises(ConfigError, match="deepspeed.config .* is not valid JSON .* set another deepspeed.config"):
         load_ds_config(load_config(None, [f"deepspeed.config={bad}"]))
     bad.write_text("[]")

@@ -135,9 +135,12 @@ def test_lr_schedule_and_ds_config(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # another directory: the default and a relative path are found in the repository
     assert load_ds_config(None, 6) == cfg == load_ds_config("ds_configs/zero2.json", 6)  # both said 'not found'
     bad = tmp_path / "bad.json"
-    bad.write_text('{"zero_optimization": {"stage": 2},}')
+    bad.write_text('{"zero_optimization": {"stage": 2}')
     with pytest.raises(ConfigError, match="is not valid JSON"):
         load_ds_config(str(bad), 1)
+    # DeepSpeed reads its config files as Hjson: a commented file (DeepSpeedExamples' annotated configs) was refused
+    bad.write_text('{\n  // ZeRO-2 for the head\n  "zero_optimization": {"stage": 2,},\n  "gradient_clipping": 1e0,\n}')
+    assert load_ds_config(str(bad), 1)["zero_optimization"] == {"stage": 2}
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="must be a JSON object, got list"):
         load_ds_config(str(bad), 1)
