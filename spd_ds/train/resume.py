@@ -459,7 +459,6 @@ def truncate_log(path: Path, step: int) -> None:
 
 __all__ = ["RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "EVAL_BATCHES", "DS_STAGE", "DS_BF16", "draft_vocab_digest",
            "run_identity", "eval_batches_identity", "data_identity", "check_resumed_data", "recorded_attention",
-           "flex_kept_message",
-           "check_resume", "check_checkpoint_files", "check_optimizer_shards", "damaged_checkpoint_advice",
-           "check_resumed_schedule", "checkpoint_progress", "finished_message", "finished_run", "check_fresh_output",
-           "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]
+           "flex_kept_message", "check_resume", "check_checkpoint_files", "check_optimizer_shards",
+           "damaged_checkpoint_advice", "check_resumed_schedule", "checkpoint_progress", "finished_message",
+           "finished_run", "check_fresh_output", "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]
