@@ -23,14 +23,12 @@ from pathlib import Path
 from typing import Callable, Sequence, Union
 
 from spd_ds.cli_args import GivenOnce, home_expanded
+from spd_ds.launch_env import local_world_size, rank_and_world, world_size
 from spd_ds.launcher_watch import watch_launcher
 
 ENGINES = ("auto", "reference", "deepspeed")
 DEBUG_ENV = "SPD_DEBUG"  # 1: print tracebacks instead of one line per failing rank
 LOG_DIR_ENV = "SPD_LOG_DIR"  # where a failing rank writes its traceback (default: the system temp directory)
-# launcher variables giving the number of processes on this node: deepspeed, torchrun, Open MPI, MPICH/Slurm
-LOCAL_SIZE_ENVS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                   "SLURM_NTASKS_PER_NODE")
 
 log = logging.getLogger(__name__)
 
@@ -102,29 +100,14 @@ def experiment_parser(description: str | None, *, overrides_help: str, config_he
 
 
 def chosen_engine(engine: str) -> str:
-    """``auto`` -> ``deepspeed`` when launched with more than one process (``WORLD_SIZE`` or the MPI variables, as
-    :func:`spd_ds.pipe.topology.detect_world_size` reads them), else ``reference``; other values unchanged."""
-    from spd_ds.pipe.topology import detect_world_size
-
+    """``auto`` -> ``deepspeed`` when launched with more than one process (``WORLD_SIZE`` or the MPI variables:
+    :func:`spd_ds.launch_env.world_size`), else ``reference``; other values unchanged."""
     if engine != "auto":
         return engine
-    return "deepspeed" if detect_world_size() > 1 else "reference"
+    return "deepspeed" if world_size() > 1 else "reference"
 
 
 # ---------------------------------------------------------------------------------------------- processes
-def local_world_size(environ=None) -> int:
-    """Processes the launcher started on this node (``LOCAL_SIZE`` of deepspeed, ``LOCAL_WORLD_SIZE`` of torchrun,
-    the MPI equivalents); 1 without a launcher."""
-    env = os.environ if environ is None else environ
-    for key in LOCAL_SIZE_ENVS:
-        try:
-            if int(env.get(key, "")) > 0:
-                return int(env[key])
-        except ValueError:
-            continue
-    return 1
-
-
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
     try:
@@ -395,18 +378,6 @@ def setup_process() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- errors
-def rank_and_world(environ=None) -> tuple[int, int]:
-    """``(rank, world size)`` from the launcher's variables (``RANK``/``WORLD_SIZE`` or Open MPI's); ``(0, 1)``
-    without a launcher."""
-    env = os.environ if environ is None else environ
-    rank = env.get("RANK", env.get("OMPI_COMM_WORLD_RANK", env.get("PMI_RANK", "0")))
-    world = env.get("WORLD_SIZE", env.get("OMPI_COMM_WORLD_SIZE", env.get("PMI_SIZE", "1")))
-    try:
-        return int(rank), int(world)
-    except ValueError:
-        return 0, 1
-
-
 def error_prefix(prefix: str = "error", environ=None) -> str:
     """``"error"`` alone, or ``"error (rank r of w)"`` under a multi-process launcher."""
     rank, world = rank_and_world(environ)

@@ -11,6 +11,7 @@ import socket
 import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig
+from spd_ds.launch_env import launched
 
 
 def _free_port() -> int:
@@ -68,8 +69,7 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
         deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)  # wraps the caller's group
         created = False
     else:
-        launched = any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"))
-        if not launched:  # python launch/infer.py ... --engine deepspeed
+        if not launched():  # python launch/infer.py ... --engine deepspeed
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(_free_port()))
         port = int(os.environ.get("MASTER_PORT", "29500"))  # MPI discovery would otherwise force 29500

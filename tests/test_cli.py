@@ -350,6 +350,28 @@ def test_error_prefix():
     assert cli.rank_and_world({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"}) == (3, 4)
 
 
+def test_launcher_variables_read_alike(monkeypatch):
+    """Every reader of the launcher's variables knows the same launchers (MVAPICH2's rank was unknown to the error
+    prefix while its world size counted) and skips a value that is no number instead of giving up on all."""
+    from spd_ds import launch_env
+    from spd_ds.pipe.topology import detect_world_size
+
+    mv2 = {"MV2_COMM_WORLD_RANK": "2", "MV2_COMM_WORLD_SIZE": "3"}
+    assert cli.rank_and_world(mv2) == (2, 3)
+    assert cli.error_prefix("error", mv2) == "error (rank 2 of 3)"
+    assert launch_env.launched(mv2) and not launch_env.launched({}) and not launch_env.launched({"RANK": ""})
+    assert cli.rank_and_world({"RANK": "x", "PMI_RANK": "1", "WORLD_SIZE": "", "PMI_SIZE": "2"}) == (1, 2)
+    assert cli.local_world_size({"SLURM_NTASKS_PER_NODE": "2(x3)"}) == 1  # Slurm's compressed per-node counts
+    assert cli.local_world_size({"LOCAL_SIZE": "0", "LOCAL_WORLD_SIZE": "2"}) == 2
+    for env, world in (({}, 1), ({"WORLD_SIZE": "5"}, 5), ({"PMI_SIZE": "4"}, 4),
+                       ({"WORLD_SIZE": "n", "OMPI_COMM_WORLD_SIZE": "6"}, 6)):
+        assert launch_env.world_size(env) == cli.rank_and_world(env)[1] == world
+    for key in launch_env.WORLD_SIZE_ENVS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MV2_COMM_WORLD_SIZE", "7")
+    assert detect_world_size() == 7 and cli.chosen_engine("auto") == "deepspeed"
+
+
 # ---------------------------------------------------------------------------------------------- item 8
 @pytest.mark.parametrize("env,level", [({}, 20), ({"RANK": "1", "WORLD_SIZE": "2"}, 40),
                                        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, 40),

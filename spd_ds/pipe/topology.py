@@ -17,9 +17,9 @@ The pipe stage that holds the head is always pipe stage 0, called the *head rank
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from spd_ds.config import ConfigError
+from spd_ds.launch_env import world_size
 from spd_ds.partition import StagePartition
 
 PLACEMENTS = ("colocated", "dedicated")
@@ -30,16 +30,10 @@ class WorldSizeError(ConfigError):
 
 
 def detect_world_size() -> int:
-    """World size from the launcher's environment, read before any process group exists.
-
-    Looks at ``WORLD_SIZE`` (deepspeed / torchrun launchers), then MPI variables (``OMPI_COMM_WORLD_SIZE``,
-    ``PMI_SIZE``, ``MV2_COMM_WORLD_SIZE``); 1 when none is set (a plain ``python`` run).
-    """
-    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
-        v = os.environ.get(var)
-        if v:
-            return int(v)
-    return 1
+    """World size from the launcher's environment, read before any process group exists
+    (:func:`spd_ds.launch_env.world_size`: ``WORLD_SIZE`` of deepspeed / torchrun, then the MPI variables; 1 when none
+    is set, a plain ``python`` run)."""
+    return world_size()
 
 
 def allowed_world_sizes(num_stages: int, placement: str) -> tuple[int, ...]:
