@@ -11,7 +11,9 @@ from spd_ds.config import DIST_BACKENDS, SDPA_BACKENDS, ConfigError, ExperimentC
 
 
 def validate(cfg: ExperimentConfig) -> None:
-    """Cheap checks that need no model (more happen when the model is known). Raises ConfigError."""
+    """Cheap checks that need no model (more happen when the model is known): the values' ranges and names, and
+    ``data.chat_template`` (an existing UTF-8 file or Jinja text that is a chat template:
+    :func:`spd_ds.train.chat.read_chat_template`). Raises ConfigError."""
     from spd_ds.models.adapter import resolve_dtype
 
     for section in dataclasses.fields(cfg):  # nan passes every range check below, inf most: neither is a setting
@@ -80,6 +82,13 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"decoding.oracle_alpha must be in [0, 1], got {d.oracle_alpha}")
     if not 0.0 <= cfg.data.held_out_fraction < 1.0:
         raise ConfigError(f"data.held_out_fraction must be in [0, 1), got {cfg.data.held_out_fraction}")
+    if cfg.data.chat_template:  # every program, before its model or tokenizer loads (a bad one failed only then)
+        from spd_ds.train.chat import ChatTemplateError, read_chat_template
+
+        try:
+            read_chat_template(cfg.data.chat_template)
+        except ChatTemplateError as e:
+            raise ConfigError(f"data.chat_template: {e}") from None
     for key in ("compile_teacher", "compile_loss"):
         mode = getattr(cfg.train, key)
         if mode not in (None, "auto"):

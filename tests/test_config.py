@@ -377,3 +377,26 @@ def test_a_leading_tilde_in_a_path_setting_is_the_home_folder(tmp_path, monkeypa
     assert cfg.data.prompts == "humaneval" and cfg.model.cache_dir is None  # names and nulls stay as they are
     assert cfg.model.name == f"{tmp_path}/models/m"  # a local model folder (config.yaml records it expanded)
     assert cfg.data.chat_template == "~/{{ messages }}"  # a file or Jinja text: the file's ~ is chat.py's to expand
+
+
+def test_a_chat_template_that_is_no_template_is_refused_before_any_model_loads(tmp_path, capsys):
+    """data.chat_template was checked by training alone: eval, infer and benchmark took a CSV as the template (every
+    prompt the same tokens) or failed in jinja2 once the model had loaded. load_config refuses it in one line, so
+    every program does before its model resolves (here: one that does not exist)."""
+    from spd_ds.commands import eval as eval_cmd, infer
+
+    csv = tmp_path / "prompts.csv"
+    csv.write_text("id,prompt\n1,hello\n")
+    with pytest.raises(ConfigError, match=rf"^data.chat_template: chat template file {csv} holds no Jinja"):
+        load_config(None, [f"data.chat_template={csv}"])
+    with pytest.raises(ConfigError, match=r"^data.chat_template: chat template '\{\{ messages \}\{% if %\}' is not "
+                                          r"valid Jinja \(line 1: "):
+        load_config(None, ["data.chat_template='{{ messages }{% if %}'"])
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert load_config(None, [f"data.chat_template={tmp_path / 't.jinja'}"]).data.chat_template
+    ov = [f"data.chat_template={csv}", f"model.name={tmp_path / 'no_model'}", f"eval.output_dir={tmp_path / 'ev'}"]
+    for run in (lambda: eval_cmd.main(ov), lambda: infer.main(["--prompt", "hi", *ov])):
+        assert run() == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: data.chat_template: chat template "
+                                                                           f"file {csv} holds no Jinja")
+    assert not (tmp_path / "ev").exists()

@@ -491,7 +491,8 @@ def test_data_chat_template_encodes_the_prompts_of_decoding(smollm2_dir, monkeyp
 
     monkeypatch.setattr(builder, "encode_prompt", encode)
     with pytest.raises(Encoded, match=r"Q: "):
-        infer._main(["--config", str(CONFIG), "--prompt", "hi", "data.chat_template='{{ \"Q: \" }}'"])
+        infer._main(["--config", str(CONFIG), "--prompt", "hi",
+                     "data.chat_template='{{ \"Q: \" + messages[0][\"content\"] }}'"])
 
 
 def test_a_refused_run_leaves_no_empty_output_folder(tmp_path):

@@ -141,6 +141,48 @@ def test_a_chat_template_is_a_file_or_jinja_text(tmp_path):
     assert tok.chat_template == "{{ messages[0]['content'] }}"
 
 
+def test_a_chat_template_must_be_utf8_jinja_that_renders_the_messages_and_parses(tmp_path, capsys):
+    """A file that is no chat template (a CSV) became the template (every prompt the same tokens); broken Jinja failed
+    with a jinja2 traceback once the model had loaded, a non-UTF-8 file with a UnicodeDecodeError traceback. Each is
+    one ChatTemplateError line, and the data programs give it before the model resolves (here it does not exist)."""
+    from spd_ds.commands import build_draft_vocab, prepare_train_data
+    from spd_ds.train.chat import read_chat_template
+    from spd_ds.zoo import _SMOLLM2_CHAT_TEMPLATE
+
+    csv = tmp_path / "prompts.csv"
+    csv.write_text("id,prompt\n1,hello\n")
+    latin = tmp_path / "latin.jinja"
+    latin.write_bytes("{{ messages[0]['content'] }} caf\u00e9".encode("latin-1"))
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    bad = [(str(csv), f"chat template file {csv} holds no Jinja"),
+           (str(latin), f"chat template file {latin} is not UTF-8 text (unexpected end of data at byte 32); save it "
+                        "as UTF-8"),
+           (str(broken), f"chat template file {broken} is not valid Jinja (line 2: unexpected '}}')"),
+           ("{{ 'Q: ' }}", "never reads 'messages', so every prompt would render the same"),
+           ("{% for m in messages %}{{ m }}", "is not valid Jinja (line 1: Unexpected end of template")]
+    for template, message in bad:
+        with pytest.raises(ChatTemplateError) as e:
+            read_chat_template(template)
+        assert message in str(e.value) and "\n" not in str(e.value), (template, str(e.value))
+    # what transformers renders: generation tags (over lines too), loop controls, filters it alone defines
+    marked = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{%- generation\n-%}{{ m['content'] | tojson }}"
+              "{% endgeneration %}{% else %}{% continue %}{% endif %}{% endfor %}")
+    for good in (CHATML, CHATML_MARKED, _SMOLLM2_CHAT_TEMPLATE, marked):
+        assert read_chat_template(good) == good
+    bom = tmp_path / "bom.jinja"
+    bom.write_bytes(b"\xef\xbb\xbf" + CHATML.encode())  # UTF-8 with a BOM (Notepad): the BOM is no template text
+    assert read_chat_template(str(bom)) == CHATML
+    out = tmp_path / "v.json"
+    for mod, argv in ((build_draft_vocab, ["--data", str(csv), "--out", str(out)]),
+                      (prepare_train_data, ["regenerate", "--data", str(csv), "--out", str(out)]),
+                      (prepare_train_data, ["selfdistill", "--data", str(csv), "--out", str(tmp_path / "sd")])):
+        assert mod.main([*argv, "--model", str(tmp_path / "no_model"), "--chat-template", str(broken)]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1].startswith(f"error: chat template file {broken} is not valid Jinja"), err
+    assert not out.exists() and not (tmp_path / "sd").exists()
+
+
 def test_prepare_train_data_and_draft_vocab_cli_errors_are_one_line(tmp_path, capsys):
     """The data programs end a user error with one line and exit status 2, before reading the corpus, and leave no
     empty output folder behind; export keeps conv_id when it clips (the held-out split keys on it)."""

@@ -569,8 +569,10 @@ EARLY_REFUSALS = [
                                       "size 1"),
     (["train.teacher_pipe_degree=2", "data.micro_batch_size=3", "WORLD_SIZE=2"],
      "error (rank 0 of 2): data.micro_batch_size=3 must be a multiple of train.teacher_pipe_degree=2"),
-    (["data.chat_template=/no/such/template.jinja"], "error: chat template '/no/such/template.jinja' is neither a "
-                                                     "file nor Jinja text"),
+    (["data.chat_template=/no/such/template.jinja"], "error: data.chat_template: chat template "
+                                                     "'/no/such/template.jinja' is neither a file nor Jinja text"),
+    (["data.chat_template=TMP/bad.jsonl"], "error: data.chat_template: chat template file TMP/bad.jsonl holds no "
+                                           "Jinja"),  # a data file given as the template
     (["data.train_files=[TMP/bad.jsonl]"], "error: TMP/bad.jsonl: not JSON lines nor a JSON array"),
     (["data.train_files=[TMP/none.jsonl]"], "error: data source 'TMP/none.jsonl' holds no usable conversation"),
     (["--deepspeed_config", "TMP/zero.json"], "error: the DeepSpeed config TMP/zero.json is refused by DeepSpeed "

@@ -48,6 +48,9 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None, help="tokenizer_name recorded in the file (default: --model)")
     args = ap.parse_args(argv)
     check_output_file(args.out, "--out")  # before the corpus is read and tokenised
+    from spd_ds.train.chat import read_chat_template
+
+    read_chat_template(args.chat_template)  # before the model resolves and its tokenizer loads
 
     from spd_ds.builder import generation_eos_ids, load_tokenizer
     from spd_ds.config import ConfigError

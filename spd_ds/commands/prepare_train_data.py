@@ -285,6 +285,10 @@ def _main(argv: list[str] | None = None) -> int:
                 check_compile_cache_path(cache, "--compile-cache")
         else:
             check_output_file(args.out, "--out")
+        if getattr(args, "chat_template", None):  # regenerate's, selfdistill's: before the model resolves and loads
+            from spd_ds.train.chat import read_chat_template
+
+            read_chat_template(args.chat_template)
         if args.cmd in ("export", "export-prompts"):
             args.data = args.data or ["sharegpt"]
             return _export(args) if args.cmd == "export" else _export_prompts(args)

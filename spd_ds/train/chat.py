@@ -23,6 +23,7 @@ import re
 from typing import Sequence
 
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+_GENERATION_TAGS = re.compile(r"{%-?\s*(end)?generation\s*-?%}")  # both ends: jinja2 alone knows neither
 
 
 class EmptyMaskError(ValueError):
@@ -64,12 +65,14 @@ def has_generation_markers(tokenizer) -> bool:
 
 
 def read_chat_template(template: str | None) -> str | None:
-    """``data.chat_template`` as Jinja text: the file it names, or the text itself (``None`` when not set). Needs no
-    tokenizer, so training checks it before the target is loaded.
+    """``data.chat_template`` as Jinja text: the file it names (UTF-8), or the text itself (``None`` when not set),
+    checked to be a chat template (:func:`check_chat_template`). Needs no tokenizer, so the programs check it before
+    the model or tokenizer is loaded.
 
     Raises:
         ChatTemplateError: ``template`` is neither an existing file nor Jinja text (a mistyped path would otherwise
-            become the template, and every prompt its file name).
+            become the template, and every prompt its file name); the file cannot be read or is not UTF-8; or the
+            text is not a chat template (:func:`check_chat_template`).
     """
     from pathlib import Path
 
@@ -84,7 +87,49 @@ def read_chat_template(template: str | None) -> str | None:
     if not is_jinja and not is_file:
         raise ChatTemplateError(f"chat template {template!r} is neither a file nor Jinja text (no '{{%' or "
                                 "'{{' in it); give an existing template file or the template itself")
-    return template if is_jinja else p.read_text()
+    if is_jinja:
+        check_chat_template(template, f"chat template {template[:60]!r}{'...' if len(template) > 60 else ''}")
+        return template
+    try:
+        text = p.read_bytes().decode("utf-8-sig")  # a BOM (Notepad's UTF-8) would be rendered into every prompt
+    except OSError as e:
+        raise ChatTemplateError(f"chat template file {p} cannot be read ({e.strerror or e}); make it readable") \
+            from None
+    except UnicodeDecodeError as e:
+        raise ChatTemplateError(f"chat template file {p} is not UTF-8 text ({e.reason} at byte {e.start}); save it "
+                                "as UTF-8") from None
+    check_chat_template(text, f"chat template file {p}")
+    return text
+
+
+def check_chat_template(text: str, where: str = "chat template") -> None:
+    """Refuse Jinja text that cannot be a chat template: one without Jinja (``{{`` or ``{%``: a data file or prose
+    given by mistake), one that never reads ``messages`` (it would render every prompt the same), or one that does not
+    parse. Parsed as transformers renders templates (a sandboxed environment with ``loopcontrols``; its
+    ``{% generation %}`` tags removed), not compiled: filters and tests are not looked up.
+
+    Args:
+        text: the template. where: how the message names it (``chat template file t.jinja``).
+    Raises:
+        ChatTemplateError: one line naming ``where`` and what is wrong (a syntax error: jinja's message and line).
+    """
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if "{{" not in text and "{%" not in text:
+        raise ChatTemplateError(f"{where} holds no Jinja ('{{{{' or '{{%'), so it is not a chat template; give a Jinja "
+                                "chat template (a .jinja file, or the template text)")
+    if "messages" not in text:
+        raise ChatTemplateError(f"{where} never reads 'messages', so every prompt would render the same; give a chat "
+                                "template that renders the messages (e.g. {% for message in messages %}...)")
+    plain = _GENERATION_TAGS.sub(lambda m: "\n" * m.group().count("\n"), text)  # lines keep their numbers
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    try:
+        env.parse(plain)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"{where} is not valid Jinja (line {e.lineno}: {e.message}); fix the template") \
+            from None
 
 
 def set_chat_template(tokenizer, template: str | None) -> None:
