@@ -458,6 +458,43 @@ def test_regenerated_answers_keep_their_conversation_id(tmp_path, capsys):
     assert kept.read_bytes() == b"earlier" and "regenerated 0 answers of 3 records" in capsys.readouterr().err
 
 
+def test_an_interrupted_write_leaves_the_earlier_file_and_a_fifo_is_written_in_place(tmp_path):
+    """write_jsonl wrote in place: an interrupted export/regenerate left a shorter file of whole lines that read as
+    complete, and the earlier good file was already gone. The lines go to a temporary file renamed at the end; an
+    error or an interrupt leaves the earlier file as it was and no temporary file. A FIFO (or /dev/stdout) has
+    nothing to replace: it is written in place and stays a FIFO."""
+    import os
+    import threading
+
+    from spd_ds.train.data import write_jsonl
+
+    def records(n, stop_at=None, error=None):
+        for i in range(n):
+            if i == stop_at:
+                raise error
+            yield {"i": i}
+
+    for name in ("out.jsonl", "out.jsonl.gz"):
+        out = tmp_path / name
+        assert write_jsonl(records(5), out) == 5
+        before = out.read_bytes()
+        for error in (KeyboardInterrupt(), TypeError("not JSON")):
+            with pytest.raises(type(error)):
+                write_jsonl(records(5, 3, error), out)
+            assert out.read_bytes() == before
+        assert not [f.name for f in tmp_path.iterdir() if ".tmp" in f.name]
+    assert gzip.decompress((tmp_path / "out.jsonl.gz").read_bytes()) == (tmp_path / "out.jsonl").read_bytes()
+    assert b"tmp" not in (tmp_path / "out.jsonl.gz").read_bytes()[:40]  # the gzip header names the file, as before
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    assert write_jsonl(records(2), fifo) == 2
+    reader.join(10)
+    assert got == [b'{"i": 0}\n{"i": 1}\n'] and fifo.is_fifo()
+
+
 def test_json_reading_edges_of_cut_and_damaged_files(tmp_path):
     """A file cut just after a ']' inside a record is still a cut (read to it); a gzip file cut short is a one-line
     error; a plain-text 'template' too long for a file name is refused in one line."""

@@ -528,6 +528,44 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+SUMMARY_CUT = """
+import pathlib
+import sys
+
+real = pathlib.Path.write_text
+
+
+def cut(self, text, *args, **kwargs):  # an interrupt (Ctrl-C, a job's time limit) halfway through the summary
+    if "train_summary.json" in self.name:
+        real(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+    return real(self, text, *args, **kwargs)
+
+
+pathlib.Path.write_text = cut
+from spd_ds.commands.train import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_training_summary_cut_short_is_not_left_half_written(tmp_path):
+    """train_summary.json was written in place: a run interrupted while writing it left half a summary (what
+    train_report.py and a resume's check read) beside a finished head. It is written beside and renamed: the cut
+    leaves none, and no temporary file. One process, the interrupt forced in the write."""
+    config = _experiment(tmp_path, make_chat_model(tmp_path), make_chats(tmp_path / "chats.jsonl", 20), max_steps=2,
+                         eval_every=0, save_every=100)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-c", SUMMARY_CUT, "--config", str(config), "--deepspeed_config",
+                           "ds_configs/zero2.json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    run = tmp_path / "run"
+    assert proc.returncode != 0 and (run / "head" / "head.safetensors").is_file(), proc.stderr[-3000:]
+    assert not (run / "train_summary.json").exists(), (run / "train_summary.json").read_text()
+    assert not [f.name for f in run.iterdir() if ".tmp" in f.name]
+
+
 @pytest.mark.slow
 def test_auto_attention_that_falls_back_records_dense(setup):
     """train.attention=auto resolves to flex on CUDA; when FlexAttention fails at the first forward the head trains

@@ -470,28 +470,58 @@ def tokenize_records(records: Sequence[dict], tokenizer, max_length: int, min_le
 
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike, gzipped: bool | None = None) -> int:
     """Write records as UTF-8 JSON lines, one object a line, in deterministic bytes (no gzip timestamp); makes the
-    folder. The readers here (:func:`iter_json_records`) take either form.
+    folder. The readers here (:func:`iter_json_records`) take either form. The lines go to a temporary file beside
+    ``path`` that replaces it at the end (:func:`replaced_when_done`): an interrupted write (every line whole) left a
+    shorter file that read as complete, and the earlier file at ``path`` was already gone.
 
     Args:
         records: JSON-serialisable dicts, written in order.
-        path: the file (replaced if it exists).
+        path: the file (replaced if it exists; a FIFO or a device such as ``/dev/stdout`` is written in place).
         gzipped: gzip the lines; ``None`` (default): when the file's name ends in ``.gz``.
     Returns:
         The number of records written.
     Raises:
-        OSError: the folder cannot be made or the file written. TypeError: a record JSON cannot encode.
+        OSError: the folder cannot be made or the file written. TypeError: a record JSON cannot encode. Either way,
+        and on an interrupt, ``path`` is as it was.
     """
     path = Path(path)
     if gzipped is None:
         gzipped = path.name.endswith(".gz")
     path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
-    with open(path, "wb") as raw, (gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if gzipped
-                                   else contextlib.nullcontext(raw)) as out:
+    with replaced_when_done(path) as tmp, open(tmp, "wb") as raw, (
+            gzip.GzipFile(str(path), mode="wb", fileobj=raw, mtime=0) if gzipped  # the header names path, not tmp
+            else contextlib.nullcontext(raw)) as out:
         for r in records:
             out.write((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8"))
             n += 1
     return n
+
+
+@contextlib.contextmanager
+def replaced_when_done(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write instead: it replaces ``path`` (``os.replace``, atomic) when the block
+    ends, and is removed when it raises (``KeyboardInterrupt`` too), leaving ``path`` as it was. A ``path`` that exists
+    and is no regular file (a FIFO, ``/dev/stdout``) is yielded itself: written in place. A link is replaced at its
+    target.
+
+    Yields:
+        The path to write (``.<name>.tmp-<pid>`` in ``path``'s folder, or ``path`` itself).
+    """
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        yield path
+        return
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
 
 
 def write_jsonl_gz(records: Iterable[dict], path: str | os.PathLike) -> int:

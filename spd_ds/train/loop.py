@@ -37,7 +37,8 @@ from spd_ds.models.masks import check_stage_attention
 from spd_ds.train.chat import EmptyMaskError, set_chat_template
 from spd_ds.train.batching import BatchPlanner, batches_on_device
 from spd_ds.train.ds_config import load_ds_config
-from spd_ds.train.data import check_selfdistill_target, check_sources, load_records, tokenize_records
+from spd_ds.train.data import (check_selfdistill_target, check_sources, load_records, replaced_when_done,
+                              tokenize_records)
 from spd_ds.train.loss import kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.preflight import (check_autocast, check_pipe_degree, check_target_settings, check_train_settings,
                                    resume_note, training_device_type)
@@ -499,7 +500,8 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                    "teacher_pipe_degree": degree, "attention": student.attention, "partition": part.to_dict(),
                    "head": str(final),
                    **(validator.summary() if validator is not None else {"best": None})}
-        (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        with replaced_when_done(out_dir / SUMMARY_FILE) as tmp:  # an interrupt leaves no half-written summary
+            tmp.write_text(json.dumps(summary, indent=2))
         rate = "?" if tokens is None else f"{summary['tokens_per_s']:.0f}"  # steps, time, tokens: the whole run
         _say(f"done: {step} steps in {elapsed:.1f} s, {rate} tokens/s; head -> {final}", rank)
         if paused:
