@@ -210,6 +210,42 @@ def test_prepare_eval_data_cli(tmp_path, source_dir, capsys):
     assert "mt_bench: FAILED" in capsys.readouterr().err and (out / "humaneval" / "question.jsonl").exists()
 
 
+def test_an_empty_or_gzipped_source_and_a_gzipped_prompt_file(tmp_path, source_dir, capsys):
+    """An empty --source-dir file was copied over a good set (then reported as the kept file's fault, "leave out
+    --keep", which was never given): it is refused by its own name, the set as it was. A gzip-compressed prompt file
+    failed with "'utf-8' codec can't decode byte 0x8b": it is read as gzip, as the training data reader does, and a
+    --source-dir copy is written decompressed; a file that is not UTF-8 says so."""
+    import gzip
+
+    from spd_ds.commands import prepare_eval_data as mod
+
+    out = tmp_path / "ed"
+    good = materialize_prompt_set("mt_bench", out, source_dir).read_bytes()
+    empty = tmp_path / "empty"
+    (empty / "mt_bench").mkdir(parents=True)
+    (empty / "mt_bench" / "question.jsonl").write_text("\n")
+    with pytest.raises(PromptSetUnavailableError, match=f"{empty / 'mt_bench' / 'question.jsonl'} holds no prompt"):
+        materialize_prompt_set("mt_bench", out, empty)
+    assert mod.main(["mt_bench", "--out-dir", str(out), "--source-dir", str(empty)]) == 1
+    err = capsys.readouterr().err
+    assert f"{empty / 'mt_bench' / 'question.jsonl'} holds no prompt" in err and "--keep" not in err, err
+    assert (out / "mt_bench" / "question.jsonl").read_bytes() == good
+    zipped = tmp_path / "zipped"
+    (zipped / "mt_bench").mkdir(parents=True)
+    (zipped / "mt_bench" / "question.jsonl").write_bytes(gzip.compress(good))
+    assert load_prompts(zipped / "mt_bench" / "question.jsonl") == load_prompts(out / "mt_bench" / "question.jsonl")
+    assert mod.main(["mt_bench", "--out-dir", str(tmp_path / "ed2"), "--source-dir", str(zipped)]) == 0
+    assert (tmp_path / "ed2" / "mt_bench" / "question.jsonl").read_bytes() == good
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"turns": ["caf\u00e9"]}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=f"^{latin} is not UTF-8 text .*; save it as UTF-8"):
+        load_prompts(latin)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(good)[:-12])
+    with pytest.raises(ValueError, match=f"^{cut} is a damaged gzip file"):
+        load_prompts(cut)
+
+
 def test_gsm8k_with_unreachable_hub_fails_fast(tmp_path, monkeypatch):
     import time
 

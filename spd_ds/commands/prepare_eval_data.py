@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
             path = materialize_prompt_set(name, args.out_dir, args.source_dir,
                                           cache_dir=args.cache_dir, overwrite=not args.keep)
             count = len(read_jsonl_prompts(path))  # a kept file is read here first: damaged or empty is a failure
-            if not count:
-                raise ValueError(f"{path} holds no prompt; remove it (or leave out --keep) to materialise it again")
+            if not count:  # only a kept file can be empty: a source without prompts is refused, dest untouched
+                raise ValueError(f"{path} holds no prompt; " + ("leave out --keep (or remove it) to materialise it "
+                                 "again" if args.keep else "remove it and materialise it again"))
         except Exception as e:  # noqa: BLE001 - report and go on with the other sets
             print(f"{name}: FAILED: {e}", file=sys.stderr)
             failed += 1

