@@ -9,6 +9,7 @@ unknown key names the valid keys of its section. The value checks that need no m
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import typing
 from pathlib import Path
@@ -405,14 +406,15 @@ def load_config(path: str | os.PathLike | DictConfig | None = None, overrides: S
 
 def load_yaml(p: Path) -> DictConfig:
     """The experiment file ``p`` as an OmegaConf mapping (what :func:`load_config` merges over the defaults);
-    ConfigError if it is missing, a folder, not YAML, or not a mapping of sections."""
+    ConfigError if it is missing, a folder, not UTF-8 (:func:`_utf8_text`), not YAML, or not a mapping of sections."""
     if not p.exists():
         raise ConfigError(f"config file {p} not found")
     if not p.is_file():
         raise ConfigError(f"config file {p} is not a file: give the path of a YAML experiment file "
                           "(e.g. launch/configs/smollm2_spd.yaml)")
+    text = _utf8_text(p, f"config file {p}")
     try:
-        loaded = OmegaConf.load(p)
+        loaded = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -446,13 +448,36 @@ def read_json_object(path: str | os.PathLike, what: str, fix: str) -> dict:
     """
     import hjson
     from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys as once  # as DeepSpeed reads it
+    text = _utf8_text(Path(path), f"{what} {path}")
     try:  # a key given twice is a ValueError (json's own last-wins would drop the first silently)
-        data = hjson.loads(Path(path).read_text(), object_pairs_hook=once)
-    except (hjson.HjsonDecodeError, UnicodeDecodeError, ValueError) as e:
+        data = hjson.loads(text, object_pairs_hook=once)
+    except (hjson.HjsonDecodeError, ValueError) as e:
         raise ConfigError(f"{what} {path} is not valid JSON ({e}); {fix}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path} must be a JSON object, got {type(data).__name__}; {fix}")
     return data
+
+
+def _utf8_text(p: Path, what: str) -> str:
+    """The text of the config file ``p`` (a UTF-8 byte-order mark dropped); ``what`` names it in the message.
+
+    Raises:
+        ConfigError: it is not UTF-8 (UTF-16, as Windows Notepad saves files, or Latin-1, ...): one line saying to
+            save it as UTF-8 (a UnicodeDecodeError traceback in every program).
+    """
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+        if "\x00" not in text:  # UTF-16 of ASCII text without a byte-order mark decodes, NULs between the letters
+            return text
+        why = ""
+    except UnicodeDecodeError as e:
+        why = f"{e.reason} at byte {e.start}"
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        why = "it is UTF-16, as Windows Notepad saves it"
+    elif b"\x00" in data:
+        why = "it holds NUL bytes, as UTF-16 text does"
+    raise ConfigError(f"{what} is not UTF-8 text ({why}); save it as UTF-8")
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:

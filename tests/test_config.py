@@ -189,6 +189,28 @@ def test_bad_config_files_are_one_line_errors(tmp_path):
         load_config(tmp_path)
 
 
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    """A YAML file saved as UTF-16 (Windows Notepad) or Latin-1 was a UnicodeDecodeError traceback in every program;
+    it is one ConfigError line saying to save it as UTF-8. UTF-8 with a byte-order mark reads as UTF-8."""
+    from spd_ds.commands import eval as eval_cmd
+
+    text = "decoding:\n  max_new_tokens: 8\n  stop: ['Caf\u00e9']\n"
+    cases = {"u16.yaml": (text.encode("utf-16"), "it is UTF-16, as Windows Notepad saves it"),
+             "u16le.yaml": (text.encode("utf-16-le"), "it holds NUL bytes, as UTF-16 text does"),
+             "latin.yaml": (text.encode("latin-1"), "invalid continuation byte at byte ")}
+    for name, (data, why) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError, match=rf"^config file {tmp_path / name} is not UTF-8 text \({why}.*\); save it "
+                                              "as UTF-8$"):
+            load_config(tmp_path / name)
+    assert eval_cmd.main(["--config", str(tmp_path / "u16.yaml")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"error: config file {tmp_path / 'u16.yaml'} is not "
+                                                                "UTF-8 text (it is UTF-16, as Windows Notepad saves "
+                                                                "it); save it as UTF-8")
+    (tmp_path / "bom.yaml").write_bytes(text.encode("utf-8-sig"))
+    assert load_config(tmp_path / "bom.yaml").decoding.stop == ["Caf\u00e9"]
+
+
 def test_a_cuda_device_without_cuda_is_a_config_error(monkeypatch):
     import torch
 

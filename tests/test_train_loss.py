@@ -144,6 +144,10 @@ def test_lr_schedule_and_ds_config(tmp_path, monkeypatch):
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="must be a JSON object, got list"):
         load_ds_config(str(bad), 1)
+    bad.write_bytes('{"zero_optimization": {"stage": 2}}'.encode("utf-16"))  # Notepad's: a traceback-free line
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(it is UTF-16, as Windows Notepad saves it\); save it "
+                                          "as UTF-8$"):
+        load_ds_config(str(bad), 1)
     for gas in (0, -1, 1.5, "2"):
         with pytest.raises(ConfigError, match="gradient_accumulation_steps .* must be an integer >= 1"):
             load_ds_config({"gradient_accumulation_steps": gas}, 1)
