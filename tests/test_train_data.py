@@ -495,6 +495,35 @@ def test_an_interrupted_write_leaves_the_earlier_file_and_a_fifo_is_written_in_p
     assert got == [b'{"i": 0}\n{"i": 1}\n'] and fifo.is_fifo()
 
 
+def test_export_prompts_that_keep_nothing_write_nothing_and_export_says_where_limit_cut(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """export-prompts keeping no conversation (--max-turn-chars under every first turn) wrote an empty file over an
+    earlier one and exited 0: it exits 1 and leaves the file, as regenerate does. export --max-chars 0 was silently no
+    limit: refused in one line. export stopping at --limit (6000 by default) did not say the sources held more."""
+    from spd_ds.commands import prepare_train_data
+
+    data = make_chats(tmp_path / "chats.jsonl", 3)
+    out = tmp_path / "p.jsonl"
+    out.write_text("earlier")
+    assert prepare_train_data.main(["export-prompts", "--data", str(data), "--max-turn-chars", "1",
+                                    "--out", str(out)]) == 1
+    assert out.read_text() == "earlier"
+    assert f"kept 0 of 3 conversations (each first turn is longer than --max-turn-chars 1); {out} not written" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        prepare_train_data.main(["export", "--data", str(data), "--max-chars", "0", "--out", str(out)])
+    assert e.value.code == 2 and "argument --max-chars: must be >= 1, got 0" in capsys.readouterr().err
+    assert out.read_text() == "earlier"
+    for limit, cut in (("2", True), ("3", False)):
+        assert prepare_train_data.main(["export", "--data", str(data), "--limit", limit, "--out", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert f"{limit} conversations -> {out}" in err and len(out.read_text().splitlines()) == int(limit)
+        assert ("; stopped at --limit 2, the sources hold more (raise --limit to keep them)" in err) == cut, err
+    monkeypatch.setattr(prepare_train_data, "_EXPORT_LIMIT", 2)  # the default limit (6000) on 3 conversations
+    assert prepare_train_data.main(["export", "--data", str(data), "--out", str(out)]) == 0
+    assert "stopped at --limit 2 (the default), the sources hold more" in capsys.readouterr().err
+
+
 def test_json_reading_edges_of_cut_and_damaged_files(tmp_path):
     """A file cut just after a ']' inside a record is still a cut (read to it); a gzip file cut short is a one-line
     error; a plain-text 'template' too long for a file name is refused in one line."""

@@ -35,14 +35,21 @@ from pathlib import Path
 
 
 
+_EXPORT_LIMIT = 6000  # export's default --limit
+
+
 def _export(args) -> int:
     from spd_ds.train.data import load_records, write_jsonl
 
-    recs = load_records(args.data, limit=args.limit)
-    if args.max_chars:
+    recs = load_records(args.data, limit=args.limit + 1)  # one more: whether --limit cut the sources short
+    cut = len(recs) > args.limit
+    recs = recs[:args.limit]
+    if args.max_chars is not None:
         recs = [_clip(r, args.max_chars) for r in recs]
     n = write_jsonl(recs, args.out)
-    print(f"prepare_train_data: {n} conversations -> {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)",
+    limit = f"--limit {args.limit}{' (the default)' if args.limit == _EXPORT_LIMIT else ''}"
+    print(f"prepare_train_data: {n} conversations -> {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)"
+          + (f"; stopped at {limit}, the sources hold more (raise --limit to keep them)" if cut else ""),
           file=sys.stderr)
     return 0
 
@@ -98,8 +105,13 @@ def _export_prompts(args) -> int:
     from spd_ds.train.selfdistill import load_prompt_conversations, write_prompts
 
     convs = load_prompt_conversations(args.data, limit=args.limit)
+    read = len(convs)
     if args.max_turn_chars:
         convs = [c for c in (_clip_rounds(c, args.max_turn_chars) for c in convs) if c.rounds]
+    if not convs:  # nothing to write: an earlier file at --out stays as it was
+        print(f"prepare_train_data: kept 0 of {read} conversations (each first turn is longer than --max-turn-chars "
+              f"{args.max_turn_chars}); {args.out} not written", file=sys.stderr)
+        return 1
     n = write_prompts(convs, args.out)
     turns = sum(len(c.rounds) for c in convs)
     print(f"prepare_train_data: {n} conversations, {turns} user turns -> {args.out} "
@@ -195,8 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export", help="normalise conversations into one JSON-lines file")
     ex.add_argument("--data", action="append", default=None, help="source (default: sharegpt); repeatable")
-    ex.add_argument("--limit", type=pos, default=6000, help="conversations to keep (default: %(default)s)")
-    ex.add_argument("--max-chars", type=nonneg, default=None, help="drop turns past this many characters")
+    ex.add_argument("--limit", type=pos, default=_EXPORT_LIMIT, help="conversations to keep (default: %(default)s)")
+    ex.add_argument("--max-chars", type=pos, default=None,
+                    help="drop the turns past this many characters of a conversation (its first exchange is always "
+                         "kept; default: no limit)")
     ex.add_argument("--out", default="runs/train_data/sharegpt6k.jsonl.gz",
                     help="the JSON-lines file written, gzipped if it ends in .gz (default: %(default)s)")
     rg = sub.add_parser("regenerate", help="answer first user turns with the target (pre-tokenised output)")
