@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,26 @@ def test_build_draft_vocab_launcher(tmp_path, capsys):
     assert 2 in rec["token_ids"]  # <|im_end|>
     assert rec["token_ids"] == sorted(set(rec["token_ids"]))
     assert 0.5 < rec["topk_mass_ratio"] <= 1.0
+
+
+def test_token_ids_outside_the_vocabulary_are_named_as_a_data_error(tmp_path, capsys):
+    """Pre-tokenised data with an id outside the model's vocabulary was a ValueError traceback naming the largest id
+    (with -3 it said "token id 5 outside"): it is a DataError (one line from build_draft_vocab) naming the id."""
+    from spd_ds.commands import build_draft_vocab
+    from spd_ds.train.data import DataError
+
+    for bad, more in ((99, ""), (-3, ""), (12, " (and 1 more assistant token outside it)")):
+        with pytest.raises(DataError, match=rf"^token id {bad} is outside the model's vocabulary of 12 ids \(0 to "
+                                            rf"11\){re.escape(more)}: pre-tokenised data made with another tokenizer"):
+            count_assistant_tokens([[5, 1], [1, 2, bad, 5, 40 if more else 5]], [[1, 1], [0, 1, 1, 1, 1]], 12)
+    model = make_chat_model(tmp_path)
+    data = tmp_path / "oor.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 99999, 5], "assistant_mask": [0, 1, 1, 1]}) + "\n")
+    out = tmp_path / "v.json"
+    assert build_draft_vocab.main(["--model", str(model), "--data", str(data), "--size", "3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: token id 99999 is outside the model's vocabulary of 128 "
+                                                   "ids") and "Traceback" not in err and not out.exists(), err
 
 
 def test_committed_smollm2_draft_vocab():

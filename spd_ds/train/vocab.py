@@ -26,14 +26,22 @@ def count_assistant_tokens(input_ids: Iterable[Sequence[int]], assistant_mask: I
     """Token frequencies ``[vocab_size]`` int64 over assistant positions (``assistant_mask == 1``).
 
     Raises:
-        ValueError: a token id outside ``[0, vocab_size)``.
+        spd_ds.train.data.DataError: an assistant token id outside ``[0, vocab_size)`` (pre-tokenised data made with
+            another tokenizer); the message names the first such id (it named the largest id, even a valid one).
     """
     chosen: list[int] = []
     for ids, mask in zip(input_ids, assistant_mask):
         chosen.extend(t for t, m in zip(ids, mask) if m)
     t = torch.tensor(chosen, dtype=torch.long)
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
-        raise ValueError(f"token id {int(t.max())} outside the vocabulary of {vocab_size}")
+    outside = (t < 0) | (t >= vocab_size)
+    if bool(outside.any()):
+        from spd_ds.train.data import DataError
+
+        n = int(outside.sum())
+        more = f" (and {n - 1} more assistant token{'s' if n > 2 else ''} outside it)" if n > 1 else ""
+        raise DataError(f"token id {int(t[outside][0])} is outside the model's vocabulary of {vocab_size} ids (0 to "
+                        f"{vocab_size - 1}){more}: pre-tokenised data made with another tokenizer? tokenise it with "
+                        "this model's, or give the model it was made for")
     return torch.bincount(t, minlength=vocab_size)
 
 
