@@ -22,12 +22,31 @@ from pathlib import Path
 from spd_ds.train.history import read_train_log
 
 
+def read_summary(run: Path) -> dict:
+    """The run's ``train_summary.json``.
+
+    Raises:
+        FileNotFoundError: the run has none. ValueError: it is not valid JSON or holds no JSON object (a damaged
+            file); the message names the file.
+    """
+    path = run / "train_summary.json"
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError as e:  # json's decode errors, and bytes that are not UTF-8
+        raise ValueError(f"{path} is not valid JSON ({e}); a damaged summary: write it again or leave the run "
+                         "out") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not the object launch/train.py writes; a "
+                         "damaged summary: write it again or leave the run out")
+    return data
+
+
 def report(run: Path) -> dict:
     """Figures of one run directory (``train_log.jsonl``, ``train_summary.json``)."""
     out: dict = {"run": str(run)}
     summ = run / "train_summary.json"
     if summ.exists():
-        s = json.loads(summ.read_text())
+        s = read_summary(run)
         out.update({k: s.get(k) for k in ("steps", "total_steps", "finished", "elapsed_s", "tokens_per_s", "best")})
     log = run / "train_log.jsonl"
     recs = read_train_log(log)
@@ -57,7 +76,7 @@ def tokens_per_step(run: Path) -> int:
         if not (run / f).exists():
             raise FileNotFoundError(f"{run / f} not found: not a training run directory (or one that never saved)")
     cfg = OmegaConf.load(run / "config.yaml")
-    summ = json.loads((run / "train_summary.json").read_text())
+    summ = read_summary(run)
     dp = int(summ.get("world_size", 1)) // max(1, int(summ.get("teacher_pipe_degree", 1)))
     return int(cfg.data.micro_batch_size) * int(cfg.data.max_seq_length) * max(1, dp)
 
@@ -67,9 +86,9 @@ def init_steps(run: Path) -> int:
     unknown history): the token axis counts them at this run's tokens per step.
 
     Raises:
-        FileNotFoundError: no ``train_summary.json`` in ``run``. ValueError: the summary is not valid JSON.
+        FileNotFoundError: no ``train_summary.json`` in ``run``. ValueError: the summary is not a JSON object.
     """
-    return int(json.loads((run / "train_summary.json").read_text()).get("init_steps") or 0)
+    return int(read_summary(run).get("init_steps") or 0)
 
 
 def validation_curve(run: Path, key: str = "val_pred_acceptance") -> list[tuple[float, float]]:
@@ -128,9 +147,9 @@ def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_ac
         if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
             raise ValueError(f"{run}: the validation steps of train_log.jsonl do not ascend")
         points = [p for p in points if p[0] <= base] + pts  # the head it started from saw nothing later
-        end = base + int(json.loads((run / "train_summary.json").read_text())["steps"])
+        end = base + int(read_summary(run)["steps"])
     last = runs[-1]
-    summ = json.loads((last / "train_summary.json").read_text())
+    summ = read_summary(last)
     best = summ.get("best") or {}
     if best.get(key) is None or best.get("step") is None:
         raise ValueError(f"{last}: train_summary.json has no best head with {key} and its step")
@@ -183,19 +202,37 @@ def measured_acceptance(bench_json: Path, num_stages: int, method: str = "spd") 
 
 def num_stages(run: Path) -> int:
     """Pipeline stages of a run (``train_summary.json``'s partition)."""
-    return len(json.loads((run / "train_summary.json").read_text())["partition"]["stage_layers"])
+    return len(read_summary(run)["partition"]["stage_layers"])
+
+
+def _check_png(ap: argparse.ArgumentParser, png: Path) -> None:
+    """Refuse (``ap.error``, one line) a ``--png`` name matplotlib would not write as named: a suffix it has no writer
+    for (a ValueError after the work), or none (it wrote ``name.png`` while the report said ``name``); and a missing
+    matplotlib."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        ap.error("--png needs matplotlib: pip install -e .[eval]")
+    types = FigureCanvasBase.get_supported_filetypes()
+    suffix = png.suffix.lower().removeprefix(".")
+    if suffix not in types:
+        what = f"its suffix .{suffix} is no image type matplotlib writes" if suffix else "it has no suffix"
+        ap.error(f"--png {png}: {what}; give a name ending in .png (or .{', .'.join(sorted(set(types) - {'png'}))})")
 
 
 def main(argv=None) -> int:
     """Print the report line of every run (``--json``: its dict); with ``--png`` also write the plot (its folder is
-    made if missing). Exit status 0; 2 (argparse, one line) for a bad run folder, ``--measured`` or ``--png``."""
+    made if missing). Exit status 0; 2 (argparse, one line) for a bad run folder or ``train_summary.json``,
+    ``--measured`` or ``--png`` (a folder that cannot be made, a suffix matplotlib does not write), or ``--png`` with
+    ``--convergence``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="[LABEL=]RUN",
                     help="a training run's directory; LABEL= names it in the plot, --measured and the report lines "
                          "(default: the directory's name)")
     ap.add_argument("--name", default=None, help="label printed before the figures")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a line")
-    ap.add_argument("--png", type=Path, help="write the predicted-acceptance curves (and --measured points) here")
+    ap.add_argument("--png", type=Path, help="write the predicted-acceptance curves (and --measured points) here: a "
+                                             "name ending in .png (or .svg, .pdf: the type is the suffix's)")
     ap.add_argument("--measured", action="append", default=[], metavar="RUN:STEP:[ppsd:]BENCHMARK_JSON",
                     help="a decoder-measured point: run directory name, the step its head was saved at, and the suite "
                          "(c) benchmark.json that measured it; 'ppsd:' before the file reads the PPSD head's row "
@@ -212,6 +249,17 @@ def main(argv=None) -> int:
                if not ((r / "train_log.jsonl").exists() or (r / "train_summary.json").exists())]
     if missing:
         ap.error(f"not a training run (no train_log.jsonl or train_summary.json): {', '.join(missing)}")
+    if args.convergence and (args.png or args.measured):  # it prints the test alone: a plot asked for was not drawn
+        ap.error("--convergence prints the convergence test alone, without a plot; leave out --png and --measured, "
+                 "or draw the plot in a run without --convergence")
+    if args.png:  # before any work: matplotlib writes by the name's suffix (and adds .png to a name without one)
+        _check_png(ap, args.png)
+    for run in args.runs:  # a damaged summary, before any work: one line naming it (it was a traceback)
+        if (run / "train_summary.json").exists():
+            try:
+                read_summary(run)
+            except (OSError, ValueError) as e:
+                ap.error(str(e))
     if args.convergence:
         try:
             c = convergence(args.runs)

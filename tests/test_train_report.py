@@ -318,3 +318,30 @@ def test_bad_png_path_benchmark_file_or_unsaved_run_is_one_line(tmp_path, capsys
     assert e.value.code == 2 and "config.yaml not found" in capsys.readouterr().err
     png = tmp_path / "new" / "folder" / "acc.png"
     assert tr.main([str(run), "--png", str(png)]) == 0 and png.stat().st_size > 10_000
+
+
+def test_a_png_name_matplotlib_would_not_write_as_named_a_damaged_summary_and_convergence_with_png(tmp_path, capsys):
+    """--png out.txt was a matplotlib ValueError traceback after the work, --png noext said "wrote noext" while
+    matplotlib wrote noext.png, a damaged train_summary.json (not JSON, or a JSON list) was a traceback, and
+    --convergence --png silently drew nothing: each is one argparse line (exit status 2) before any work."""
+    tr = _load()
+    run = _run_dir(tmp_path, "n2")
+    cases = [([str(run), "--png", str(tmp_path / "out.txt")], "its suffix .txt is no image type matplotlib writes; "
+                                                               "give a name ending in .png"),
+             ([str(run), "--png", str(tmp_path / "noext")], "it has no suffix; give a name ending in .png"),
+             ([str(run), "--convergence", "--png", str(tmp_path / "o.png")], "--convergence prints the convergence "
+                                                                             "test alone, without a plot")]
+    for text, what in (("{bad", "is not valid JSON (Expecting property name"), ("[1, 2]", "holds a JSON list")):
+        damaged = tmp_path / f"damaged{len(cases)}"
+        damaged.mkdir()
+        (damaged / "train_summary.json").write_text(text)
+        cases.append(([str(run), str(damaged)], f"{damaged / 'train_summary.json'} {what}"))
+    for argv, said in cases:
+        with pytest.raises(SystemExit) as e:
+            tr.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err.strip().splitlines()[-1], err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == []  # no plot of any name
+    svg = tmp_path / "acc.svg"  # another type matplotlib writes, by its suffix
+    assert tr.main([str(run), "--png", str(svg)]) == 0 and svg.read_text().lstrip().startswith("<?xml")
+    assert f"wrote {svg}" in capsys.readouterr().out
