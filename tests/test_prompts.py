@@ -236,6 +236,9 @@ def test_an_empty_or_gzipped_source_and_a_gzipped_prompt_file(tmp_path, source_d
     assert load_prompts(zipped / "mt_bench" / "question.jsonl") == load_prompts(out / "mt_bench" / "question.jsonl")
     assert mod.main(["mt_bench", "--out-dir", str(tmp_path / "ed2"), "--source-dir", str(zipped)]) == 0
     assert (tmp_path / "ed2" / "mt_bench" / "question.jsonl").read_bytes() == good
+    bom = tmp_path / "bom.jsonl"  # UTF-8 with a byte-order mark (as Notepad saves it): read past
+    bom.write_bytes(b"\xef\xbb\xbf" + good)
+    assert load_prompts(bom) == load_prompts(out / "mt_bench" / "question.jsonl")
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes('{"turns": ["caf\u00e9"]}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match=f"^{latin} is not UTF-8 text .*; save it as UTF-8"):

@@ -168,8 +168,11 @@ def test_a_chat_template_must_be_utf8_jinja_that_renders_the_messages_and_parses
     # what transformers renders: generation tags (over lines too), loop controls, filters it alone defines
     marked = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{%- generation\n-%}{{ m['content'] | tojson }}"
               "{% endgeneration %}{% else %}{% continue %}{% endif %}{% endfor %}")
-    for good in (CHATML, CHATML_MARKED, _SMOLLM2_CHAT_TEMPLATE, marked):
+    plus = marked.replace("{%- generation\n-%}", "{%+ generation +%}").replace("{% endgeneration %}",
+                                                                           "{%+ endgeneration -%}")
+    for good in (CHATML, CHATML_MARKED, _SMOLLM2_CHAT_TEMPLATE, marked, plus):  # + (no lstrip/trim) too
         assert read_chat_template(good) == good
+    assert has_generation_markers(type("Tok", (), {"chat_template": plus})())
     bom = tmp_path / "bom.jinja"
     bom.write_bytes(b"\xef\xbb\xbf" + CHATML.encode())  # UTF-8 with a BOM (Notepad): the BOM is no template text
     assert read_chat_template(str(bom)) == CHATML
@@ -484,6 +487,10 @@ def test_an_interrupted_write_leaves_the_earlier_file_and_a_fifo_is_written_in_p
             assert out.read_bytes() == before
         assert not [f.name for f in tmp_path.iterdir() if ".tmp" in f.name]
     assert gzip.decompress((tmp_path / "out.jsonl.gz").read_bytes()) == (tmp_path / "out.jsonl").read_bytes()
+    private = tmp_path / "out.jsonl"
+    private.chmod(0o600)  # a replaced file keeps its permission bits (a private data file stays private)
+    write_jsonl(records(3), private)
+    assert private.stat().st_mode & 0o777 == 0o600 and private.read_bytes().count(b"\n") == 3
     assert b"tmp" not in (tmp_path / "out.jsonl.gz").read_bytes()[:40]  # the gzip header names the file, as before
     fifo = tmp_path / "pipe.jsonl"
     os.mkfifo(fifo)

@@ -187,8 +187,9 @@ def _is_gzip(path: str | os.PathLike) -> bool:
 
 
 def _open_text(path: str | os.PathLike):
-    """``path`` opened as UTF-8 text, through gzip when it is gzip-compressed (:func:`_is_gzip`)."""
-    return (gzip.open if _is_gzip(path) else open)(path, "rt", encoding="utf-8")
+    """``path`` opened as UTF-8 text (a byte-order mark read past), through gzip when it is gzip-compressed
+    (:func:`_is_gzip`)."""
+    return (gzip.open if _is_gzip(path) else open)(path, "rt", encoding="utf-8-sig")
 
 
 def _write_jsonl(records: list[dict], dest: Path) -> None:

@@ -22,8 +22,8 @@ import dataclasses
 import re
 from typing import Sequence
 
-_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
-_GENERATION_TAGS = re.compile(r"{%-?\s*(end)?generation\s*-?%}")  # both ends: jinja2 alone knows neither
+_GENERATION_TAG = re.compile(r"{%[-+]?\s*generation\s*[-+]?%}")  # whitespace control ({%- {%+ -%} +%}) allowed
+_GENERATION_TAGS = re.compile(r"{%[-+]?\s*(end)?generation\s*[-+]?%}")  # both ends: jinja2 alone knows neither
 
 
 class EmptyMaskError(ValueError):

@@ -30,6 +30,7 @@ import io
 import json
 import logging
 import os
+import stat
 import zlib
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -501,22 +502,25 @@ def write_jsonl(records: Iterable[dict], path: str | os.PathLike, gzipped: bool 
 @contextlib.contextmanager
 def replaced_when_done(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside ``path`` to write instead: it replaces ``path`` (``os.replace``, atomic) when the block
-    ends, and is removed when it raises (``KeyboardInterrupt`` too), leaving ``path`` as it was. A ``path`` that exists
-    and is no regular file (a FIFO, ``/dev/stdout``) is yielded itself: written in place. A link is replaced at its
-    target.
+    ends, and is removed when it raises (``KeyboardInterrupt`` too), leaving ``path`` as it was; a replaced file keeps
+    its permission bits. A ``path`` that exists and is no regular file (a FIFO, ``/dev/stdout``), or an existing file
+    in a folder this process cannot write, is yielded itself: written in place. A link is replaced at its target.
 
     Yields:
         The path to write (``.<name>.tmp-<pid>`` in ``path``'s folder, or ``path`` itself).
     """
     path = Path(path)
-    if path.exists() and not path.is_file():
-        yield path
-        return
     if path.is_symlink():
         path = Path(os.path.realpath(path))
+    if path.exists() and (not path.is_file() or not os.access(path.parent, os.W_OK)):
+        yield path
+        return
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        if mode is not None:  # a private file stays private (a new file's bits come from the umask)
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
