@@ -80,6 +80,7 @@ def make_chats(path: Path, n: int = 200, seed: int = 0, sharegpt: bool = False) 
 def test_a_data_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
     """A data file without read permission (or otherwise unopenable) was a PermissionError traceback; now a
     DataError naming it (simulated: tests often run as root, who reads every file)."""
+    from spd_ds import files as files_mod
     from spd_ds.train import data as data_mod
 
     f = make_chats(tmp_path / "chats.jsonl", 3)
@@ -87,7 +88,8 @@ def test_a_data_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
     def refused(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(data_mod, "open", refused, raising=False)  # the module's open, before the builtin
+    for mod in (data_mod, files_mod):  # the modules' open, before the builtin (files.is_gzip opens it first)
+        monkeypatch.setattr(mod, "open", refused, raising=False)
     with pytest.raises(DataError, match=f"^data file {f} cannot be read \\(PermissionError: Permission denied\\); "
                                         "make it readable or leave it out of data.train_files$"):
         load_records([str(f)])

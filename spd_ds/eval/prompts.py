@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spd_ds.cli import one_line
+from spd_ds.files import is_gzip, replaced_when_done
 from spd_ds.zoo import RegistryFile, RegistryUnavailableError, fetch_registry_file
 
 __all__ = [
@@ -180,25 +181,17 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
     return records
 
 
-def _is_gzip(path: str | os.PathLike) -> bool:
-    """The file starts with gzip's magic bytes (read as gzip whatever its name, as the training data reader does)."""
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
-
-
 def _open_text(path: str | os.PathLike):
     """``path`` opened as UTF-8 text (a byte-order mark read past), through gzip when it is gzip-compressed
-    (:func:`_is_gzip`)."""
-    return (gzip.open if _is_gzip(path) else open)(path, "rt", encoding="utf-8-sig")
+    (:func:`spd_ds.files.is_gzip`)."""
+    return (gzip.open if is_gzip(path) else open)(path, "rt", encoding="utf-8-sig")
 
 
 def _write_jsonl(records: list[dict], dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replaced_when_done(dest) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for rec in records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    os.replace(tmp, dest)
 
 
 def _source_advice(name: str) -> str:
@@ -349,13 +342,12 @@ def materialize_prompt_set(
         if src.resolve() != dest.resolve():
             try:
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-                if _is_gzip(src):  # written as the plain jsonl the eval-data folder holds
-                    with gzip.open(src) as fin, open(tmp, "wb") as fout:
-                        shutil.copyfileobj(fin, fout)
-                else:
-                    shutil.copyfile(src, tmp)
-                os.replace(tmp, dest)
+                with replaced_when_done(dest) as tmp:
+                    if is_gzip(src):  # written as the plain jsonl the eval-data folder holds
+                        with gzip.open(src) as fin, open(tmp, "wb") as fout:
+                            shutil.copyfileobj(fin, fout)
+                    else:
+                        shutil.copyfile(src, tmp)
             except OSError as e:
                 raise _unwritable(canon, dest, e) from None
         return dest

@@ -30,12 +30,12 @@ import io
 import json
 import logging
 import os
-import stat
 import zlib
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 
+from spd_ds.files import is_gzip, replaced_when_done
 from spd_ds.train.chat import EmptyMaskError, encode_conversation, valid_positions
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,7 @@ def iter_json_records(path: str | os.PathLike) -> Iterator[dict]:
     """
     path = Path(path)
     try:
-        with open(path, "rb") as fh:
-            gzipped = fh.read(2) == b"\x1f\x8b"
+        gzipped = is_gzip(path)
     except OSError as e:  # no read permission, a directory named like a data file, ...: not a traceback
         raise DataError(f"data file {path} cannot be read ({type(e).__name__}: {e.strerror or e}); make it readable "
                         "or leave it out of data.train_files") from None
@@ -472,7 +471,7 @@ def tokenize_records(records: Sequence[dict], tokenizer, max_length: int, min_le
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike, gzipped: bool | None = None) -> int:
     """Write records as UTF-8 JSON lines, one object a line, in deterministic bytes (no gzip timestamp); makes the
     folder. The readers here (:func:`iter_json_records`) take either form. The lines go to a temporary file beside
-    ``path`` that replaces it at the end (:func:`replaced_when_done`): an interrupted write (every line whole) left a
+    ``path`` that replaces it at the end (:func:`spd_ds.files.replaced_when_done`): an interrupted write (every line whole) left a
     shorter file that read as complete, and the earlier file at ``path`` was already gone.
 
     Args:
@@ -499,35 +498,6 @@ def write_jsonl(records: Iterable[dict], path: str | os.PathLike, gzipped: bool 
     return n
 
 
-@contextlib.contextmanager
-def replaced_when_done(path: str | os.PathLike) -> Iterator[Path]:
-    """A temporary path beside ``path`` to write instead: it replaces ``path`` (``os.replace``, atomic) when the block
-    ends, and is removed when it raises (``KeyboardInterrupt`` too), leaving ``path`` as it was; a replaced file keeps
-    its permission bits. A ``path`` that exists and is no regular file (a FIFO, ``/dev/stdout``), or an existing file
-    in a folder this process cannot write, is yielded itself: written in place. A link is replaced at its target.
-
-    Yields:
-        The path to write (``.<name>.tmp-<pid>`` in ``path``'s folder, or ``path`` itself).
-    """
-    path = Path(path)
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
-    if path.exists() and (not path.is_file() or not os.access(path.parent, os.W_OK)):
-        yield path
-        return
-    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        if mode is not None:  # a private file stays private (a new file's bits come from the umask)
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-
-
 def write_jsonl_gz(records: Iterable[dict], path: str | os.PathLike) -> int:
-    """:func:`write_jsonl`, gzipped whatever the file's name (the training loop's ``.tmp`` files); returns the count."""
+    """:func:`write_jsonl`, gzipped whatever the file's name; returns the count."""
     return write_jsonl(records, path, gzipped=True)

@@ -37,8 +37,8 @@ from spd_ds.models.masks import check_stage_attention
 from spd_ds.train.chat import EmptyMaskError, set_chat_template
 from spd_ds.train.batching import BatchPlanner, batches_on_device
 from spd_ds.train.ds_config import load_ds_config
-from spd_ds.train.data import (check_selfdistill_target, check_sources, load_records, replaced_when_done,
-                              tokenize_records)
+from spd_ds.files import replaced_when_done
+from spd_ds.train.data import check_selfdistill_target, check_sources, load_records, tokenize_records
 from spd_ds.train.loss import kd_loss_chunked, position_weights, top1_agreement
 from spd_ds.train.preflight import (check_autocast, check_pipe_degree, check_target_settings, check_train_settings,
                                    resume_note, training_device_type)
@@ -560,8 +560,7 @@ def _regenerate_shared(cfg: ExperimentConfig, records, tokenizer, arch, out_dir:
                                   max_prompt_tokens=dc.regenerate_max_prompt_tokens,
                                   device=device, dtype=resolve_dtype(cfg.model.dtype), seed=cfg.train.seed + rank,
                                   eos_token_ids=eos, progress=rank == 0)
-        write_jsonl_gz(recs, str(mine) + ".tmp")
-        os.replace(str(mine) + ".tmp", mine)
+        write_jsonl_gz(recs, mine)  # whole or not there (written beside, renamed at the end)
     dist.barrier()
     out = []
     for r in range(world):
