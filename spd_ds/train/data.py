@@ -471,8 +471,8 @@ def tokenize_records(records: Sequence[dict], tokenizer, max_length: int, min_le
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike, gzipped: bool | None = None) -> int:
     """Write records as UTF-8 JSON lines, one object a line, in deterministic bytes (no gzip timestamp); makes the
     folder. The readers here (:func:`iter_json_records`) take either form. The lines go to a temporary file beside
-    ``path`` that replaces it at the end (:func:`spd_ds.files.replaced_when_done`): an interrupted write (every line whole) left a
-    shorter file that read as complete, and the earlier file at ``path`` was already gone.
+    ``path`` that replaces it at the end (:func:`spd_ds.files.replaced_when_done`): an interrupted write (every line
+    whole) left a shorter file that read as complete, and the earlier file at ``path`` was already gone.
 
     Args:
         records: JSON-serialisable dicts, written in order.
