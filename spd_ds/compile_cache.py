@@ -14,6 +14,8 @@ import logging
 import os
 from pathlib import Path
 
+from spd_ds.files import replaced_when_done
+
 log = logging.getLogger(__name__)
 
 
@@ -46,8 +48,9 @@ def load_compile_cache(path: str | os.PathLike | None) -> int:
 def check_compile_cache_path(path: str | os.PathLike, what: str) -> None:
     """Check at a run's start that :func:`save_compile_cache` can write ``path`` at its end: an output file
     (:func:`spd_ds.cli.check_output_file`; a new folder is made) whose folder takes new files even when the file
-    exists (the file is replaced through a temporary file beside it, so a writable file in a folder that is not
-    writable was refused only at the end: '0 bytes saved', the run's kernels lost).
+    exists (the file is replaced through a temporary file beside it, whole or not there, which needs a folder that
+    takes new files; a writable file in a folder that took none was refused only at the end: '0 bytes saved', the
+    run's kernels lost).
 
     Args:
         path: the cache file; what: how the user named it (``train.compile_cache``, ``--compile-cache``).
@@ -61,9 +64,10 @@ def check_compile_cache_path(path: str | os.PathLike, what: str) -> None:
 
 
 def save_compile_cache(path: str | os.PathLike | None) -> int:
-    """Write every cache artifact this process compiled or loaded so far to ``path`` (atomically: a temporary file
-    renamed over it, so concurrent writers leave one whole file). Loaded entries this process never used are not
-    kept, so a shorter run (one that never validated, say) writes a smaller file.
+    """Write every cache artifact this process compiled or loaded so far to ``path`` (atomically, through
+    :func:`spd_ds.files.replaced_when_done`: a temporary file renamed over it, so concurrent writers leave one whole
+    file; a replaced file keeps its permission bits). Loaded entries this process never used are not kept, so a
+    shorter run (one that never validated, say) writes a smaller file.
 
     Args:
         path: destination file (parent directories are made); ``None``: nothing is written.
@@ -82,14 +86,12 @@ def save_compile_cache(path: str | os.PathLike | None) -> int:
     if not out or not out[0]:
         return 0
     dest = Path(path)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(out[0])
-        os.replace(tmp, dest)
+        with replaced_when_done(dest) as tmp:  # the temporary file is removed on any error, Ctrl-C too
+            tmp.write_bytes(out[0])
     except OSError as e:  # a full or read-only disk, a directory in the way: the run itself has finished
         log.warning("compile cache not saved to %s (%s)", dest, e)
-        tmp.unlink(missing_ok=True)
         return 0
     log.info("compile cache: %d bytes -> %s", len(out[0]), dest)
     return len(out[0])

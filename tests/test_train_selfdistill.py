@@ -361,6 +361,52 @@ def test_shard_round_trip_exact(tmp_path):
         sd.read_shard(tmp_path / "other.npz")
 
 
+def test_shards_and_manifest_are_whole_or_not_there(tmp_path, monkeypatch):
+    """Shards and manifest.json go through spd_ds.files.replaced_when_done: an interrupted write (Ctrl-C while a shard
+    is compressed, a full disk while the manifest is written) left its temporary file ('shard-...npz.tmp',
+    'manifest.json.tmp') in the output directory; now nothing is left and the earlier files stay as they were. A
+    manifest made private (0600) stays private when it is rewritten (it became 0644). A shard is still an .npz of its
+    own name (np.savez_compressed gets a file object: given the temporary name it would have appended '.npz')."""
+    import pathlib
+
+    from spd_ds.train.selfdistill.storage import _Store
+
+    out = tmp_path / "sd"
+    store = _Store(out, {"format": "x"}, np.dtype(np.uint16), sd.SelfDistillConfig(), log=lambda msg: None)
+    store.add(sd.Item("c0", 0, 1, np.arange(5), 2, 0))
+    store.flush()
+    assert sorted(f.name for f in out.iterdir()) == ["manifest.json", "shard-r01-00001.npz"]
+    (out / "manifest.json").chmod(0o600)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    store.add(sd.Item("c1", 0, 1, np.arange(7), 3, 0))
+    with monkeypatch.context() as m:
+        m.setattr(np, "savez_compressed", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            store.flush()
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+    real_write_text = pathlib.Path.write_text
+
+    def disk_full(self, text, *a, **kw):
+        real_write_text(self, text[:10], *a, **kw)
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "write_text", disk_full)
+        with pytest.raises(OSError, match="No space"):
+            store.write_manifest()
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    store.flush()
+    assert len(sd.shard_files(out)) == 2 and not [f.name for f in out.iterdir() if ".tmp" in f.name]
+    assert (out / "manifest.json").stat().st_mode & 0o777 == 0o600
+    assert json.loads((out / "manifest.json").read_text())["counts"]["items"] == 2
+    assert [it.uid for f in sd.shard_files(out) for it in sd.read_items(f)] == ["c0", "c1"]
+
+
 def test_manifest_and_data_files_accept_the_directory(loaded, reference_run):
     _, tok = loaded
     out, run, recs = reference_run

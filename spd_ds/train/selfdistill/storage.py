@@ -15,6 +15,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from spd_ds.files import replaced_when_done
 from spd_ds.train.selfdistill.config import (
     FINISH_EOS, FINISH_LENGTH, FORMAT, MANIFEST, SHARD_PREFIX, SelfDistillConfig, SelfDistillError,
 )
@@ -43,7 +44,8 @@ def id_dtype_for(vocab_size: int) -> np.dtype:
 
 
 def write_shard(path: str | os.PathLike, items: Sequence[Item], id_dtype: np.dtype) -> dict:
-    """Write ``items`` as one compressed ``.npz`` shard (atomically: temp file + rename); returns its stats.
+    """Write ``items`` as one compressed ``.npz`` shard (whole or not there: :func:`spd_ds.files.replaced_when_done`,
+    its temporary file removed on any error); returns its stats.
 
     Raises:
         SelfDistillError: a token id does not fit ``id_dtype``.
@@ -63,10 +65,9 @@ def write_shard(path: str | os.PathLike, items: Sequence[Item], id_dtype: np.dty
         round=np.array([it.round for it in items], dtype=np.int16),
         finish=np.array([it.finish for it in items], dtype=np.int8),
     )
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
+    # a file object, not the temporary path: np.savez_compressed appends ".npz" to a name without it
+    with replaced_when_done(path) as tmp, open(tmp, "wb") as fh:
         np.savez_compressed(fh, **arrays)
-    os.replace(tmp, path)
     return shard_stats(path.name, arrays, path.stat().st_size)
 
 
@@ -258,6 +259,5 @@ class _Store:
         if run is not None:
             m["runs"] = m["runs"] + [run]
             self.manifest["runs"] = m["runs"]
-        tmp = self.dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(m, indent=1) + "\n")
-        os.replace(tmp, self.dir / MANIFEST)
+        with replaced_when_done(self.dir / MANIFEST) as tmp:
+            tmp.write_text(json.dumps(m, indent=1) + "\n")
