@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from spd_ds.cli import one_line
 from spd_ds.train.history import read_train_log
 
 
@@ -41,21 +42,100 @@ def read_summary(run: Path) -> dict:
     return data
 
 
+NUMBERS = ("tokens_per_s", "val_pred_acceptance", "val_pred_acceptance_noloop")  # figures the report computes with
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_log(run: Path) -> list[dict]:
+    """The records of the run's ``train_log.jsonl`` (:func:`spd_ds.train.history.read_train_log`: a line that does
+    not decode, the last one cut short by a crash say, is left out; ``[]`` when the run has no log), checked for what
+    the report computes with: a whole-number ``step`` in every record, and a number (or null, or nothing) for
+    ``tokens_per_s`` and the predicted acceptance (:data:`NUMBERS`).
+
+    Raises:
+        ValueError: the file cannot be read (a folder, no permission), or a record has no whole-number step or a
+            figure of :data:`NUMBERS` that is no number; one line naming the file (and the record's step).
+    """
+    path = run / "train_log.jsonl"
+    try:
+        recs = read_train_log(path)
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read ({e.strerror or e}); give a run whose train_log.jsonl is a readable "
+                         "file, or leave the run out") from None
+    for r in recs:
+        step = r.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            why = f"a record whose step is {step!r}, not a whole number" if "step" in r else "a record without a step"
+        elif any(r.get(k) is not None and not _is_number(r[k]) for k in NUMBERS):
+            k = next(k for k in NUMBERS if r.get(k) is not None and not _is_number(r[k]))
+            why = f"a record of step {step} whose {k} is {r[k]!r}, not a number"
+        else:
+            continue
+        raise ValueError(f"{path} holds {why}; a damaged log: mend or delete that line, or leave the run out")
+    return recs
+
+
+def read_data_settings(run: Path) -> tuple[int, int]:
+    """``data.micro_batch_size`` and ``data.max_seq_length`` of the run's ``config.yaml`` (what launch/train.py
+    wrote there).
+
+    Raises:
+        FileNotFoundError: the run has no ``config.yaml`` (a run that never saved).
+        ValueError: the file cannot be read, is not UTF-8 or not YAML, or lacks either setting as a whole number
+            > 0 (a damaged file); one line naming the file.
+    """
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = run / "config.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: not a training run directory (or one that never saved)")
+    advice = "a damaged config: restore the run's settings in it or leave the run out"
+    keys = ("data.micro_batch_size", "data.max_seq_length")
+    try:
+        cfg = OmegaConf.load(path)
+        values = [OmegaConf.select(cfg, k) for k in keys] if isinstance(cfg, DictConfig) else [None, None]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                         f"{advice}") from None
+    except yaml.MarkedYAMLError as e:
+        where = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
+        raise ValueError(f"{path} is not valid YAML ({e.problem or e.context}{where}); {advice}") from None
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ValueError(f"{path} cannot be read as the run's settings ({one_line(e, 200)}); {advice}") from None
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read ({e.strerror or e}); {advice}") from None
+    bad = [f"{k} ({'missing' if v is None else repr(v)})" for k, v in zip(keys, values)
+           if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    if bad:
+        raise ValueError(f"{path} gives no whole number > 0 for {', '.join(bad)}; {advice}")
+    return values[0], values[1]
+
+
 def report(run: Path) -> dict:
-    """Figures of one run directory (``train_log.jsonl``, ``train_summary.json``)."""
+    """Figures of one run directory (``train_log.jsonl``, ``train_summary.json``).
+
+    Raises:
+        ValueError: a damaged ``train_summary.json`` (:func:`read_summary`) or ``train_log.jsonl`` (:func:`read_log`).
+    """
     out: dict = {"run": str(run)}
     summ = run / "train_summary.json"
     if summ.exists():
         s = read_summary(run)
         out.update({k: s.get(k) for k in ("steps", "total_steps", "finished", "elapsed_s", "tokens_per_s", "best")})
-    log = run / "train_log.jsonl"
-    recs = read_train_log(log)
+    recs = read_log(run)
     train = [r for r in recs if "loss" in r]
     if train:
         last = train[-1]
         out["last"] = {k: last.get(k) for k in ("step", "loss", "top1_agreement", "agreement_by_fill", "lr")}
-        rates = [r["tokens_per_s"] for r in train[1:]] or [train[0]["tokens_per_s"]]
-        out["median_tokens_per_s"] = sorted(rates)[len(rates) // 2]
+        rates = [r["tokens_per_s"] for r in train[1:] if r.get("tokens_per_s") is not None] or \
+            [r["tokens_per_s"] for r in train[:1] if r.get("tokens_per_s") is not None]
+        if rates:
+            out["median_tokens_per_s"] = sorted(rates)[len(rates) // 2]
     vals = [r for r in recs if any(k.startswith("val_") for k in r)]
     if vals:
         out["val_last"] = {k: v for k, v in vals[-1].items() if k.startswith("val_") or k == "step"}
@@ -69,16 +149,15 @@ def tokens_per_step(run: Path) -> int:
 
     Raises:
         FileNotFoundError: the run has no ``config.yaml`` or no ``train_summary.json`` yet.
+        ValueError: either file is damaged (:func:`read_data_settings`, :func:`read_summary`).
     """
-    from omegaconf import OmegaConf
-
     for f in ("config.yaml", "train_summary.json"):
         if not (run / f).exists():
             raise FileNotFoundError(f"{run / f} not found: not a training run directory (or one that never saved)")
-    cfg = OmegaConf.load(run / "config.yaml")
+    micro_batch_size, max_seq_length = read_data_settings(run)
     summ = read_summary(run)
     dp = int(summ.get("world_size", 1)) // max(1, int(summ.get("teacher_pipe_degree", 1)))
-    return int(cfg.data.micro_batch_size) * int(cfg.data.max_seq_length) * max(1, dp)
+    return micro_batch_size * max_seq_length * max(1, dp)
 
 
 def init_steps(run: Path) -> int:
@@ -94,9 +173,13 @@ def init_steps(run: Path) -> int:
 def validation_curve(run: Path, key: str = "val_pred_acceptance") -> list[tuple[float, float]]:
     """``(training tokens, predicted T = 0 draft acceptance)`` at every validation of the run (``train_log.jsonl``)
     that logged ``key`` (``val_pred_acceptance_noloop``: outside loops; runs before that figure have none); a run
-    started from a trained head (``head.checkpoint``) counts that head's steps too (:func:`init_steps`)."""
+    started from a trained head (``head.checkpoint``) counts that head's steps too (:func:`init_steps`).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`tokens_per_step`; ValueError: a damaged log (:func:`read_log`).
+    """
     per, base = tokens_per_step(run), init_steps(run)
-    recs = read_train_log(run / "train_log.jsonl")
+    recs = read_log(run)
     return [((base + r["step"]) * per, r[key]) for r in recs if r.get(key) is not None]
 
 
@@ -140,7 +223,7 @@ def convergence(runs: list[Path], fraction: float = 0.2, key: str = "val_pred_ac
         if i and not 0 < base <= end:
             raise ValueError(f"{run}: init_steps {base} is not within the {end} steps of the runs before it; give "
                              "one head's runs in training order, each warm-started from the one before")
-        recs = read_train_log(run / "train_log.jsonl")
+        recs = read_log(run)
         pts = [(base + r["step"], r[key]) for r in recs if r.get(key) is not None]
         if not pts:
             raise ValueError(f"{run}: no validation logged {key}; train with train.eval_every > 0")
@@ -222,9 +305,9 @@ def _check_png(ap: argparse.ArgumentParser, png: Path) -> None:
 
 def main(argv=None) -> int:
     """Print the report line of every run (``--json``: its dict); with ``--png`` also write the plot (its folder is
-    made if missing). Exit status 0; 2 (argparse, one line) for a bad run folder or ``train_summary.json``,
-    ``--measured`` or ``--png`` (a folder that cannot be made, a suffix matplotlib does not write), or ``--png`` with
-    ``--convergence``."""
+    made if missing). Exit status 0; 2 (argparse, one line) for a bad run folder, a damaged ``train_summary.json``,
+    ``train_log.jsonl`` or (with ``--png``) ``config.yaml``, a bad ``--measured`` or ``--png`` (a folder that cannot
+    be made, a suffix matplotlib does not write), or ``--png`` with ``--convergence``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="[LABEL=]RUN",
                     help="a training run's directory; LABEL= names it in the plot, --measured and the report lines "
@@ -254,12 +337,15 @@ def main(argv=None) -> int:
                  "or draw the plot in a run without --convergence")
     if args.png:  # before any work: matplotlib writes by the name's suffix (and adds .png to a name without one)
         _check_png(ap, args.png)
-    for run in args.runs:  # a damaged summary, before any work: one line naming it (it was a traceback)
-        if (run / "train_summary.json").exists():
-            try:
+    for run in args.runs:  # a damaged summary, log or config, before any work: one line naming it (was a traceback)
+        try:
+            if (run / "train_summary.json").exists():
                 read_summary(run)
-            except (OSError, ValueError) as e:
-                ap.error(str(e))
+            read_log(run)
+            if args.png and (run / "config.yaml").exists():  # only the plot's token axis reads it
+                read_data_settings(run)
+        except (OSError, ValueError) as e:
+            ap.error(str(e))
     if args.convergence:
         try:
             c = convergence(args.runs)

@@ -345,3 +345,65 @@ def test_a_png_name_matplotlib_would_not_write_as_named_a_damaged_summary_and_co
     svg = tmp_path / "acc.svg"  # another type matplotlib writes, by its suffix
     assert tr.main([str(run), "--png", str(svg)]) == 0 and svg.read_text().lstrip().startswith("<?xml")
     assert f"wrote {svg}" in capsys.readouterr().out
+
+
+def test_a_damaged_config_or_log_is_one_line_naming_the_file(tmp_path, capsys):
+    """A damaged config.yaml (not YAML, not UTF-8, a YAML list, an empty file, a setting that is no whole number) or
+    train_log.jsonl (a record without tokens_per_s, a step that is no number, a folder at its name) was a traceback
+    (yaml's ScannerError, omegaconf's ConfigAttributeError, KeyError, TypeError, IsADirectoryError) or a line that
+    did not name the file ('utf-8' codec can't decode...); each is now one argparse line (exit status 2) naming the
+    file and what to change, like a damaged train_summary.json, before any work. config.yaml is read only for the
+    plot's token axis; a log line that does not decode (cut by a crash, or not UTF-8) is still left out."""
+    tr = _load()
+    bench = _bench(tmp_path, 0.35)
+    advice = "a damaged config: restore the run's settings in it or leave the run out"
+    configs = {b"data: [unclosed\n  micro_batch_size: 4\n": "is not valid YAML (did not find expected ',' or ']' at "
+                                                            "line 2, column 19)",
+               b"data:\n  micro_batch_size: 4\xff\n  max_seq_length: 512\n": "is not UTF-8 text (byte 0xff at offset "
+                                                                          "27)",
+               b"- 1\n- 2\n": "gives no whole number > 0 for data.micro_batch_size (missing), data.max_seq_length "
+                              "(missing)",
+               b"": "gives no whole number > 0 for data.micro_batch_size (missing)",
+               b"data:\n  micro_batch_size: four\n  max_seq_length: 512\n": "gives no whole number > 0 for "
+                                                                          "data.micro_batch_size ('four')"}
+    cases = []
+    for i, (text, what) in enumerate(configs.items()):
+        run = _run_dir(tmp_path, f"c{i}")
+        (run / "config.yaml").write_bytes(text)
+        assert tr.main([str(run)]) == 0  # the report line alone does not read it
+        capsys.readouterr()
+        for extra in (["--png", str(tmp_path / "a.png")], ["--png", str(tmp_path / "a.png"), "--measured",
+                                                          f"c{i}:300:{bench}"]):
+            cases.append(([str(run), *extra], f"{run / 'config.yaml'} {what}", advice))
+    logs = {'{"step": 100, "loss": 3.0, "tokens_per_s": "fast"}\n': "holds a record of step 100 whose "
+                                                                     "tokens_per_s is 'fast', not a number",
+            '{"step": "x", "loss": 3.0, "tokens_per_s": 1.0}\n': "holds a record whose step is 'x', not a whole "
+                                                                  "number",
+            '{"step": 100, "val_pred_acceptance": "0.3"}\n': "holds a record of step 100 whose val_pred_acceptance "
+                                                             "is '0.3', not a number",
+            None: "cannot be read (Is a directory)"}
+    for i, (text, what) in enumerate(logs.items()):
+        run = _run_dir(tmp_path, f"l{i}")
+        log = run / "train_log.jsonl"
+        if text is None:
+            log.unlink()
+            log.mkdir()
+        else:
+            log.write_text(log.read_text() + text)
+        why = "a damaged log: mend or delete that line, or leave the run out" if text else "or leave the run out"
+        for extra in ([], ["--json"], ["--convergence"], ["--png", str(tmp_path / "a.png")]):
+            cases.append(([str(run), *extra], f"{log} {what}", why))
+    for argv, said, why in cases:
+        with pytest.raises(SystemExit) as e:
+            tr.main(argv)
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert e.value.code == 2 and "Traceback" not in err and said in last and last.endswith(why), (argv, err)
+    assert not (tmp_path / "a.png").exists()
+    run = _run_dir(tmp_path, "skipped")
+    with open(run / "train_log.jsonl", "ab") as fh:
+        fh.write(b'{"step": 400, "loss": 1.0, "tokens_per_s": \xff\xfe}\n{"step": 500, "lo')
+    assert tr.main([str(run)]) == 0 and "skipped: steps 300/300 finished=True median 1,100 tok/s, loss 1.5" in \
+        capsys.readouterr().out
+    (run / "train_log.jsonl").write_text('{"step": 100, "loss": 3.0}\n')  # no rate (a KeyError): none reported
+    assert tr.main([str(run)]) == 0 and "median 0 tok/s, loss 3.0" in capsys.readouterr().out
