@@ -210,6 +210,32 @@ def test_prepare_eval_data_cli(tmp_path, source_dir, capsys):
     assert "mt_bench: FAILED" in capsys.readouterr().err and (out / "humaneval" / "question.jsonl").exists()
 
 
+def test_prepare_eval_data_goes_through_run_cli(tmp_path, source_dir, monkeypatch):
+    """prepare_eval_data was the one program without spd_ds.cli.run_cli: Ctrl-C while a set was fetched printed
+    KeyboardInterrupt's traceback, and --out-dir=~/ed (which the shell leaves as it is) wrote into a folder named '~'.
+    Now Ctrl-C is one line and the process ends by SIGINT, as the other programs, and ~ is the home folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from spd_ds import cli
+    from spd_ds.commands import prepare_eval_data as mod
+
+    code = ("import sys\nfrom spd_ds.commands import prepare_eval_data as mod\n"
+            "def fetch(*a, **k):\n    raise KeyboardInterrupt\n"
+            "mod.materialize_prompt_set = fetch\nmod.main(sys.argv[1:])\nprint('not reached')")
+    env = {k: v for k, v in os.environ.items() if k not in (cli.DEBUG_ENV, "RANK", "WORLD_SIZE")}
+    r = subprocess.run([sys.executable, "-c", code, "mt_bench", "--out-dir", str(tmp_path / "ed"), "--source-dir",
+                        str(source_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGINT, (r.returncode, r.stderr)
+    assert r.stderr == "error: interrupted\n" and "not reached" not in r.stdout
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert mod.main(["mt_bench", "--out-dir=~/ed", f"--source-dir={source_dir}"]) == 0
+    assert (tmp_path / "home" / "ed" / "mt_bench" / "question.jsonl").is_file() and not (tmp_path / "~").exists()
+
+
 def test_an_empty_or_gzipped_source_and_a_gzipped_prompt_file(tmp_path, source_dir, capsys):
     """An empty --source-dir file was copied over a good set (then reported as the kept file's fault, "leave out
     --keep", which was never given): it is refused by its own name, the set as it was. A gzip-compressed prompt file

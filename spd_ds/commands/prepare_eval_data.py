@@ -6,7 +6,8 @@ Examples::
     python launch/prepare_eval_data.py mt_bench humaneval    # only these
     python launch/prepare_eval_data.py --source-dir /data/eval_data   # copy prepared files instead
 
-Exit status 1 if any requested set could not be materialised (the others are still written).
+Exit status 1 if any requested set could not be materialised (the others are still written); 2 after a bad
+argument (one line). Ctrl-C is one line, no traceback (``spd_ds.cli.run_cli``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,22 @@ import argparse
 import sys
 
 
-from spd_ds.eval.prompts import PROMPT_SETS, canonical_name, materialize_prompt_set, read_jsonl_prompts
+from spd_ds.eval.prompts import (PROMPT_SETS, PromptSetUnavailableError, canonical_name, materialize_prompt_set,
+                                 read_jsonl_prompts)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Materialise the prompt sets (module docstring). Exit status 0; 1 when a set failed (reported, the others
-    go on)."""
+    """Materialise the prompt sets (module docstring) through :func:`spd_ds.cli.run_cli`, as the other programs:
+    Ctrl-C and a closed stdout (``| head``) end quietly, ``--out-dir=~/x`` is expanded as the shell expands
+    ``--out-dir ~/x``. Exit status 0; 1 when a set failed (reported in one line, the others go on); 2 after a bad
+    argument (one line)."""
+    from spd_ds.cli import data_user_errors, run_cli
+
+    return run_cli(_main, argv, user_errors=lambda: data_user_errors(PromptSetUnavailableError),
+                   prog="prepare_eval_data")
+
+
+def _main(argv: list[str] | None = None) -> int:
     from spd_ds.cli import add_version_argument
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
