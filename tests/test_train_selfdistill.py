@@ -653,3 +653,32 @@ def test_smollm2_two_turns(smollm2_dir, tmp_path):
     assert ans1 == greedy(a1.tokens[: a1.prompt_len].tolist())
     assert a2.tokens[a2.prompt_len:].tolist() == greedy(ctx)
     shutil.rmtree(tmp_path / "sd")
+
+
+def test_a_resume_with_more_samples_or_other_data_keeps_the_earlier_runs_in_the_manifest(tmp_path):
+    """A resumed run with more --samples or another --data adds answers to the shards already there; manifest.json
+    described only the latest run (its 'variants' and 'source'), so a directory holding variants 0-2 from two sources
+    claimed one sample of one source. Now 'variants.samples' is the largest of the runs' and 'source' lists every
+    run's sources, first seen first."""
+    from spd_ds.train.selfdistill.storage import _Store
+
+    out = tmp_path / "sd"
+    quiet = dict(id_dtype=np.dtype(np.uint16), cfg=sd.SelfDistillConfig(), log=lambda msg: None)
+    first = {"format": "x", "variants": {"greedy": 1, "samples": 2}, "source": ["a.jsonl"], "num_conversations": 5}
+    store = _Store(out, first, **quiet)
+    store.add(sd.Item("c0", 2, 1, np.arange(5), 2, 0))
+    store.flush()
+    second = {"format": "x", "variants": {"greedy": 1, "samples": 1}, "source": ["b.jsonl", "a.jsonl"],
+              "num_conversations": 9}
+    store = _Store(out, second, **quiet)
+    store.add(sd.Item("c9", 1, 1, np.arange(4), 2, 0))
+    store.flush()
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["variants"] == {"greedy": 1, "samples": 2}
+    assert man["source"] == ["a.jsonl", "b.jsonl"]
+    assert {it.variant for f in sd.shard_files(out) for it in sd.read_items(f)} == {1, 2}
+    third = dict(second, variants={"greedy": 1, "samples": 4}, source=["c.jsonl"])
+    store = _Store(out, third, **quiet)
+    store.write_manifest()
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["variants"]["samples"] == 4 and man["source"] == ["a.jsonl", "b.jsonl", "c.jsonl"]

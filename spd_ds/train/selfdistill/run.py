@@ -96,7 +96,9 @@ def run_selfdistill(convs: Sequence[PromptConversation], model_dir: str | os.Pat
            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__,
            "attention": getattr(model.config, "_attn_implementation", None),
-           "settings": {k: v for k, v in dataclasses.asdict(cfg).items()}, "resumed_answers": store.resumed}
+           "settings": {k: v for k, v in dataclasses.asdict(cfg).items()}, "resumed_answers": store.resumed,
+           # this run's own sources (the manifest's "source" lists every run's: storage._whole_directory)
+           "source": base["source"], "num_conversations": base["num_conversations"]}
     per_round: dict[int, dict] = {}
     new_answers = new_tokens = 0
     stopped = False

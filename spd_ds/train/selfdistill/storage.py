@@ -188,6 +188,20 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
         return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
 
 
+def _whole_directory(old: dict, new: dict) -> dict:
+    """The manifest fields that describe every run's answers in the directory, not only the latest run's: a resume
+    with more ``--samples`` or other ``--data`` adds variants and conversations to the ones already in the shards, so
+    ``variants.samples`` is the largest of the runs' and ``source`` every run's sources (first seen first);
+    ``num_conversations`` is the latest run's source count, recorded with its run (``runs[-1]``)."""
+    out = {}
+    if "variants" in new and isinstance(old.get("variants"), dict):
+        out["variants"] = dict(new["variants"], samples=max(int(old["variants"].get("samples", 0)),
+                                                            int(new["variants"]["samples"])))
+    if "source" in new and isinstance(old.get("source"), list):
+        out["source"] = old["source"] + [s for s in new["source"] if s not in old["source"]]
+    return out
+
+
 class _Store:
     """The output directory: existing items (resume), the buffer of new ones, shards and the manifest."""
 
@@ -204,6 +218,7 @@ class _Store:
                         "same settings to resume (model, --temperature, --seed, --max-new-tokens, --greedy, "
                         "--chat-template), or a new --out")
         self.manifest = dict(manifest_base, runs=old.get("runs", []))
+        self.manifest.update(_whole_directory(old, manifest_base))
         known = {s["file"]: s for s in old.get("shards", [])}
         self.shards: list[dict] = []
         self.items: dict[tuple[str, int, int], Item] = {}
