@@ -311,3 +311,69 @@ def test_a_resume_on_other_data_of_the_same_size_is_refused():
         check_resumed_data(Path("ck"), counts_only, now)
     with pytest.raises(ConfigError, match="other data"):
         check_resumed_data(Path("ck"), saved, data_identity(run, 2))
+
+
+def test_a_damaged_run_file_is_one_line_naming_the_checkpoint(tmp_path):
+    """A run.json cut short (a kill while it was written) or holding no object was a JSONDecodeError /
+    AttributeError traceback from every rank's resume; now the checkpoint is named, with the one before."""
+    identity = _identity(range(96), "/v/a.json")
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0, identity)
+    _checkpoint(tmp_path / "run", 3, 12, 1.0, identity)  # an earlier checkpoint (latest now names step3)
+    (ck / "latest").write_text("step6")
+    for damage in (json.dumps(identity)[:40], "[1, 2]", b"\xff\xfe{"):
+        where = ck / "step6" / RUN_FILE
+        where.write_bytes(damage) if isinstance(damage, bytes) else where.write_text(damage)
+        with pytest.raises(ConfigError) as e:
+            check_resume(ck, identity)
+        msg = str(e.value)
+        assert "\n" not in msg and f"names checkpoint 'step6', whose {RUN_FILE} cannot be read" in msg, msg
+        assert "echo step3 >" in msg, msg
+
+
+_KILLED_AFTER_SAVE = """
+import json, os, sys
+from pathlib import Path
+import torch, deepspeed
+from spd_ds.train import loop
+
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+deepspeed.init_distributed("gloo")
+model = torch.nn.Linear(4, 4)
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                  config={"train_batch_size": 1, "zero_optimization": {"stage": 2}})
+saved = engine.save_checkpoint
+def killed(*args, **kw):  # the kill comes just after DeepSpeed wrote the checkpoint and its `latest`
+    saved(*args, **kw)
+    raise KeyboardInterrupt
+engine.save_checkpoint = killed
+try:
+    loop._save(engine, Path(sys.argv[1]), 6, 0, 1, 1, 0, 1, 2, "cpu", identity=json.loads(sys.argv[3]))
+except KeyboardInterrupt:
+    print("killed")
+"""
+
+
+def test_a_kill_just_after_a_checkpoint_is_saved_keeps_its_run_file(tmp_path):
+    """run.json was written after DeepSpeed's save_checkpoint, which writes ``latest`` last: a kill in between left
+    a latest checkpoint without it, which a resume takes for one from before run.json existed and resumes with any
+    settings unchecked (another seed, loss or data order without a word). It is written before now. A real DeepSpeed
+    engine (one gloo rank) saves; the kill is simulated right after its save returns."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_pipe_worker import free_port
+
+    repo = Path(__file__).resolve().parents[1]
+    ck = tmp_path / "run" / "checkpoints"
+    identity = _identity(range(96), "/v/a.json", **{"train.seed": 1})
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AFTER_SAVE, str(ck), str(free_port()), json.dumps(identity)],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "killed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (ck / "latest").read_text().strip() == "step6"
+    assert json.loads((ck / "step6" / RUN_FILE).read_text()) == identity
+    assert not list((ck / "step6").glob(".*tmp*"))  # written whole, no temporary file left
+    check_resume(ck, identity)
+    with pytest.raises(ConfigError, match=r"was trained with other settings: train.seed 1 \(now 2\)"):
+        check_resume(ck, {**identity, "train.seed": 2})

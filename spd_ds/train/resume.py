@@ -211,13 +211,22 @@ def check_resume(ckpt_dir: Path, identity: dict) -> None:
             predates the digest; the validation set by its resolved number of held-out micro-batches, with both
             settings when they differ: :func:`eval_batches_identity`). Checkpoints written before :data:`RUN_FILE`
             existed are not checked. A missing
-            checkpoint (:func:`check_checkpoint_files`), or a missing rank's optimizer shard
-            (:func:`check_optimizer_shards`).
+            checkpoint (:func:`check_checkpoint_files`), a :data:`RUN_FILE` that cannot be read or holds no JSON
+            object, or a missing rank's optimizer shard (:func:`check_optimizer_shards`).
     """
     check_checkpoint_files(ckpt_dir)
-    path = ckpt_dir / (ckpt_dir / "latest").read_text().strip() / RUN_FILE
+    tag = (ckpt_dir / "latest").read_text().strip()
+    path = ckpt_dir / tag / RUN_FILE
     if path.exists():
-        _check_identity(ckpt_dir, json.loads(path.read_text()), identity)
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError) as e:  # cut short or damaged on disk (a JSON or UTF-8 error is a ValueError)
+            saved = e
+        if not isinstance(saved, dict):
+            why = f"{type(saved).__name__}: {str(saved)[:120]}" if isinstance(saved, Exception) else "not an object"
+            raise ConfigError(f"{ckpt_dir / 'latest'} names checkpoint {tag!r}, whose {RUN_FILE} cannot be read "
+                              f"({why}); {damaged_checkpoint_advice(ckpt_dir, tag)}")
+        _check_identity(ckpt_dir, saved, identity)
     check_optimizer_shards(ckpt_dir, identity.get("world size"))
 
 
