@@ -157,6 +157,11 @@ _BOUNDS = (
     ("eval.baseline_num_prompts", 1, False, True), ("eval.warmup_prompts", 0, False, False),
     ("head.intermediate_size", 1, False, True), ("train.teacher_pipe_degree", 1, False, True),
     ("data.max_seq_length", 2, False, False), ("deepspeed.timeout_s", 0, True, False),
+    # data.regenerate's (as launch/prepare_train_data.py regenerate refuses its flags): 0 or below failed after the
+    # target loaded (batch size 0, no new token), regenerated nothing (a negative batch size, no prompt token) or was
+    # greedy without a word (a negative temperature)
+    ("data.regenerate_max_new_tokens", 1, False, False), ("data.regenerate_batch_size", 1, False, False),
+    ("data.regenerate_max_prompt_tokens", 1, False, False), ("data.regenerate_temperature", 0, False, False),
 )
 
 

@@ -157,6 +157,12 @@ def test_bad_values(tmp_path):
     ("train.teacher_pipe_degree=0", "train.teacher_pipe_degree must be >= 1 (or null)"),
     ("data.max_seq_length=0", "data.max_seq_length must be >= 2"),
     ("deepspeed.timeout_s=0", "deepspeed.timeout_s must be > 0"),
+    # data.regenerate's: a traceback after the target loaded, no answer ("no conversation with a user turn?") or greedy
+    ("data.regenerate_batch_size=0", "data.regenerate_batch_size must be >= 1, got 0"),
+    ("data.regenerate_batch_size=-4", "data.regenerate_batch_size must be >= 1, got -4"),
+    ("data.regenerate_max_new_tokens=0", "data.regenerate_max_new_tokens must be >= 1, got 0"),
+    ("data.regenerate_max_prompt_tokens=0", "data.regenerate_max_prompt_tokens must be >= 1, got 0"),
+    ("data.regenerate_temperature=-1", "data.regenerate_temperature must be >= 0, got -1.0"),
 ])
 def test_out_of_range_settings_are_one_line_errors(override, message):
     with pytest.raises(ConfigError) as e:
