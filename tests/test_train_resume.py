@@ -330,13 +330,14 @@ def test_a_damaged_run_file_is_one_line_naming_the_checkpoint(tmp_path):
         assert "echo step3 >" in msg, msg
 
 
-_KILLED_AFTER_SAVE = """
+_SAVE_ON_ONE_RANK = """
 import json, os, sys
 from pathlib import Path
 import torch, deepspeed
 from spd_ds.train import loop
 
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+ckpt, port, identity, steps, keep, kill = sys.argv[1:]
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 deepspeed.init_distributed("gloo")
 model = torch.nn.Linear(4, 4)
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
@@ -345,19 +346,19 @@ saved = engine.save_checkpoint
 def killed(*args, **kw):  # the kill comes just after DeepSpeed wrote the checkpoint and its `latest`
     saved(*args, **kw)
     raise KeyboardInterrupt
-engine.save_checkpoint = killed
+if kill == "1":
+    engine.save_checkpoint = killed
 try:
-    loop._save(engine, Path(sys.argv[1]), 6, 0, 1, 1, 0, 1, 2, "cpu", identity=json.loads(sys.argv[3]))
+    for step in json.loads(steps):
+        loop._save(engine, Path(ckpt), step, 0, 1, 1, 0, 1, int(keep), "cpu", identity=json.loads(identity))
 except KeyboardInterrupt:
     print("killed")
 """
 
 
-def test_a_kill_just_after_a_checkpoint_is_saved_keeps_its_run_file(tmp_path):
-    """run.json was written after DeepSpeed's save_checkpoint, which writes ``latest`` last: a kill in between left
-    a latest checkpoint without it, which a resume takes for one from before run.json existed and resumes with any
-    settings unchecked (another seed, loss or data order without a word). It is written before now. A real DeepSpeed
-    engine (one gloo rank) saves; the kill is simulated right after its save returns."""
+def _save_on_one_rank(ck: Path, identity: dict, steps: list[int], keep: int = 2, kill: bool = False) -> str:
+    """The training loop's ``_save`` of ``steps`` under ``ck`` with a real DeepSpeed engine (ZeRO-2, one gloo rank,
+    a subprocess); ``kill``: a KeyboardInterrupt right after DeepSpeed's save returns. Returns its stdout."""
     import os
     import subprocess
     import sys
@@ -365,15 +366,42 @@ def test_a_kill_just_after_a_checkpoint_is_saved_keeps_its_run_file(tmp_path):
     from tests.test_pipe_worker import free_port
 
     repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _SAVE_ON_ONE_RANK, str(ck), str(free_port()), json.dumps(identity),
+                           json.dumps(steps), str(keep), str(int(kill))],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_a_kill_just_after_a_checkpoint_is_saved_keeps_its_run_file(tmp_path):
+    """run.json was written after DeepSpeed's save_checkpoint, which writes ``latest`` last: a kill in between left
+    a latest checkpoint without it, which a resume takes for one from before run.json existed and resumes with any
+    settings unchecked (another seed, loss or data order without a word). It is written before now. A real DeepSpeed
+    engine (one gloo rank) saves; the kill is simulated right after its save returns."""
     ck = tmp_path / "run" / "checkpoints"
     identity = _identity(range(96), "/v/a.json", **{"train.seed": 1})
-    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", _KILLED_AFTER_SAVE, str(ck), str(free_port()), json.dumps(identity)],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "killed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "killed" in _save_on_one_rank(ck, identity, [6], kill=True)
     assert (ck / "latest").read_text().strip() == "step6"
     assert json.loads((ck / "step6" / RUN_FILE).read_text()) == identity
     assert not list((ck / "step6").glob(".*tmp*"))  # written whole, no temporary file left
     check_resume(ck, identity)
     with pytest.raises(ConfigError, match=r"was trained with other settings: train.seed 1 \(now 2\)"):
         check_resume(ck, {**identity, "train.seed": 2})
+
+
+def test_an_earlier_attempts_later_checkpoint_does_not_crowd_out_the_one_just_saved(tmp_path):
+    """A kill while step 12 was being saved leaves a step12 folder cut short (``latest`` still names step6). The
+    resumed run pauses at step 9 (train.session_time_s, train.max_time_s) and saves step9: with
+    train.keep_checkpoints=1 the pruning counted the stale step12 as the newest and removed step9, the checkpoint
+    ``latest`` had just been set to, and the next resume found nothing to resume (the work since step 6 lost)."""
+    ck = tmp_path / "run" / "checkpoints"
+    identity = _identity(range(96), "/v/a.json")
+    _save_on_one_rank(ck, identity, [6], keep=1)
+    (ck / "step12").mkdir()  # what the kill mid-save left
+    (ck / "step12" / "mp_rank_00_model_states.pt").write_bytes(b"cut sh")
+    (ck / "step.bak").mkdir()  # a user's copy: not a step, not counted (int('.bak') was a ValueError)
+    _save_on_one_rank(ck, identity, [9], keep=1)
+    assert (ck / "latest").read_text().strip() == "step9"
+    check_resume(ck, identity)  # step9 is whole (model and optimizer files): resumable
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["step.bak", "step12", "step9"]  # step6 pruned

@@ -519,7 +519,8 @@ def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro:
     """DeepSpeed checkpoint ``step<N>`` with the data position, every rank's RNG state, the run's training time so
     far (``elapsed_s``, seconds) and ``extra`` client state (the validation's best so far), and ``identity``
     (:func:`~spd_ds.train.resume.run_identity`) in its :data:`~spd_ds.train.resume.RUN_FILE`, written before the
-    checkpoint so that ``latest`` never names a checkpoint without it; keep the newest ``keep``."""
+    checkpoint so that ``latest`` never names a checkpoint without it; keep the newest ``keep`` of the steps up to
+    ``step`` (a later step's folder, an earlier attempt's, is left for the run to replace when it gets there)."""
     import deepspeed.comm as dist
 
     states = [None] * world
@@ -531,8 +532,10 @@ def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro:
         with replaced_when_done(ckpt_dir / f"step{step}" / RUN_FILE) as tmp:
             tmp.write_text(json.dumps(identity, indent=1))
     engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client)
-    if rank == 0 and keep > 0:
-        tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
+    if rank == 0 and keep > 0:  # among this run's steps so far: a later step's folder is an earlier attempt's (cut
+        # short by a kill mid-save, or left by a resume from before it), and counting it removed the one just saved
+        tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir() and p.name[4:].isdigit()
+                       and int(p.name[4:]) <= step), key=lambda p: int(p.name[4:]))
         for old in tags[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
