@@ -4,6 +4,7 @@ with nothing left to do (the end-to-end runs are in tests/test_train_run.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,8 @@ def test_a_checkpoint_missing_one_ranks_optimizer_shard_is_refused_on_every_rank
     # world 2: rank 1's ZeRO shard is gone. Every rank reads the same folder, so all name it before DeepSpeed loads
     # (rank 0 used to report a resume while rank 1 failed inside DeepSpeed)
     ck = _checkpoint(tmp_path / "run", 6, 12, 1.0, _identity(range(96), "/v/a.json", **{"world size": 2}))
-    (ck / "step5").mkdir()
+    _checkpoint(tmp_path / "run", 5, 12, 1.0)
+    (ck / "latest").write_text("step6")
     with pytest.raises(ConfigError) as e:
         check_resume(ck, _identity(range(96), "/v/a.json", **{"world size": 2}))
     msg = str(e.value)
@@ -405,3 +407,23 @@ def test_an_earlier_attempts_later_checkpoint_does_not_crowd_out_the_one_just_sa
     assert (ck / "latest").read_text().strip() == "step9"
     check_resume(ck, identity)  # step9 is whole (model and optimizer files): resumable
     assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["step.bak", "step12", "step9"]  # step6 pruned
+
+
+def test_the_checkpoint_offered_instead_of_a_damaged_one_is_an_earlier_whole_one(tmp_path):
+    """The advice named the highest-numbered other folder: after a kill mid-save that was the later step's folder it
+    left, cut short (``latest`` naming the one before), or an empty one; it names an earlier folder holding the
+    model file now, or says to start anew."""
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0)
+    _checkpoint(tmp_path / "run", 3, 12, 1.0)
+    (ck / "step12").mkdir()  # a save of step 12 cut short
+    (ck / "step4").mkdir()  # nothing in it
+    (ck / "latest").write_text("step6")
+    (ck / "step6" / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(ConfigError) as e:
+        check_resume(ck, {})
+    msg = str(e.value)
+    assert "names checkpoint 'step6', which cannot be resumed (no mp_rank_00_model_states.pt)" in msg, msg
+    assert f"resume the one before (`echo step3 > {ck / 'latest'}`; it holds step3)" in msg, msg
+    shutil.rmtree(ck / "step3")
+    with pytest.raises(ConfigError, match=r"cannot be resumed \(no mp_rank_00_model_states.pt\); start a new "):
+        check_resume(ck, {})

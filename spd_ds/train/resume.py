@@ -306,10 +306,18 @@ def _check_identity(ckpt_dir: Path, saved: dict, identity: dict) -> None:
                           "best_head> warm-starts from it)")
 
 
+def _step_of(name: str) -> int | None:
+    """The step of a checkpoint folder's name (``step<N>``), or ``None``."""
+    return int(name[4:]) if name.startswith("step") and name[4:].isdigit() else None
+
+
 def damaged_checkpoint_advice(ckpt_dir: Path, tag: str) -> str:
-    """What to do when checkpoint ``tag`` cannot be resumed: resume an earlier one, or start anew."""
-    earlier = sorted((d.name for d in ckpt_dir.glob("step*") if d.is_dir() and d.name != tag),
-                     key=lambda name: int(name[4:]) if name[4:].isdigit() else -1, reverse=True)
+    """What to do when checkpoint ``tag`` cannot be resumed: resume an earlier one (a folder of a lower step that
+    holds DeepSpeed's model file; a later step's folder is what a save cut short by a kill left), or start anew."""
+    below = _step_of(tag)
+    earlier = sorted((d.name for d in ckpt_dir.glob("step*") if d.is_dir() and d.name != tag
+                      and _step_of(d.name) is not None and (below is None or _step_of(d.name) < below)
+                      and (d / "mp_rank_00_model_states.pt").is_file()), key=_step_of, reverse=True)
     if earlier:
         return (f"resume the one before (`echo {earlier[0]} > {ckpt_dir / 'latest'}`; it holds {', '.join(earlier)}), "
                 "or start a new train.output_dir")
