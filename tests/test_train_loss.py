@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,6 +244,40 @@ def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
     truncate_log(log, 0)  # a fresh run
     assert not log.exists()
+
+
+_FULL_DISK = """
+import json, resource, signal, sys
+from pathlib import Path
+import spd_ds.files
+from spd_ds.train.resume import truncate_log
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as one on a full disk does
+resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))
+try:
+    truncate_log(Path(sys.argv[1]), 40)
+except OSError as e:
+    print("failed:", e.strerror)
+"""
+
+
+def test_a_resume_on_a_full_disk_keeps_the_training_log(tmp_path):
+    """truncate_log rewrote train_log.jsonl in place: truncated first, so a write that failed (a full disk, here a
+    file-size limit of 200 bytes on the resuming process) left it empty, the run's history lost. The kept records
+    now replace it only once written whole."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    log = tmp_path / "train_log.jsonl"
+    text = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 51))
+    log.write_text(text)
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK, str(log)], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "failed: File too large" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert log.read_text() == text  # as it was
+    assert [p.name for p in tmp_path.iterdir()] == ["train_log.jsonl"]  # no temporary file left
 
 
 @pytest.mark.parametrize("temperature,chunk,backend", [(1.0, 7, None), (2.0, 64, None), (0.7, 1, None),

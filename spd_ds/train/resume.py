@@ -466,12 +466,17 @@ def stale_best_heads(out_dir: Path) -> list[Path]:
 def truncate_log(path: Path, step: int) -> None:
     """Start ``train_log.jsonl`` for a run at optimizer step ``step``: a fresh run (``step = 0``) removes it, a
     resumed one keeps the records up to its checkpoint's step, so that the steps a crash had logged after it are
-    not logged twice (a line the crash cut short is dropped too)."""
+    not logged twice (a line the crash cut short is dropped too). The kept records replace the file once written
+    whole: a write that fails (a full disk, where runs crash and are resumed) or is killed leaves the log as it was
+    (it was truncated first, and the run's history lost)."""
     if step == 0 or not path.exists():
         path.unlink(missing_ok=True)
         return
     keep = [rec for rec in read_train_log(path) if isinstance(rec.get("step"), int) and rec["step"] <= step]
-    path.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
+    from spd_ds.files import replaced_when_done
+
+    with replaced_when_done(path) as tmp:
+        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
 
 
 __all__ = ["RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "EVAL_BATCHES", "DS_STAGE", "DS_BF16", "draft_vocab_digest",
