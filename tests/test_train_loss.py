@@ -237,6 +237,15 @@ def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
     assert "ends at step 8, before its schedule's end at step 12" in said[1]
     with pytest.raises(ConfigError, match="schedule ends at step 12 .* now ask for 30 steps"):
         check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, tc, 30, said.append)
+    # a run asked to end before its checkpoint's step wrote that step's head as its final one, 'finished', after a
+    # warning that it "now ends at step 8" (every rank reads the same step: all raise together)
+    said.clear()
+    with pytest.raises(ConfigError) as e:
+        check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, tc, 8, said.append, step=10)
+    assert str(e.value) == ("the checkpoint is at step 10, past the 8 steps train.max_steps / train.epochs now ask "
+                            "for, and a resume cannot go back: resume with the run's own settings (its schedule "
+                            "ends at step 12), or name an earlier checkpoint in checkpoints/latest") and said == []
+    check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, tc, 10, said.append, step=10)  # ends where it stands
 
     log = tmp_path / "train_log.jsonl"
     log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4, 3, 4)) + '{"step": 5, "lo')

@@ -336,7 +336,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                                   f"{damaged_checkpoint_advice(ckpt_dir, tag)}") from None
             check_resumed_data(ckpt_dir, cs.get("data"), data_id)  # same on every rank: all raise together
             check_resumed_schedule(schedule, sched.base_lrs[0], opt.param_groups[0]["weight_decay"], tc,
-                                   total_steps, lambda msg: _say(msg, rank))
+                                   total_steps, lambda msg: _say(msg, rank), cs["step"])
             # config.yaml records what the run keeps from its checkpoint, not the overrides ignored above
             tc.lr, tc.weight_decay = float(sched.base_lrs[0]), float(opt.param_groups[0]["weight_decay"])
             tc.warmup_steps, tc.lr_stable_fraction = int(schedule.warmup), float(schedule.stable)

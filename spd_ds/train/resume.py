@@ -346,7 +346,7 @@ def check_checkpoint_files(ckpt_dir: Path) -> None:
 
 
 def check_resumed_schedule(schedule, base_lr: float, weight_decay: float, tc, total_steps: int,
-                           say) -> None:
+                           say, step: int = 0) -> None:
     """After a checkpoint is loaded: the run keeps the learning-rate schedule and optimizer settings it was saved
     with. Changed settings are ignored with one warning (through ``say``), except a longer run.
 
@@ -355,10 +355,17 @@ def check_resumed_schedule(schedule, base_lr: float, weight_decay: float, tc, to
             fraction of the run).
         base_lr, weight_decay: the restored optimizer's.
         tc: this invocation's ``TrainConfig``; total_steps: the steps it would take.
+        step: the checkpoint's optimizer step.
     Raises:
         ConfigError: ``total_steps`` above the schedule's: the learning rate reaches 0 at the schedule's end, so the
-            extra steps would not train (warm-start a new run from the head instead).
+            extra steps would not train (warm-start a new run from the head instead); or below ``step``: the run
+            would write the checkpoint's head as its final one and call it finished, though asked to stop earlier.
     """
+    if total_steps < step:
+        raise ConfigError(f"the checkpoint is at step {step}, past the {total_steps} steps train.max_steps / "
+                          "train.epochs now ask for, and a resume cannot go back: resume with the run's own settings "
+                          "(its schedule ends at step "
+                          f"{schedule.total}), or name an earlier checkpoint in checkpoints/latest")
     if total_steps > schedule.total:
         raise ConfigError(f"the run's learning-rate schedule ends at step {schedule.total} (decayed to 0); "
                           f"train.max_steps / train.epochs now ask for {total_steps} steps, which would not train. "
