@@ -153,6 +153,20 @@ def test_load_prompts_normalises_plain_jsonl(tmp_path):
     plain.write_text('"hi"\n')
     with pytest.raises(ValueError, match=r"s.jsonl:1: the line is a JSON string, not an object"):
         load_prompts(plain)
+    # json.dump(..., indent=2) of a list or of one record: the first line alone ('[' or '{') was "not JSON
+    # (Expecting value)", which it is, and said nothing of what to change
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps([{"turns": ["What is 2+2?"]}, {"turns": ["Hi"]}], indent=2))
+    with pytest.raises(ValueError) as e:
+        load_prompts(pretty)
+    assert str(e.value) == (f"{pretty} is one JSON array over several lines, not JSON lines; write each record on a "
+                            "line of its own ({\"turns\": [\"...\"]} a line: jq -c '.[]' FILE > FILE.jsonl)")
+    pretty.write_text(json.dumps({"turns": ["What is 2+2?"]}, indent=2))
+    with pytest.raises(ValueError, match=r"is one JSON object over several lines, not JSON lines; .* jq -c '\.' "):
+        load_prompts(pretty)
+    pretty.write_text('{"turns": ["a"]}\n{"turns": [\n')  # a bad line after good ones: named by its number
+    with pytest.raises(ValueError, match=r"pretty.json:2: not JSON \(.*\); give one JSON object per line$"):
+        load_prompts(pretty)
 
 
 def test_missing_prompt_file_is_named_as_missing(tmp_path):
