@@ -80,6 +80,10 @@ def validate(cfg: ExperimentConfig) -> None:
                           f"got {cfg.eval.hbm_gbps}")
     if not 0.0 <= d.oracle_alpha <= 1.0:
         raise ConfigError(f"decoding.oracle_alpha must be in [0, 1], got {d.oracle_alpha}")
+    bad = [a for a in cfg.eval.oracle_alphas or () if not 0.0 <= a <= 1.0]  # (nan fails it too)
+    if bad:  # refused by the eval's runner too, but only once the model was fetched and its config read
+        raise ConfigError(f"eval.oracle_alphas: each alpha must be in [0, 1], got {bad[0]} (e.g. "
+                          "eval.oracle_alphas='[1, 0.8, 0.6]')")
     if not 0.0 <= cfg.data.held_out_fraction < 1.0:
         raise ConfigError(f"data.held_out_fraction must be in [0, 1), got {cfg.data.held_out_fraction}")
     if cfg.data.chat_template:  # every program, before its model or tokenizer loads (a bad one failed only then)

@@ -391,6 +391,7 @@ def test_oracle_alphas_given_twice_are_refused(smollm2_arch):
         spd_variants(cfg, smollm2_arch)
     ok = load_config(None, ["decoding.drafter=oracle", "eval.oracle_alphas=[0.8, 1]"])
     assert [v.name for v in spd_variants(ok, smollm2_arch)] == ["spd_oracle_0.8", "spd_oracle_1"]
-    out = load_config(None, ["decoding.drafter=oracle", "eval.oracle_alphas=[0.8, 2]"])  # the message names the key
+    with pytest.raises(ConfigError, match=r"^eval.oracle_alphas: each alpha must be in \[0, 1\], got 2.0 \(e.g. "):
+        load_config(None, ["decoding.drafter=oracle", "eval.oracle_alphas=[0.8, 2]"])  # before any model is fetched
     with pytest.raises(ConfigError, match=r"^eval.oracle_alphas: each alpha must be in \[0, 1\], got 2.0$"):
-        spd_variants(out, smollm2_arch)
+        spd_variants(ok, smollm2_arch, [0.8, 2.0])  # alphas given to the runner itself
