@@ -427,3 +427,18 @@ def test_the_checkpoint_offered_instead_of_a_damaged_one_is_an_earlier_whole_one
     shutil.rmtree(ck / "step3")
     with pytest.raises(ConfigError, match=r"cannot be resumed \(no mp_rank_00_model_states.pt\); start a new "):
         check_resume(ck, {})
+
+
+def test_an_empty_latest_names_the_newest_whole_checkpoint(tmp_path):
+    """DeepSpeed writes ``latest`` by emptying it, then writing the tag: a kill in between left an empty file, which
+    the resume reported as "names checkpoint '', which cannot be resumed (no mp_rank_00_model_states.pt)". It says the
+    file is empty now, and names the newest whole checkpoint (the one that save had just finished)."""
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0)
+    _checkpoint(tmp_path / "run", 12, 12, 1.0)
+    (ck / "step18").mkdir()  # a later save cut short, for good measure
+    (ck / "latest").write_text("")
+    with pytest.raises(ConfigError) as e:
+        check_resume(ck, {})
+    assert str(e.value) == (f"{ck / 'latest'} is empty (a checkpoint save was cut short while writing it); resume "
+                            f"the newest whole one (`echo step12 > {ck / 'latest'}`; it holds step12, step6), or "
+                            "start a new train.output_dir")

@@ -329,10 +329,15 @@ def check_checkpoint_files(ckpt_dir: Path) -> None:
     (DeepSpeed itself fails there with a bare AssertionError).
 
     Raises:
-        ConfigError: one line naming the checkpoint, what is missing, and what to resume instead.
+        ConfigError: one line naming the checkpoint, what is missing, and what to resume instead; or saying that
+            ``latest`` is empty (a save cut short), with the newest whole checkpoint to name in it.
     """
     tag = (ckpt_dir / "latest").read_text().strip()
     where = ckpt_dir / tag
+    if not tag:  # DeepSpeed empties the file, then writes the tag: a kill in between
+        advice = damaged_checkpoint_advice(ckpt_dir, tag).replace("the one before", "the newest whole one")
+        raise ConfigError(f"{ckpt_dir / 'latest'} is empty (a checkpoint save was cut short while writing it); "
+                          f"{advice}")
     if not where.is_dir():
         missing = "no such folder"
     elif not (where / "mp_rank_00_model_states.pt").is_file():
