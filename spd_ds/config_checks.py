@@ -80,6 +80,10 @@ def validate(cfg: ExperimentConfig) -> None:
                           f"got {cfg.eval.hbm_gbps}")
     if not 0.0 <= d.oracle_alpha <= 1.0:
         raise ConfigError(f"decoding.oracle_alpha must be in [0, 1], got {d.oracle_alpha}")
+    bad = [a for a in cfg.eval.oracle_alphas or () if not 0.0 <= a <= 1.0]  # (nan fails it too)
+    if bad:  # refused by the eval's runner too, but only once the model was fetched and its config read
+        raise ConfigError(f"eval.oracle_alphas: each alpha must be in [0, 1], got {bad[0]} (e.g. "
+                          "eval.oracle_alphas='[1, 0.8, 0.6]')")
     if not 0.0 <= cfg.data.held_out_fraction < 1.0:
         raise ConfigError(f"data.held_out_fraction must be in [0, 1), got {cfg.data.held_out_fraction}")
     if cfg.data.chat_template:  # every program, before its model or tokenizer loads (a bad one failed only then)
@@ -157,6 +161,11 @@ _BOUNDS = (
     ("eval.baseline_num_prompts", 1, False, True), ("eval.warmup_prompts", 0, False, False),
     ("head.intermediate_size", 1, False, True), ("train.teacher_pipe_degree", 1, False, True),
     ("data.max_seq_length", 2, False, False), ("deepspeed.timeout_s", 0, True, False),
+    # data.regenerate's (as launch/prepare_train_data.py regenerate refuses its flags): 0 or below failed after the
+    # target loaded (batch size 0, no new token), regenerated nothing (a negative batch size, no prompt token) or was
+    # greedy without a word (a negative temperature)
+    ("data.regenerate_max_new_tokens", 1, False, False), ("data.regenerate_batch_size", 1, False, False),
+    ("data.regenerate_max_prompt_tokens", 1, False, False), ("data.regenerate_temperature", 0, False, False),
 )
 
 

@@ -157,6 +157,16 @@ def test_bad_values(tmp_path):
     ("train.teacher_pipe_degree=0", "train.teacher_pipe_degree must be >= 1 (or null)"),
     ("data.max_seq_length=0", "data.max_seq_length must be >= 2"),
     ("deepspeed.timeout_s=0", "deepspeed.timeout_s must be > 0"),
+    # data.regenerate's: a traceback after the target loaded, no answer ("no conversation with a user turn?") or greedy
+    ("data.regenerate_batch_size=0", "data.regenerate_batch_size must be >= 1, got 0"),
+    ("data.regenerate_batch_size=-4", "data.regenerate_batch_size must be >= 1, got -4"),
+    ("data.regenerate_max_new_tokens=0", "data.regenerate_max_new_tokens must be >= 1, got 0"),
+    ("data.regenerate_max_prompt_tokens=0", "data.regenerate_max_prompt_tokens must be >= 1, got 0"),
+    ("data.regenerate_temperature=-1", "data.regenerate_temperature must be >= 0, got -1.0"),
+    # refused by the eval runner only after the model was fetched and its config read
+    ("eval.oracle_alphas=[1,2]", "eval.oracle_alphas: each alpha must be in [0, 1], got 2.0"),
+    ("eval.oracle_alphas=[-0.5]", "eval.oracle_alphas: each alpha must be in [0, 1], got -0.5"),
+    ("eval.oracle_alphas=[.nan]", "eval.oracle_alphas: each alpha must be in [0, 1], got nan"),
 ])
 def test_out_of_range_settings_are_one_line_errors(override, message):
     with pytest.raises(ConfigError) as e:

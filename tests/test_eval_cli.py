@@ -419,6 +419,20 @@ def test_benchmark_refuses_a_value_given_twice(tmp_path, option):
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_benchmark_stages_below_one_are_refused_as_the_option(value, capsys):
+    """--stages 0 (or -2) was refused as 'partition.num_stages must be >= 1', a key the command line never named;
+    argparse names --stages now, as it does --num-prompts, before anything is imported or loaded."""
+    from spd_ds.commands.benchmark import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--suite", "c", "--stages", "2", value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    want = f"must be >= 1, got {value}" if value != "two" else "'two' is not an integer"
+    assert e.value.code == 2 and err.endswith(f": error: argument --stages: {want}"), err
+    assert parse_args(["--suite", "c", "--stages", "1", "3"]).stages == [1, 3]
+
+
 def test_benchmark_names_the_config_file_settings_its_suites_replace(tmp_path):
     """--config's file lies under the suites' own settings: its decoding.max_new_tokens: 8 became 128 without a word.
     The settings replaced with another value are named (a path equal to the suite's, or a key the command line sets,

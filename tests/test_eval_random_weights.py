@@ -138,3 +138,22 @@ def test_hf_generate_baseline_uses_the_target_weights(tmp_path):
         prompt = [5, 17, 33, 2, 60, 61]
         want = ARDecoder(target, eos_token_ids=[], max_len=128).generate(prompt, 16).tokens
         assert hf.generate(prompt, 16).tokens == want, shape
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_the_weights_load(tmp_path):
+    """A reference-decoder eval found a prompt that cannot fit the model's context with its generation only as it
+    decoded it: after the target's weights had loaded and the warm-up begun (minutes for a large model). prepare()
+    refuses it now, by the decoders' rule, naming the prompt; a prompt that fits still passes."""
+    from spd_ds.config import load_config
+    from spd_ds.decoding.cycle import PromptError
+    from spd_ds.eval.runner import prepare
+
+    shape = make_random_shape(tmp_path)  # max_position_embeddings 512
+    base = [f"model.name={shape}", "eval.prompt_sets=[random]", "data.num_prompts=1", "decoding.max_new_tokens=8"]
+    with pytest.raises(PromptError) as e:
+        prepare(load_config(None, [*base, "eval.random_prompt_lengths=[503]"]))
+    assert str(e.value) == ("[random random-0] prompt of 503 tokens + max_new_tokens=8 (+2 in flight) exceeds the "
+                            "model's maximum context of 512 positions; shorten the prompt or lower "
+                            "decoding.max_new_tokens"), str(e.value)
+    cfg, arch, part, tok, prompts = prepare(load_config(None, [*base, "eval.random_prompt_lengths=[502]"]))
+    assert [len(p.ids) for p in prompts] == [502] and cfg.decoding.max_length == 512

@@ -153,6 +153,20 @@ def test_load_prompts_normalises_plain_jsonl(tmp_path):
     plain.write_text('"hi"\n')
     with pytest.raises(ValueError, match=r"s.jsonl:1: the line is a JSON string, not an object"):
         load_prompts(plain)
+    # json.dump(..., indent=2) of a list or of one record: the first line alone ('[' or '{') was "not JSON
+    # (Expecting value)", which it is, and said nothing of what to change
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps([{"turns": ["What is 2+2?"]}, {"turns": ["Hi"]}], indent=2))
+    with pytest.raises(ValueError) as e:
+        load_prompts(pretty)
+    assert str(e.value) == (f"{pretty} is one JSON array over several lines, not JSON lines; write each record on a "
+                            "line of its own ({\"turns\": [\"...\"]} a line: jq -c '.[]' FILE > FILE.jsonl)")
+    pretty.write_text(json.dumps({"turns": ["What is 2+2?"]}, indent=2))
+    with pytest.raises(ValueError, match=r"is one JSON object over several lines, not JSON lines; .* jq -c '\.' "):
+        load_prompts(pretty)
+    pretty.write_text('{"turns": ["a"]}\n{"turns": [\n')  # a bad line after good ones: named by its number
+    with pytest.raises(ValueError, match=r"pretty.json:2: not JSON \(.*\); give one JSON object per line$"):
+        load_prompts(pretty)
 
 
 def test_missing_prompt_file_is_named_as_missing(tmp_path):
@@ -377,6 +391,7 @@ def test_oracle_alphas_given_twice_are_refused(smollm2_arch):
         spd_variants(cfg, smollm2_arch)
     ok = load_config(None, ["decoding.drafter=oracle", "eval.oracle_alphas=[0.8, 1]"])
     assert [v.name for v in spd_variants(ok, smollm2_arch)] == ["spd_oracle_0.8", "spd_oracle_1"]
-    out = load_config(None, ["decoding.drafter=oracle", "eval.oracle_alphas=[0.8, 2]"])  # the message names the key
+    with pytest.raises(ConfigError, match=r"^eval.oracle_alphas: each alpha must be in \[0, 1\], got 2.0 \(e.g. "):
+        load_config(None, ["decoding.drafter=oracle", "eval.oracle_alphas=[0.8, 2]"])  # before any model is fetched
     with pytest.raises(ConfigError, match=r"^eval.oracle_alphas: each alpha must be in \[0, 1\], got 2.0$"):
-        spd_variants(out, smollm2_arch)
+        spd_variants(ok, smollm2_arch, [0.8, 2.0])  # alphas given to the runner itself

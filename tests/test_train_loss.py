@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -235,6 +237,15 @@ def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
     assert "ends at step 8, before its schedule's end at step 12" in said[1]
     with pytest.raises(ConfigError, match="schedule ends at step 12 .* now ask for 30 steps"):
         check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, tc, 30, said.append)
+    # a run asked to end before its checkpoint's step wrote that step's head as its final one, 'finished', after a
+    # warning that it "now ends at step 8" (every rank reads the same step: all raise together)
+    said.clear()
+    with pytest.raises(ConfigError) as e:
+        check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, tc, 8, said.append, step=10)
+    assert str(e.value) == ("the checkpoint is at step 10, past the 8 steps train.max_steps / train.epochs now ask "
+                            "for, and a resume cannot go back: resume with the run's own settings (its schedule "
+                            "ends at step 12), or name an earlier checkpoint in checkpoints/latest") and said == []
+    check_resumed_schedule(WarmupLinear(2, 12), 1e-3, 0.0, tc, 10, said.append, step=10)  # ends where it stands
 
     log = tmp_path / "train_log.jsonl"
     log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4, 3, 4)) + '{"step": 5, "lo')
@@ -242,6 +253,40 @@ def test_resume_checks_the_run_identity_and_keeps_its_schedule(tmp_path):
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
     truncate_log(log, 0)  # a fresh run
     assert not log.exists()
+
+
+_FULL_DISK = """
+import json, resource, signal, sys
+from pathlib import Path
+import spd_ds.files
+from spd_ds.train.resume import truncate_log
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as one on a full disk does
+resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))
+try:
+    truncate_log(Path(sys.argv[1]), 40)
+except OSError as e:
+    print("failed:", e.strerror)
+"""
+
+
+def test_a_resume_on_a_full_disk_keeps_the_training_log(tmp_path):
+    """truncate_log rewrote train_log.jsonl in place: truncated first, so a write that failed (a full disk, here a
+    file-size limit of 200 bytes on the resuming process) left it empty, the run's history lost. The kept records
+    now replace it only once written whole."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    log = tmp_path / "train_log.jsonl"
+    text = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 51))
+    log.write_text(text)
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK, str(log)], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "failed: File too large" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert log.read_text() == text  # as it was
+    assert [p.name for p in tmp_path.iterdir()] == ["train_log.jsonl"]  # no temporary file left
 
 
 @pytest.mark.parametrize("temperature,chunk,backend", [(1.0, 7, None), (2.0, 64, None), (0.7, 1, None),

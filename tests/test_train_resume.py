@@ -4,6 +4,7 @@ with nothing left to do (the end-to-end runs are in tests/test_train_run.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,8 @@ def test_a_checkpoint_missing_one_ranks_optimizer_shard_is_refused_on_every_rank
     # world 2: rank 1's ZeRO shard is gone. Every rank reads the same folder, so all name it before DeepSpeed loads
     # (rank 0 used to report a resume while rank 1 failed inside DeepSpeed)
     ck = _checkpoint(tmp_path / "run", 6, 12, 1.0, _identity(range(96), "/v/a.json", **{"world size": 2}))
-    (ck / "step5").mkdir()
+    _checkpoint(tmp_path / "run", 5, 12, 1.0)
+    (ck / "latest").write_text("step6")
     with pytest.raises(ConfigError) as e:
         check_resume(ck, _identity(range(96), "/v/a.json", **{"world size": 2}))
     msg = str(e.value)
@@ -311,3 +313,132 @@ def test_a_resume_on_other_data_of_the_same_size_is_refused():
         check_resumed_data(Path("ck"), counts_only, now)
     with pytest.raises(ConfigError, match="other data"):
         check_resumed_data(Path("ck"), saved, data_identity(run, 2))
+
+
+def test_a_damaged_run_file_is_one_line_naming_the_checkpoint(tmp_path):
+    """A run.json cut short (a kill while it was written) or holding no object was a JSONDecodeError /
+    AttributeError traceback from every rank's resume; now the checkpoint is named, with the one before."""
+    identity = _identity(range(96), "/v/a.json")
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0, identity)
+    _checkpoint(tmp_path / "run", 3, 12, 1.0, identity)  # an earlier checkpoint (latest now names step3)
+    (ck / "latest").write_text("step6")
+    for damage in (json.dumps(identity)[:40], "[1, 2]", b"\xff\xfe{"):
+        where = ck / "step6" / RUN_FILE
+        where.write_bytes(damage) if isinstance(damage, bytes) else where.write_text(damage)
+        with pytest.raises(ConfigError) as e:
+            check_resume(ck, identity)
+        msg = str(e.value)
+        assert "\n" not in msg and f"names checkpoint 'step6', whose {RUN_FILE} cannot be read" in msg, msg
+        assert "echo step3 >" in msg, msg
+
+
+_SAVE_ON_ONE_RANK = """
+import json, os, sys
+from pathlib import Path
+import torch, deepspeed
+from spd_ds.train import loop
+
+ckpt, port, identity, steps, keep, kill = sys.argv[1:]
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+deepspeed.init_distributed("gloo")
+model = torch.nn.Linear(4, 4)
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                  config={"train_batch_size": 1, "zero_optimization": {"stage": 2}})
+saved = engine.save_checkpoint
+def killed(*args, **kw):  # the kill comes just after DeepSpeed wrote the checkpoint and its `latest`
+    saved(*args, **kw)
+    raise KeyboardInterrupt
+if kill == "1":
+    engine.save_checkpoint = killed
+try:
+    for step in json.loads(steps):
+        loop._save(engine, Path(ckpt), step, 0, 1, 1, 0, 1, int(keep), "cpu", identity=json.loads(identity))
+except KeyboardInterrupt:
+    print("killed")
+"""
+
+
+def _save_on_one_rank(ck: Path, identity: dict, steps: list[int], keep: int = 2, kill: bool = False) -> str:
+    """The training loop's ``_save`` of ``steps`` under ``ck`` with a real DeepSpeed engine (ZeRO-2, one gloo rank,
+    a subprocess); ``kill``: a KeyboardInterrupt right after DeepSpeed's save returns. Returns its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_pipe_worker import free_port
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _SAVE_ON_ONE_RANK, str(ck), str(free_port()), json.dumps(identity),
+                           json.dumps(steps), str(keep), str(int(kill))],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_a_kill_just_after_a_checkpoint_is_saved_keeps_its_run_file(tmp_path):
+    """run.json was written after DeepSpeed's save_checkpoint, which writes ``latest`` last: a kill in between left
+    a latest checkpoint without it, which a resume takes for one from before run.json existed and resumes with any
+    settings unchecked (another seed, loss or data order without a word). It is written before now. A real DeepSpeed
+    engine (one gloo rank) saves; the kill is simulated right after its save returns."""
+    ck = tmp_path / "run" / "checkpoints"
+    identity = _identity(range(96), "/v/a.json", **{"train.seed": 1})
+    assert "killed" in _save_on_one_rank(ck, identity, [6], kill=True)
+    assert (ck / "latest").read_text().strip() == "step6"
+    assert json.loads((ck / "step6" / RUN_FILE).read_text()) == identity
+    assert not list((ck / "step6").glob(".*tmp*"))  # written whole, no temporary file left
+    check_resume(ck, identity)
+    with pytest.raises(ConfigError, match=r"was trained with other settings: train.seed 1 \(now 2\)"):
+        check_resume(ck, {**identity, "train.seed": 2})
+
+
+def test_an_earlier_attempts_later_checkpoint_does_not_crowd_out_the_one_just_saved(tmp_path):
+    """A kill while step 12 was being saved leaves a step12 folder cut short (``latest`` still names step6). The
+    resumed run pauses at step 9 (train.session_time_s, train.max_time_s) and saves step9: with
+    train.keep_checkpoints=1 the pruning counted the stale step12 as the newest and removed step9, the checkpoint
+    ``latest`` had just been set to, and the next resume found nothing to resume (the work since step 6 lost)."""
+    ck = tmp_path / "run" / "checkpoints"
+    identity = _identity(range(96), "/v/a.json")
+    _save_on_one_rank(ck, identity, [6], keep=1)
+    (ck / "step12").mkdir()  # what the kill mid-save left
+    (ck / "step12" / "mp_rank_00_model_states.pt").write_bytes(b"cut sh")
+    (ck / "step.bak").mkdir()  # a user's copy: not a step, not counted (int('.bak') was a ValueError)
+    _save_on_one_rank(ck, identity, [9], keep=1)
+    assert (ck / "latest").read_text().strip() == "step9"
+    check_resume(ck, identity)  # step9 is whole (model and optimizer files): resumable
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["step.bak", "step12", "step9"]  # step6 pruned
+
+
+def test_the_checkpoint_offered_instead_of_a_damaged_one_is_an_earlier_whole_one(tmp_path):
+    """The advice named the highest-numbered other folder: after a kill mid-save that was the later step's folder it
+    left, cut short (``latest`` naming the one before), or an empty one; it names an earlier folder holding the
+    model file now, or says to start anew."""
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0)
+    _checkpoint(tmp_path / "run", 3, 12, 1.0)
+    (ck / "step12").mkdir()  # a save of step 12 cut short
+    (ck / "step4").mkdir()  # nothing in it
+    (ck / "latest").write_text("step6")
+    (ck / "step6" / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(ConfigError) as e:
+        check_resume(ck, {})
+    msg = str(e.value)
+    assert "names checkpoint 'step6', which cannot be resumed (no mp_rank_00_model_states.pt)" in msg, msg
+    assert f"resume the one before (`echo step3 > {ck / 'latest'}`; it holds step3)" in msg, msg
+    shutil.rmtree(ck / "step3")
+    with pytest.raises(ConfigError, match=r"cannot be resumed \(no mp_rank_00_model_states.pt\); start a new "):
+        check_resume(ck, {})
+
+
+def test_an_empty_latest_names_the_newest_whole_checkpoint(tmp_path):
+    """DeepSpeed writes ``latest`` by emptying it, then writing the tag: a kill in between left an empty file, which
+    the resume reported as "names checkpoint '', which cannot be resumed (no mp_rank_00_model_states.pt)". It says the
+    file is empty now, and names the newest whole checkpoint (the one that save had just finished)."""
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0)
+    _checkpoint(tmp_path / "run", 12, 12, 1.0)
+    (ck / "step18").mkdir()  # a later save cut short, for good measure
+    (ck / "latest").write_text("")
+    with pytest.raises(ConfigError) as e:
+        check_resume(ck, {})
+    assert str(e.value) == (f"{ck / 'latest'} is empty (a checkpoint save was cut short while writing it); resume "
+                            f"the newest whole one (`echo step12 > {ck / 'latest'}`; it holds step12, step6), or "
+                            "start a new train.output_dir")

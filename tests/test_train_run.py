@@ -202,6 +202,12 @@ def test_resume_with_other_settings_is_refused(run_a, setup, tmp_path):
     proc = _launch(cfg, "--resume", "train.max_steps=30")  # past the schedule's end: it would train at lr 0
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "schedule ends at step 12" in proc.stderr and "now ask for 30 steps" in proc.stderr
+    # before the checkpoint's step: it trained nothing and wrote step 6's head as the final one, 'finished'
+    proc = _launch(cfg, "--resume", "train.max_steps=4")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the checkpoint is at step 6, past the 4 steps train.max_steps / train.epochs now ask for" in proc.stderr
+    run = cfg.parent / "run"
+    assert not (run / "head").exists() and not (run / "train_summary.json").exists()
     (tmp_path / "afile").write_text("x")
     proc = _launch(cfg, f"train.output_dir={tmp_path / 'afile'}")
     assert proc.returncode == 2 and "train.output_dir" in proc.stderr and "cannot be created as a folder" in proc.stderr

@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "suite b stops unless --model-b is given; random:smollm2-135m fits a CPU)")
     ap.add_argument("--alphas", nargs="+", type=float_in(0.0, 1.0), default=[1.0, 0.8, 0.6],
                     help="oracle alphas of suite b, each in [0, 1] (default: %(default)s)")
-    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 5, 6], help="n values of suite c (default: "
-                    "%(default)s)")
+    ap.add_argument("--stages", nargs="+", type=int_at_least(1), default=[2, 3, 5, 6],
+                    help="n values of suite c, each >= 1 (default: %(default)s)")
     ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"],
                     help="prompt sets of suites a and c (names or jsonl paths; suite b uses random token prompts; "
                          "gsm8k needs the hub and is skipped with a warning offline; default: %(default)s)")

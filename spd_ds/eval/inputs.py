@@ -198,6 +198,24 @@ def fit_max_length(cfg: ExperimentConfig, prompts: Sequence[EvalPrompt], num_sta
     return min(cfg.decoding.max_length, -(-need // 64) * 64)
 
 
+def check_prompt_lengths(cfg: ExperimentConfig, prompts: Sequence[EvalPrompt], num_stages: int, arch) -> None:
+    """Every prompt fits ``decoding.max_length`` (as the run resolved it) with its generation and the ``num_stages``
+    in-flight tokens, by the decoders' own rule (:func:`~spd_ds.decoding.cycle.check_prompt`), before any weight
+    loads: the reference decoder checked it only as it ran, after the target had loaded and the warm-up begun.
+
+    Raises:
+        PromptError: the first prompt that does not fit, named by its set and id.
+    """
+    from spd_ds.decoding.cycle import PromptError, check_prompt
+
+    for p in prompts:
+        try:
+            check_prompt(p.ids, cfg.decoding.max_new_tokens, cfg.decoding.max_length, num_stages, arch.max_positions,
+                         arch.max_positions_source)
+        except PromptError as e:
+            raise PromptError(f"[{p.prompt_set} {p.question_id}] {e}") from None
+
+
 def check_same_stages(ppsd: StagePartition, run: StagePartition) -> None:
     """Raise :class:`~spd_ds.config.ConfigError` unless the PPSD head's partition ``ppsd`` has the stage ranges of the
     run's ``run`` (both heads draft beside the same stages; only the anchors may differ)."""

@@ -156,7 +156,8 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
 
     Raises:
         ValueError: a line is not JSON, has no usable turns or an empty (whitespace-only) turn; one line naming
-            ``path:line`` and the record's index. The file is not UTF-8 text, or is a damaged gzip file.
+            ``path:line`` and the record's index. The file is one JSON array or object over several lines (not JSON
+            lines), is not UTF-8 text, or is a damaged gzip file.
     """
     records: list[dict] = []
     try:
@@ -169,7 +170,12 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+                    whole = None if records else _one_json_document(path)  # a .json file, or one pretty-printed
+                    if whole is not None:
+                        raise ValueError(f"{path} is one JSON {whole} over several lines, not JSON lines; write "
+                                         "each record on a line of its own ({\"turns\": [\"...\"]} a line: "
+                                         f"jq -c '{'.[]' if whole == 'array' else '.'}' FILE > FILE.jsonl)") from None
+                    raise ValueError(f"{path}:{lineno}: not JSON ({e.msg}); give one JSON object per line") from None
                 try:
                     records.append(_normalize(rec, len(records)))
                 except ValueError as e:
@@ -179,6 +185,17 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # a gzip file cut short or damaged
         raise ValueError(f"{path} is a damaged gzip file ({type(e).__name__}: {e}); write it again") from None
     return records
+
+
+def _one_json_document(path: str | os.PathLike) -> str | None:
+    """``"array"`` or ``"object"`` when the whole file is that one JSON value (a ``.json`` file, or a record written
+    over several lines), else ``None``."""
+    try:
+        with _open_text(path) as f:
+            value = json.loads(f.read())
+    except (ValueError, OSError, EOFError, zlib.error):
+        return None
+    return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else None
 
 
 def _open_text(path: str | os.PathLike):

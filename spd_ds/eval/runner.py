@@ -30,8 +30,9 @@ from spd_ds import builder
 from spd_ds.cli_args import repeated
 from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.decoding.cycle import GenerationResult
-from spd_ds.eval.inputs import (EvalPrompt, check_same_stages, encode_eval_prompts, fit_max_length, load_eval_records,
-                                ppsd_partition, resolve_model_name, target_view, warn_unused_prompts)
+from spd_ds.eval.inputs import (EvalPrompt, check_prompt_lengths, check_same_stages, encode_eval_prompts,
+                                fit_max_length, load_eval_records, ppsd_partition, resolve_model_name, target_view,
+                                warn_unused_prompts)
 from spd_ds.partition import StagePartition
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,8 @@ def prepare(cfg: ExperimentConfig):
         ``(cfg, arch, partition, tokenizer | None, prompts)``.
     Raises:
         ConfigError and the prompt loaders' errors (an empty prompt set, a missing head folder, PPSD head folder
-        or draft vocabulary: before the model is resolved).
+        or draft vocabulary: before the model is resolved); PromptError: a prompt too long for the context with its
+        generation (before any weight loads).
     """
     from spd_ds.models.adapter import is_random_model_dir
 
@@ -262,6 +264,7 @@ def prepare(cfg: ExperimentConfig):
     cfg.decoding.max_length = min(cfg.decoding.max_length, arch.max_positions)  # as the pipeline engine caps it
     if cfg.eval.fit_max_length:
         cfg.decoding.max_length = fit_max_length(cfg, prompts, part.num_stages)
+    check_prompt_lengths(cfg, prompts, part.num_stages, arch)  # before any weight loads (every rank alike)
     return cfg, arch, part, tok, prompts
 
 

@@ -336,7 +336,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
                                   f"{damaged_checkpoint_advice(ckpt_dir, tag)}") from None
             check_resumed_data(ckpt_dir, cs.get("data"), data_id)  # same on every rank: all raise together
             check_resumed_schedule(schedule, sched.base_lrs[0], opt.param_groups[0]["weight_decay"], tc,
-                                   total_steps, lambda msg: _say(msg, rank))
+                                   total_steps, lambda msg: _say(msg, rank), cs["step"])
             # config.yaml records what the run keeps from its checkpoint, not the overrides ignored above
             tc.lr, tc.weight_decay = float(sched.base_lrs[0]), float(opt.param_groups[0]["weight_decay"])
             tc.warmup_steps, tc.lr_stable_fraction = int(schedule.warmup), float(schedule.stable)
@@ -518,19 +518,24 @@ def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro:
           keep: int, device, elapsed_s: float = 0.0, extra: dict | None = None, identity: dict | None = None) -> None:
     """DeepSpeed checkpoint ``step<N>`` with the data position, every rank's RNG state, the run's training time so
     far (``elapsed_s``, seconds) and ``extra`` client state (the validation's best so far), and ``identity``
-    (:func:`~spd_ds.train.resume.run_identity`) in its :data:`~spd_ds.train.resume.RUN_FILE`; keep the newest
-    ``keep``."""
+    (:func:`~spd_ds.train.resume.run_identity`) in its :data:`~spd_ds.train.resume.RUN_FILE`, written before the
+    checkpoint so that ``latest`` never names a checkpoint without it; keep the newest ``keep`` of the steps up to
+    ``step`` (a later step's folder, an earlier attempt's, is left for the run to replace when it gets there)."""
     import deepspeed.comm as dist
 
     states = [None] * world
     dist.all_gather_object(states, rng_state())
     client = {"step": step, "epoch": epoch, "index": next_index, "micro": micro, "rng": states,
               "elapsed_s": float(elapsed_s), **(extra or {})}
+    if rank == 0 and identity is not None:  # whole, before DeepSpeed's `latest` names the folder (its last write): a
+        (ckpt_dir / f"step{step}").mkdir(parents=True, exist_ok=True)  # kill mid-save leaves no checkpoint without it
+        with replaced_when_done(ckpt_dir / f"step{step}" / RUN_FILE) as tmp:
+            tmp.write_text(json.dumps(identity, indent=1))
     engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client)
-    if rank == 0 and identity is not None:
-        (ckpt_dir / f"step{step}" / RUN_FILE).write_text(json.dumps(identity, indent=1))
-    if rank == 0 and keep > 0:
-        tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
+    if rank == 0 and keep > 0:  # among this run's steps so far: a later step's folder is an earlier attempt's (cut
+        # short by a kill mid-save, or left by a resume from before it), and counting it removed the one just saved
+        tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir() and p.name[4:].isdigit()
+                       and int(p.name[4:]) <= step), key=lambda p: int(p.name[4:]))
         for old in tags[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()

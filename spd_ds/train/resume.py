@@ -211,13 +211,22 @@ def check_resume(ckpt_dir: Path, identity: dict) -> None:
             predates the digest; the validation set by its resolved number of held-out micro-batches, with both
             settings when they differ: :func:`eval_batches_identity`). Checkpoints written before :data:`RUN_FILE`
             existed are not checked. A missing
-            checkpoint (:func:`check_checkpoint_files`), or a missing rank's optimizer shard
-            (:func:`check_optimizer_shards`).
+            checkpoint (:func:`check_checkpoint_files`), a :data:`RUN_FILE` that cannot be read or holds no JSON
+            object, or a missing rank's optimizer shard (:func:`check_optimizer_shards`).
     """
     check_checkpoint_files(ckpt_dir)
-    path = ckpt_dir / (ckpt_dir / "latest").read_text().strip() / RUN_FILE
+    tag = (ckpt_dir / "latest").read_text().strip()
+    path = ckpt_dir / tag / RUN_FILE
     if path.exists():
-        _check_identity(ckpt_dir, json.loads(path.read_text()), identity)
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError) as e:  # cut short or damaged on disk (a JSON or UTF-8 error is a ValueError)
+            saved = e
+        if not isinstance(saved, dict):
+            why = f"{type(saved).__name__}: {str(saved)[:120]}" if isinstance(saved, Exception) else "not an object"
+            raise ConfigError(f"{ckpt_dir / 'latest'} names checkpoint {tag!r}, whose {RUN_FILE} cannot be read "
+                              f"({why}); {damaged_checkpoint_advice(ckpt_dir, tag)}")
+        _check_identity(ckpt_dir, saved, identity)
     check_optimizer_shards(ckpt_dir, identity.get("world size"))
 
 
@@ -297,10 +306,18 @@ def _check_identity(ckpt_dir: Path, saved: dict, identity: dict) -> None:
                           "best_head> warm-starts from it)")
 
 
+def _step_of(name: str) -> int | None:
+    """The step of a checkpoint folder's name (``step<N>``), or ``None``."""
+    return int(name[4:]) if name.startswith("step") and name[4:].isdigit() else None
+
+
 def damaged_checkpoint_advice(ckpt_dir: Path, tag: str) -> str:
-    """What to do when checkpoint ``tag`` cannot be resumed: resume an earlier one, or start anew."""
-    earlier = sorted((d.name for d in ckpt_dir.glob("step*") if d.is_dir() and d.name != tag),
-                     key=lambda name: int(name[4:]) if name[4:].isdigit() else -1, reverse=True)
+    """What to do when checkpoint ``tag`` cannot be resumed: resume an earlier one (a folder of a lower step that
+    holds DeepSpeed's model file; a later step's folder is what a save cut short by a kill left), or start anew."""
+    below = _step_of(tag)
+    earlier = sorted((d.name for d in ckpt_dir.glob("step*") if d.is_dir() and d.name != tag
+                      and _step_of(d.name) is not None and (below is None or _step_of(d.name) < below)
+                      and (d / "mp_rank_00_model_states.pt").is_file()), key=_step_of, reverse=True)
     if earlier:
         return (f"resume the one before (`echo {earlier[0]} > {ckpt_dir / 'latest'}`; it holds {', '.join(earlier)}), "
                 "or start a new train.output_dir")
@@ -312,10 +329,15 @@ def check_checkpoint_files(ckpt_dir: Path) -> None:
     (DeepSpeed itself fails there with a bare AssertionError).
 
     Raises:
-        ConfigError: one line naming the checkpoint, what is missing, and what to resume instead.
+        ConfigError: one line naming the checkpoint, what is missing, and what to resume instead; or saying that
+            ``latest`` is empty (a save cut short), with the newest whole checkpoint to name in it.
     """
     tag = (ckpt_dir / "latest").read_text().strip()
     where = ckpt_dir / tag
+    if not tag:  # DeepSpeed empties the file, then writes the tag: a kill in between
+        advice = damaged_checkpoint_advice(ckpt_dir, tag).replace("the one before", "the newest whole one")
+        raise ConfigError(f"{ckpt_dir / 'latest'} is empty (a checkpoint save was cut short while writing it); "
+                          f"{advice}")
     if not where.is_dir():
         missing = "no such folder"
     elif not (where / "mp_rank_00_model_states.pt").is_file():
@@ -329,7 +351,7 @@ def check_checkpoint_files(ckpt_dir: Path) -> None:
 
 
 def check_resumed_schedule(schedule, base_lr: float, weight_decay: float, tc, total_steps: int,
-                           say) -> None:
+                           say, step: int = 0) -> None:
     """After a checkpoint is loaded: the run keeps the learning-rate schedule and optimizer settings it was saved
     with. Changed settings are ignored with one warning (through ``say``), except a longer run.
 
@@ -338,10 +360,17 @@ def check_resumed_schedule(schedule, base_lr: float, weight_decay: float, tc, to
             fraction of the run).
         base_lr, weight_decay: the restored optimizer's.
         tc: this invocation's ``TrainConfig``; total_steps: the steps it would take.
+        step: the checkpoint's optimizer step.
     Raises:
         ConfigError: ``total_steps`` above the schedule's: the learning rate reaches 0 at the schedule's end, so the
-            extra steps would not train (warm-start a new run from the head instead).
+            extra steps would not train (warm-start a new run from the head instead); or below ``step``: the run
+            would write the checkpoint's head as its final one and call it finished, though asked to stop earlier.
     """
+    if total_steps < step:
+        raise ConfigError(f"the checkpoint is at step {step}, past the {total_steps} steps train.max_steps / "
+                          "train.epochs now ask for, and a resume cannot go back: resume with the run's own settings "
+                          "(its schedule ends at step "
+                          f"{schedule.total}), or name an earlier checkpoint in checkpoints/latest")
     if total_steps > schedule.total:
         raise ConfigError(f"the run's learning-rate schedule ends at step {schedule.total} (decayed to 0); "
                           f"train.max_steps / train.epochs now ask for {total_steps} steps, which would not train. "
@@ -449,12 +478,17 @@ def stale_best_heads(out_dir: Path) -> list[Path]:
 def truncate_log(path: Path, step: int) -> None:
     """Start ``train_log.jsonl`` for a run at optimizer step ``step``: a fresh run (``step = 0``) removes it, a
     resumed one keeps the records up to its checkpoint's step, so that the steps a crash had logged after it are
-    not logged twice (a line the crash cut short is dropped too)."""
+    not logged twice (a line the crash cut short is dropped too). The kept records replace the file once written
+    whole: a write that fails (a full disk, where runs crash and are resumed) or is killed leaves the log as it was
+    (it was truncated first, and the run's history lost)."""
     if step == 0 or not path.exists():
         path.unlink(missing_ok=True)
         return
     keep = [rec for rec in read_train_log(path) if isinstance(rec.get("step"), int) and rec["step"] <= step]
-    path.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
+    from spd_ds.files import replaced_when_done
+
+    with replaced_when_done(path) as tmp:
+        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
 
 
 __all__ = ["RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "EVAL_BATCHES", "DS_STAGE", "DS_BF16", "draft_vocab_digest",
