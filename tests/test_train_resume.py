@@ -288,6 +288,40 @@ def test_a_run_from_step_0_refuses_an_earlier_runs_results(tmp_path):
                             "warm-starts from it), or remove them to train there anew")
 
 
+def test_checkpoints_without_latest_are_not_pruned_by_a_run_from_step_0(tmp_path):
+    """Whole checkpoints whose `latest` is gone (removed by hand, or lost): the run started from step 0 ('--resume:
+    no checkpoint; starting fresh') and pruned them as it saved its own, and removed best_head/. Now refused in one
+    line with the echo that resumes the newest whole one. A folder a kill cut short in the first save (no model
+    file, or a rank's optimizer shard missing) is no checkpoint: the run starts from step 0 as before."""
+    from spd_ds.train.resume import RUN_FILE, check_fresh_output, whole_checkpoints
+
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+
+    def save(step, ranks, model=True, world=2):
+        d = ck / f"step{step}"
+        d.mkdir(parents=True)
+        (d / RUN_FILE).write_text(json.dumps({"world size": world}))
+        if model:
+            (d / "mp_rank_00_model_states.pt").write_bytes(b"x")
+        for r in ranks:
+            (d / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"x")
+
+    save(4, [0], model=False)  # cut short before the model file
+    save(8, [0])  # one of two ranks' optimizer shards
+    (ck / "step.bak").mkdir()
+    assert whole_checkpoints(ck) == []
+    check_fresh_output(run, None)  # a kill in the first save: the run starts from step 0
+    save(2, [0, 1])
+    save(12, [0, 1])
+    assert whole_checkpoints(ck) == ["step12", "step2"]
+    with pytest.raises(ConfigError) as e:
+        check_fresh_output(run, None)
+    assert str(e.value) == (f"{ck} holds checkpoints (step12, step2) but no `latest` naming one; to continue the "
+                            f"newest, `echo step12 > {ck / 'latest'}` and resume (--resume); to train anew, remove "
+                            "them or set another train.output_dir")
+
+
 def test_a_resume_on_other_data_of_the_same_size_is_refused():
     """A checkpoint recorded its data by counts alone (examples, tokens, held-out records): another data set of the
     same size (one token id changed, or an answer's assistant mask) resumed without a word. The digest of the

@@ -46,14 +46,13 @@ from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
-from spd_ds.train.resume import (EVAL_BATCHES, RUN_FILE, check_fresh_output, check_resume, check_resumed_data,
-                                  check_resumed_schedule, damaged_checkpoint_advice, data_identity,
+from spd_ds.train.resume import (CHECKPOINTS, EVAL_BATCHES, RUN_FILE, check_fresh_output, check_resume,
+                                  check_resumed_data, check_resumed_schedule, damaged_checkpoint_advice, data_identity,
                                   eval_batches_identity, finished_message, finished_run,
                                   flex_kept_message, recorded_attention, rng_state, run_identity, set_rng_state,
                                   stale_best_heads, truncate_log)
 from spd_ds.train.validate import Validator, recover_best_head
 
-CHECKPOINTS = "checkpoints"
 LOG_FILE = "train_log.jsonl"
 
 

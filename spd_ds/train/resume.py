@@ -16,6 +16,7 @@ from spd_ds.config import ConfigError, ExperimentConfig
 from spd_ds.train.history import SUMMARY_FILE, read_train_log
 from spd_ds.train.validate import BEST_BACKUP, BEST_DIR, BEST_TMP, eval_batches_used
 
+CHECKPOINTS = "checkpoints"  # the run's DeepSpeed checkpoints: train.output_dir/checkpoints/step<N>, latest
 RUN_FILE = "run.json"  # in every checkpoint folder: what a resume must share with it (run_identity)
 DS_STAGE = "--deepspeed_config zero_optimization.stage"  # run_identity's keys for the head engine's DeepSpeed config
 DS_BF16 = "--deepspeed_config bf16.enabled"
@@ -438,6 +439,25 @@ def finished_run(out_dir: Path, ckpt_dir: Path, max_time_s: float | None) -> str
     return None if progress is None else finished_message(out_dir, *progress, max_time_s)
 
 
+def whole_checkpoints(ckpt_dir: Path) -> list[str]:
+    """The ``step<N>`` folders of ``ckpt_dir`` that hold a whole DeepSpeed checkpoint by their files (the model
+    states, and the optimizer shard of every rank its :data:`RUN_FILE` counts, else of one rank at least), newest
+    first. A folder a save left cut short (a kill during the run's first save) is not one: without ``latest`` the
+    run then starts from step 0."""
+    def whole(d: Path) -> bool:
+        if not (d / "mp_rank_00_model_states.pt").is_file():
+            return False
+        shards = [f.name for f in d.glob("*zero_pp_rank_*optim_states.pt")]
+        try:
+            world = int(json.loads((d / RUN_FILE).read_text()).get("world size") or 1)
+        except (OSError, ValueError, TypeError, AttributeError):  # none, or cut short: one rank's shard at least
+            world = 1
+        return all(any(f"zero_pp_rank_{r}_mp_rank_" in name for name in shards) for r in range(world))
+
+    steps = [d for d in Path(ckpt_dir).glob("step*") if d.is_dir() and _step_of(d.name) is not None]
+    return [d.name for d in sorted(steps, key=lambda d: _step_of(d.name), reverse=True) if whole(d)]
+
+
 def check_fresh_output(out_dir: Path, head_checkpoint: str | None) -> None:
     """Refuse to start a run at step 0 (no checkpoint under ``out_dir``) where an earlier run's results lie.
 
@@ -452,8 +472,15 @@ def check_fresh_output(out_dir: Path, head_checkpoint: str | None) -> None:
         head_checkpoint: ``head.checkpoint`` (``None``: none).
     Raises:
         ConfigError: one line naming what is there and what to do (another ``train.output_dir``, or remove them);
-            raised on every rank before any collective.
+            whole checkpoints without a ``latest`` naming one (:func:`whole_checkpoints`: a run from step 0 would
+            prune them), with the ``echo`` that resumes the newest; raised on every rank before any collective.
     """
+    whole = whole_checkpoints(Path(out_dir) / CHECKPOINTS)
+    if whole:  # `latest` removed (by hand, or lost): a run from step 0 would prune them as it saves its own
+        ckpt_dir = Path(out_dir) / CHECKPOINTS
+        raise ConfigError(f"{ckpt_dir} holds checkpoints ({', '.join(whole)}) but no `latest` naming one; to continue "
+                          f"the newest, `echo {whole[0]} > {ckpt_dir / 'latest'}` and resume (--resume); to train "
+                          "anew, remove them or set another train.output_dir")
     found = [name for name in (SUMMARY_FILE, "head") if (Path(out_dir) / name).exists()]
     if found:
         raise ConfigError(f"{out_dir} holds an earlier run's results ({', '.join(found)}) and no checkpoint to resume; "
@@ -491,8 +518,9 @@ def truncate_log(path: Path, step: int) -> None:
         tmp.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
 
 
-__all__ = ["RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "EVAL_BATCHES", "DS_STAGE", "DS_BF16", "draft_vocab_digest",
-           "run_identity", "eval_batches_identity", "data_identity", "check_resumed_data", "recorded_attention",
-           "flex_kept_message", "check_resume", "check_checkpoint_files", "check_optimizer_shards",
-           "damaged_checkpoint_advice", "check_resumed_schedule", "checkpoint_progress", "finished_message",
-           "finished_run", "check_fresh_output", "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]
+__all__ = ["CHECKPOINTS", "RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "EVAL_BATCHES", "DS_STAGE", "DS_BF16",
+           "draft_vocab_digest", "run_identity", "eval_batches_identity", "data_identity", "check_resumed_data",
+           "recorded_attention", "flex_kept_message", "check_resume", "check_checkpoint_files",
+           "check_optimizer_shards", "damaged_checkpoint_advice", "check_resumed_schedule", "checkpoint_progress",
+           "finished_message", "finished_run", "check_fresh_output", "whole_checkpoints", "stale_best_heads",
+           "truncate_log", "rng_state", "set_rng_state"]
