@@ -372,12 +372,12 @@ from pathlib import Path
 import torch, deepspeed
 from spd_ds.train import loop
 
-ckpt, port, identity, steps, keep, kill = sys.argv[1:]
+ckpt, port, identity, steps, keep, kill, stage = sys.argv[1:]
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 deepspeed.init_distributed("gloo")
 model = torch.nn.Linear(4, 4)
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                                  config={"train_batch_size": 1, "zero_optimization": {"stage": 2}})
+                                  config={"train_batch_size": 1, "zero_optimization": {"stage": int(stage)}})
 saved = engine.save_checkpoint
 def killed(*args, **kw):  # the kill comes just after DeepSpeed wrote the checkpoint and its `latest`
     saved(*args, **kw)
@@ -392,9 +392,10 @@ except KeyboardInterrupt:
 """
 
 
-def _save_on_one_rank(ck: Path, identity: dict, steps: list[int], keep: int = 2, kill: bool = False) -> str:
-    """The training loop's ``_save`` of ``steps`` under ``ck`` with a real DeepSpeed engine (ZeRO-2, one gloo rank,
-    a subprocess); ``kill``: a KeyboardInterrupt right after DeepSpeed's save returns. Returns its stdout."""
+def _save_on_one_rank(ck: Path, identity: dict, steps: list[int], keep: int = 2, kill: bool = False,
+                      stage: int = 2) -> str:
+    """The training loop's ``_save`` of ``steps`` under ``ck`` with a real DeepSpeed engine (ZeRO ``stage``, one gloo
+    rank, a subprocess); ``kill``: a KeyboardInterrupt right after DeepSpeed's save returns. Returns its stdout."""
     import os
     import subprocess
     import sys
@@ -404,7 +405,7 @@ def _save_on_one_rank(ck: Path, identity: dict, steps: list[int], keep: int = 2,
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", _SAVE_ON_ONE_RANK, str(ck), str(free_port()), json.dumps(identity),
-                           json.dumps(steps), str(keep), str(int(kill))],
+                           json.dumps(steps), str(keep), str(int(kill)), str(stage)],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -469,10 +470,38 @@ def test_an_empty_latest_names_the_newest_whole_checkpoint(tmp_path):
     file is empty now, and names the newest whole checkpoint (the one that save had just finished)."""
     ck = _checkpoint(tmp_path / "run", 6, 12, 1.0)
     _checkpoint(tmp_path / "run", 12, 12, 1.0)
-    (ck / "step18").mkdir()  # a later save cut short, for good measure
+    (ck / "step18").mkdir()  # a later save cut short, for good measure: the model file written, no optimizer state
+    (ck / "step18" / "mp_rank_00_model_states.pt").write_bytes(b"x")  # (it was named: following it failed again)
     (ck / "latest").write_text("")
     with pytest.raises(ConfigError) as e:
         check_resume(ck, {})
     assert str(e.value) == (f"{ck / 'latest'} is empty (a checkpoint save was cut short while writing it); resume "
                             f"the newest whole one (`echo step12 > {ck / 'latest'}`; it holds step12, step6), or "
                             "start a new train.output_dir")
+
+
+def test_a_zero_stage_0_checkpoint_is_whole_without_optimizer_shards(tmp_path):
+    """At ZeRO stage 0 DeepSpeed keeps the optimizer's state in mp_rank_00_model_states.pt and writes no
+    *optim_states.pt: every stage-0 resume was refused ('no optimizer state'), and a stage-0 run's checkpoints without
+    `latest` were not taken for whole ones (a run from step 0 pruned them). Its run.json records the stage, so a
+    ZeRO-2 save cut short after the model file still reads as cut short. A real DeepSpeed engine (one gloo rank)
+    saves at stage 0."""
+    from spd_ds.train.resume import DS_STAGE, check_fresh_output, whole_checkpoints
+
+    ck = tmp_path / "run" / "checkpoints"
+    identity = _identity(range(96), "/v/a.json", **{DS_STAGE: 0, "world size": 1})
+    _save_on_one_rank(ck, identity, [3, 6], stage=0)
+    assert not list(ck.rglob("*optim_states.pt"))
+    check_resume(ck, identity)
+    (ck / "latest").unlink()
+    assert whole_checkpoints(ck) == ["step6", "step3"]
+    with pytest.raises(ConfigError, match=r"holds checkpoints \(step6, step3\) but no `latest`"):
+        check_fresh_output(ck.parent, None)
+    stage2 = ck / "step9"  # a ZeRO-2 save cut short after the model file
+    stage2.mkdir()
+    (stage2 / RUN_FILE).write_text(json.dumps({**identity, DS_STAGE: 2}))
+    (stage2 / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    assert whole_checkpoints(ck) == ["step6", "step3"]
+    (ck / "latest").write_text("step9")
+    with pytest.raises(ConfigError, match=r"'step9', which cannot be resumed \(no optimizer state .*echo step6 >"):
+        check_resume(ck, {**identity, DS_STAGE: 2})

@@ -47,7 +47,8 @@ from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
 from spd_ds.train.resume import (CHECKPOINTS, EVAL_BATCHES, RUN_FILE, check_fresh_output, check_resume,
-                                  check_resumed_data, check_resumed_schedule, damaged_checkpoint_advice, data_identity,
+                                  check_resumed_data, check_resumed_schedule, checkpoint_step,
+                                  damaged_checkpoint_advice, data_identity,
                                   eval_batches_identity, finished_message, finished_run,
                                   flex_kept_message, recorded_attention, rng_state, run_identity, set_rng_state,
                                   stale_best_heads, truncate_log)
@@ -533,8 +534,8 @@ def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro:
     engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client)
     if rank == 0 and keep > 0:  # among this run's steps so far: a later step's folder is an earlier attempt's (cut
         # short by a kill mid-save, or left by a resume from before it), and counting it removed the one just saved
-        tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir() and p.name[4:].isdigit()
-                       and int(p.name[4:]) <= step), key=lambda p: int(p.name[4:]))
+        tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir() and checkpoint_step(p.name) is not None
+                       and checkpoint_step(p.name) <= step), key=lambda p: checkpoint_step(p.name))
         for old in tags[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()

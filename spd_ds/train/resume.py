@@ -307,22 +307,52 @@ def _check_identity(ckpt_dir: Path, saved: dict, identity: dict) -> None:
                           "best_head> warm-starts from it)")
 
 
-def _step_of(name: str) -> int | None:
-    """The step of a checkpoint folder's name (``step<N>``), or ``None``."""
-    return int(name[4:]) if name.startswith("step") and name[4:].isdigit() else None
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint folder's name (``step<N>``, N in ASCII digits), or ``None``."""
+    digits = name[4:]
+    return int(digits) if name.startswith("step") and digits.isascii() and digits.isdecimal() else None
+
+
+def _missing(where: Path) -> str | None:
+    """What checkpoint folder ``where`` lacks of a whole DeepSpeed checkpoint, by its files, or ``None``: the model
+    states, and the optimizer state (inside the model states at ZeRO stage 0, as its :data:`RUN_FILE` records; else
+    ``*optim_states.pt``, one per rank of the world its :data:`RUN_FILE` counts, or one at least without it)."""
+    if not where.is_dir():
+        return "no such folder"
+    if not (where / "mp_rank_00_model_states.pt").is_file():
+        return "no mp_rank_00_model_states.pt"
+    try:
+        saved = json.loads((where / RUN_FILE).read_text())
+    except (OSError, ValueError):  # none (older checkpoints), or cut short: one optimizer file at least
+        saved = None
+    saved = saved if isinstance(saved, dict) else {}
+    if saved.get(DS_STAGE) == 0:  # the optimizer's state is saved with the model's
+        return None
+    shards = [f.name for f in where.glob("*optim_states.pt")]
+    if not shards:
+        return "no optimizer state (*optim_states.pt)"
+    world = saved.get("world size")
+    ranks = range(world) if isinstance(world, int) and any("zero_pp_rank_" in s for s in shards) else ()
+    lost = [r for r in ranks if not any(f"zero_pp_rank_{r}_mp_rank_" in s for s in shards)]
+    return f"no optimizer state of rank {', '.join(map(str, lost))} of {world}" if lost else None
+
+
+def whole_checkpoints(ckpt_dir: Path, below: int | None = None) -> list[str]:
+    """The ``step<N>`` folders of ``ckpt_dir`` (of steps below ``below``, when given) that hold a whole DeepSpeed
+    checkpoint by their files (:func:`_missing`), newest first. A folder a kill cut short mid-save is not one."""
+    steps = [d for d in Path(ckpt_dir).glob("step*") if d.is_dir() and checkpoint_step(d.name) is not None
+             and (below is None or checkpoint_step(d.name) < below)]
+    return [d.name for d in sorted(steps, key=lambda d: checkpoint_step(d.name), reverse=True) if _missing(d) is None]
 
 
 def damaged_checkpoint_advice(ckpt_dir: Path, tag: str) -> str:
-    """What to do when checkpoint ``tag`` cannot be resumed: resume an earlier one (a folder of a lower step that
-    holds DeepSpeed's model file; a later step's folder is what a save cut short by a kill left), or start anew."""
-    below = _step_of(tag)
-    earlier = sorted((d.name for d in ckpt_dir.glob("step*") if d.is_dir() and d.name != tag
-                      and _step_of(d.name) is not None and (below is None or _step_of(d.name) < below)
-                      and (d / "mp_rank_00_model_states.pt").is_file()), key=_step_of, reverse=True)
+    """What to do when checkpoint ``tag`` cannot be resumed: resume an earlier whole one (:func:`whole_checkpoints`
+    of a lower step; a later step's folder is what a save cut short by a kill left), or start anew."""
+    earlier = [name for name in whole_checkpoints(ckpt_dir, checkpoint_step(tag)) if name != tag]
     if earlier:
         return (f"resume the one before (`echo {earlier[0]} > {ckpt_dir / 'latest'}`; it holds {', '.join(earlier)}), "
                 "or start a new train.output_dir")
-    return "start a new train.output_dir (or drop --resume)"
+    return f"start a new train.output_dir, or remove {ckpt_dir} to train there anew"
 
 
 def check_checkpoint_files(ckpt_dir: Path) -> None:
@@ -339,13 +369,8 @@ def check_checkpoint_files(ckpt_dir: Path) -> None:
         advice = damaged_checkpoint_advice(ckpt_dir, tag).replace("the one before", "the newest whole one")
         raise ConfigError(f"{ckpt_dir / 'latest'} is empty (a checkpoint save was cut short while writing it); "
                           f"{advice}")
-    if not where.is_dir():
-        missing = "no such folder"
-    elif not (where / "mp_rank_00_model_states.pt").is_file():
-        missing = "no mp_rank_00_model_states.pt"
-    elif not any(where.glob("*optim_states.pt")):
-        missing = "no optimizer state (*optim_states.pt)"
-    else:
+    missing = _missing(where)
+    if missing is None:
         return
     raise ConfigError(f"{ckpt_dir / 'latest'} names checkpoint {tag!r}, which cannot be resumed ({missing}); "
                       f"{damaged_checkpoint_advice(ckpt_dir, tag)}")
@@ -439,25 +464,6 @@ def finished_run(out_dir: Path, ckpt_dir: Path, max_time_s: float | None) -> str
     return None if progress is None else finished_message(out_dir, *progress, max_time_s)
 
 
-def whole_checkpoints(ckpt_dir: Path) -> list[str]:
-    """The ``step<N>`` folders of ``ckpt_dir`` that hold a whole DeepSpeed checkpoint by their files (the model
-    states, and the optimizer shard of every rank its :data:`RUN_FILE` counts, else of one rank at least), newest
-    first. A folder a save left cut short (a kill during the run's first save) is not one: without ``latest`` the
-    run then starts from step 0."""
-    def whole(d: Path) -> bool:
-        if not (d / "mp_rank_00_model_states.pt").is_file():
-            return False
-        shards = [f.name for f in d.glob("*zero_pp_rank_*optim_states.pt")]
-        try:
-            world = int(json.loads((d / RUN_FILE).read_text()).get("world size") or 1)
-        except (OSError, ValueError, TypeError, AttributeError):  # none, or cut short: one rank's shard at least
-            world = 1
-        return all(any(f"zero_pp_rank_{r}_mp_rank_" in name for name in shards) for r in range(world))
-
-    steps = [d for d in Path(ckpt_dir).glob("step*") if d.is_dir() and _step_of(d.name) is not None]
-    return [d.name for d in sorted(steps, key=lambda d: _step_of(d.name), reverse=True) if whole(d)]
-
-
 def check_fresh_output(out_dir: Path, head_checkpoint: str | None) -> None:
     """Refuse to start a run at step 0 (no checkpoint under ``out_dir``) where an earlier run's results lie.
 
@@ -521,6 +527,6 @@ def truncate_log(path: Path, step: int) -> None:
 __all__ = ["CHECKPOINTS", "RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "EVAL_BATCHES", "DS_STAGE", "DS_BF16",
            "draft_vocab_digest", "run_identity", "eval_batches_identity", "data_identity", "check_resumed_data",
            "recorded_attention", "flex_kept_message", "check_resume", "check_checkpoint_files",
-           "check_optimizer_shards", "damaged_checkpoint_advice", "check_resumed_schedule", "checkpoint_progress",
-           "finished_message", "finished_run", "check_fresh_output", "whole_checkpoints", "stale_best_heads",
-           "truncate_log", "rng_state", "set_rng_state"]
+           "check_optimizer_shards", "checkpoint_step", "damaged_checkpoint_advice", "check_resumed_schedule",
+           "checkpoint_progress", "finished_message", "finished_run", "check_fresh_output", "whole_checkpoints",
+           "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]
