@@ -157,3 +157,21 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_the_weights_load(tm
                             "decoding.max_new_tokens"), str(e.value)
     cfg, arch, part, tok, prompts = prepare(load_config(None, [*base, "eval.random_prompt_lengths=[502]"]))
     assert [len(p.ids) for p in prompts] == [502] and cfg.decoding.max_length == 512
+
+
+def test_the_prompt_check_of_a_ppsd_head_alone_counts_its_own_stages(tmp_path):
+    """eval.spd=false decodes with the PPSD head's partition (run_eval), not partition.num_stages: prepare() fitted
+    max_length and checked the prompts for the config's stages, so a prompt that fits the PPSD head's 2 stages was
+    refused for the config's 4 (+4 in flight)."""
+    from spd_ds.config import load_config
+    from spd_ds.eval.runner import prepare
+    from spd_ds.head import SpeculationHead
+
+    shape = make_random_shape(tmp_path)  # max_position_embeddings 512
+    ppsd = SpeculationHead(TargetArch(shape), StagePartition.build(TargetArch(shape).num_layers, 2, anchors=[0, 2]))
+    ppsd = ppsd.save(tmp_path / "ppsd-n2")
+    cfg, arch, part, tok, prompts = prepare(load_config(None, [
+        f"model.name={shape}", "eval.prompt_sets=[random]", "data.num_prompts=1", "decoding.max_new_tokens=8",
+        "eval.random_prompt_lengths=[502]", "partition.num_stages=4", "eval.spd=false",
+        f"eval.ppsd_checkpoint={ppsd}"]))
+    assert part.num_stages == 2 and list(part.anchors) == [0, 2] and cfg.decoding.max_length == 512

@@ -229,7 +229,8 @@ def prepare(cfg: ExperimentConfig):
     """Resolve the model, build arch/partition/tokenizer/prompts and make EOS and ``max_length`` explicit.
 
     Returns:
-        ``(cfg, arch, partition, tokenizer | None, prompts)``.
+        ``(cfg, arch, partition, tokenizer | None, prompts)``; the partition is the PPSD head's with ``eval.spd=false``
+        (the stages that decode: ``max_length`` is fitted and the prompts checked for them).
     Raises:
         ConfigError and the prompt loaders' errors (an empty prompt set, a missing head folder, PPSD head folder
         or draft vocabulary: before the model is resolved); PromptError: a prompt too long for the context with its
@@ -249,6 +250,8 @@ def prepare(cfg: ExperimentConfig):
         builder.check_head_inputs(cfg, ppsd=True)
     arch = builder.build_arch(cfg)
     part = builder.build_partition(cfg, arch)
+    if not cfg.eval.spd and cfg.decoding.drafter != "oracle" and cfg.eval.ppsd_checkpoint:
+        part = ppsd_partition(cfg.eval.ppsd_checkpoint, arch)  # the PPSD head alone: its stages decode (run_eval)
     random_weights = getattr(arch, "random_weights", False)
     # a folder without tokenizer files (random-weight shapes, a checkpoint saved without one) reads no text
     tok = builder.prompt_tokenizer(cfg, arch) if not random_weights and any(arch.model_dir.glob("tokenizer*")) else None
