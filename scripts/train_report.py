@@ -403,8 +403,9 @@ def main(argv=None) -> int:
             print(json.dumps(r))
             continue
         last = r.get("last", {})
+        rate = r.get("median_tokens_per_s")  # none logged: '?', not a measured 0
         print(f"{args.name or names[i]}: steps {r.get('steps')}/{r.get('total_steps')} finished={r.get('finished')} "
-              f"median {r.get('median_tokens_per_s', 0):,.0f} tok/s, loss {last.get('loss')}, "
+              f"median {'?' if rate is None else f'{rate:,.0f}'} tok/s, loss {last.get('loss')}, "
               f"agree {last.get('top1_agreement')} by fill {last.get('agreement_by_fill')}; "
               f"val {r.get('val_last')}; best {r.get('best')}")
     return 0
