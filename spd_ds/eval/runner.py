@@ -322,8 +322,7 @@ def run_eval(cfg: ExperimentConfig, *, engine: str = "auto", oracle_alphas: Sequ
     progress = cfg.eval.progress if progress is None else progress
     cfg, arch, part, tok, prompts = prepare(cfg)
     variants = spd_variants(cfg, arch, oracle_alphas)
-    if not cfg.eval.spd and cfg.decoding.drafter != "oracle":  # the PPSD head alone: the run reports its anchors
-        part = builder.build_partition(variants[0].cfg, arch)
+    if not cfg.eval.spd and cfg.decoding.drafter != "oracle":  # the PPSD head alone (prepare took its partition)
         log.info("eval.spd=false: the run takes the PPSD head's partition, %d stages %s, anchors %s",
                  part.num_stages, list(part.stage_layers), list(part.anchors))
     check_baseline_names(cfg.eval.baselines)  # (the commands check it first: here for direct callers)

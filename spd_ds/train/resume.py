@@ -253,6 +253,12 @@ def flex_kept_message(ckpt_dir: Path) -> str:
             "from it)")
 
 
+def _lost_ranks(shards: list[str], world: int) -> list[int]:
+    """The data-parallel ranks ``r < world`` without a ZeRO optimizer shard (``..zero_pp_rank_<r>_mp_rank_..``)
+    among the file names ``shards``."""
+    return [r for r in range(world) if not any(f"zero_pp_rank_{r}_mp_rank_" in name for name in shards)]
+
+
 def check_optimizer_shards(ckpt_dir: Path, world: int | None) -> None:
     """Refuse a ZeRO checkpoint that lacks one data-parallel rank's optimizer shard
     (``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` for every ``r < world``), so that every rank names the
@@ -268,7 +274,7 @@ def check_optimizer_shards(ckpt_dir: Path, world: int | None) -> None:
     shards = [f.name for f in where.glob("*zero_pp_rank_*optim_states.pt")]
     if not shards or not world:
         return
-    missing = [r for r in range(int(world)) if not any(f"zero_pp_rank_{r}_mp_rank_" in name for name in shards)]
+    missing = _lost_ranks(shards, int(world))
     if missing:
         bf16 = "bf16_" if any(name.startswith("bf16_") for name in shards) else ""
         raise ConfigError(f"{ckpt_dir / 'latest'} names checkpoint {tag!r}, which cannot be resumed (no optimizer "
@@ -332,8 +338,8 @@ def _missing(where: Path) -> str | None:
     if not shards:
         return "no optimizer state (*optim_states.pt)"
     world = saved.get("world size")
-    ranks = range(world) if isinstance(world, int) and any("zero_pp_rank_" in s for s in shards) else ()
-    lost = [r for r in ranks if not any(f"zero_pp_rank_{r}_mp_rank_" in s for s in shards)]
+    zero = isinstance(world, int) and any("zero_pp_rank_" in s for s in shards)
+    lost = _lost_ranks(shards, world) if zero else []
     return f"no optimizer state of rank {', '.join(map(str, lost))} of {world}" if lost else None
 
 
