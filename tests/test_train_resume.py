@@ -373,11 +373,12 @@ import torch, deepspeed
 from spd_ds.train import loop
 
 ckpt, port, identity, steps, keep, kill, stage = sys.argv[1:]
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+rank, world = int(os.environ.setdefault("RANK", "0")), int(os.environ.setdefault("WORLD_SIZE", "1"))
+os.environ.update(LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 deepspeed.init_distributed("gloo")
 model = torch.nn.Linear(4, 4)
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                                  config={"train_batch_size": 1, "zero_optimization": {"stage": int(stage)}})
+                                  config={"train_batch_size": world, "zero_optimization": {"stage": int(stage)}})
 saved = engine.save_checkpoint
 def killed(*args, **kw):  # the kill comes just after DeepSpeed wrote the checkpoint and its `latest`
     saved(*args, **kw)
@@ -386,7 +387,7 @@ if kill == "1":
     engine.save_checkpoint = killed
 try:
     for step in json.loads(steps):
-        loop._save(engine, Path(ckpt), step, 0, 1, 1, 0, 1, int(keep), "cpu", identity=json.loads(identity))
+        loop._save(engine, Path(ckpt), step, 0, 1, 1, rank, world, int(keep), "cpu", identity=json.loads(identity))
 except KeyboardInterrupt:
     print("killed")
 """
@@ -411,6 +412,40 @@ def _save_on_one_rank(ck: Path, identity: dict, steps: list[int], keep: int = 2,
     return proc.stdout
 
 
+def test_a_run_file_rank_0_cannot_write_stops_every_rank_before_deepspeeds_save(tmp_path):
+    """Rank 0 writes run.json before DeepSpeed's save; when that failed (a full disk, no permission) rank 0 raised
+    while the other ranks were already inside DeepSpeed's save, which they left by a lost connection (gloo) or the
+    collective timeout, never saying why. The failure now travels with the RNG states: both ranks of a real two-rank
+    gloo engine stop before the save with the same line, and no ``latest`` names the step. The write is made to fail
+    by a folder in its place."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_pipe_worker import free_port
+
+    ck = tmp_path / "run" / "checkpoints"
+    identity = _identity(range(96), "/v/a.json")
+    (ck / "step6" / RUN_FILE).mkdir(parents=True)  # os.replace onto a folder: IsADirectoryError on rank 0
+    repo = Path(__file__).resolve().parents[1]
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", _SAVE_ON_ONE_RANK, str(ck), port, json.dumps(identity), "[6]", "2", "0", "2"],
+        cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", OMP_NUM_THREADS="1",
+                 PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode != 0, f"rank {r} went on"
+        assert f"OSError: checkpoint step6 not saved: cannot write {ck / 'step6' / RUN_FILE} (" in err, err[-3000:]
+    assert not (ck / "latest").exists()
+    assert not list((ck / "step6").glob("mp_rank_*"))  # DeepSpeed never began the save
+
+
 def test_a_kill_just_after_a_checkpoint_is_saved_keeps_its_run_file(tmp_path):
     """run.json was written after DeepSpeed's save_checkpoint, which writes ``latest`` last: a kill in between left
     a latest checkpoint without it, which a resume takes for one from before run.json existed and resumes with any
@@ -425,6 +460,20 @@ def test_a_kill_just_after_a_checkpoint_is_saved_keeps_its_run_file(tmp_path):
     check_resume(ck, identity)
     with pytest.raises(ConfigError, match=r"was trained with other settings: train.seed 1 \(now 2\)"):
         check_resume(ck, {**identity, "train.seed": 2})
+
+
+def test_max_steps_below_the_checkpoints_step_is_refused_before_anything_is_built(tmp_path):
+    """A resume with train.max_steps below its checkpoint's step was refused only once the target, the data and the
+    engines were built (the check needed the restored schedule); the step is now read from the checkpoint's client
+    state before anything loads (the slow tier's test_resume_with_other_settings_is_refused runs it through the
+    launcher). train.epochs needs the data: left to the later check."""
+    from spd_ds.train.resume import check_max_steps
+
+    ck = _checkpoint(tmp_path / "run", 6, 12, 1.0)
+    with pytest.raises(ConfigError, match=r"^the checkpoint is at step 6, past the 4 steps train.max_steps"):
+        check_max_steps(ck, 4)
+    for fine in (6, 7, None):
+        check_max_steps(ck, fine)
 
 
 def test_an_earlier_attempts_later_checkpoint_does_not_crowd_out_the_one_just_saved(tmp_path):

@@ -46,12 +46,12 @@ from spd_ds.train.profiling import start_profiler, write_profile
 from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
-from spd_ds.train.resume import (CHECKPOINTS, EVAL_BATCHES, RUN_FILE, check_fresh_output, check_resume,
+from spd_ds.train.resume import (CHECKPOINTS, EVAL_BATCHES, check_fresh_output, check_max_steps, check_resume,
                                   check_resumed_data, check_resumed_schedule, checkpoint_step,
                                   damaged_checkpoint_advice, data_identity,
                                   eval_batches_identity, finished_message, finished_run,
                                   flex_kept_message, recorded_attention, rng_state, run_identity, set_rng_state,
-                                  stale_best_heads, truncate_log)
+                                  stale_best_heads, truncate_log, write_run_file)
 from spd_ds.train.validate import Validator, recover_best_head
 
 LOG_FILE = "train_log.jsonl"
@@ -201,6 +201,7 @@ def train(cfg: ExperimentConfig, ds_config="ds_configs/zero2.json", resume: bool
         if done:
             _say(done, rank_and_world()[0])
             return out_dir / "head" if rank_and_world()[0] == 0 else None  # (the process group is not started yet)
+        check_max_steps(ckpt_dir, tc.max_steps)  # the checkpoint's step, read now: one line before anything loads
 
     # 1. processes and devices
     check_sources(dc.train_files)  # a missing file is one line before any process group or model load
@@ -520,17 +521,24 @@ def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro:
     far (``elapsed_s``, seconds) and ``extra`` client state (the validation's best so far), and ``identity``
     (:func:`~spd_ds.train.resume.run_identity`) in its :data:`~spd_ds.train.resume.RUN_FILE`, written before the
     checkpoint so that ``latest`` never names a checkpoint without it; keep the newest ``keep`` of the steps up to
-    ``step`` (a later step's folder, an earlier attempt's, is left for the run to replace when it gets there)."""
+    ``step`` (a later step's folder, an earlier attempt's, is left for the run to replace when it gets there).
+
+    Raises:
+        OSError: on every rank, before any enters DeepSpeed's save, when rank 0 cannot write the run file (a full
+            disk, no permission); the newest earlier checkpoint stays ``latest``.
+    """
     import deepspeed.comm as dist
 
-    states = [None] * world
-    dist.all_gather_object(states, rng_state())
-    client = {"step": step, "epoch": epoch, "index": next_index, "micro": micro, "rng": states,
+    # run.json first (DeepSpeed writes `latest` last); its failure travels with the RNG states, so that every rank
+    # stops before the save with the cause (inside it, the other ranks met only a lost peer or the collective timeout)
+    failed = write_run_file(ckpt_dir / f"step{step}", identity) if rank == 0 and identity is not None else None
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (rng_state(), failed))
+    failed = next((f for _, f in gathered if f), None)
+    if failed:
+        raise OSError(f"checkpoint step{step} not saved: {failed}")
+    client = {"step": step, "epoch": epoch, "index": next_index, "micro": micro, "rng": [r for r, _ in gathered],
               "elapsed_s": float(elapsed_s), **(extra or {})}
-    if rank == 0 and identity is not None:  # whole, before DeepSpeed's `latest` names the folder (its last write): a
-        (ckpt_dir / f"step{step}").mkdir(parents=True, exist_ok=True)  # kill mid-save leaves no checkpoint without it
-        with replaced_when_done(ckpt_dir / f"step{step}" / RUN_FILE) as tmp:
-            tmp.write_text(json.dumps(identity, indent=1))
     engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client)
     if rank == 0 and keep > 0:  # among this run's steps so far: a later step's folder is an earlier attempt's (cut
         # short by a kill mid-save, or left by a resume from before it), and counting it removed the one just saved

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from spd_ds.config import ConfigError, ExperimentConfig
+from spd_ds.files import replaced_when_done
 from spd_ds.train.history import SUMMARY_FILE, read_train_log
 from spd_ds.train.validate import BEST_BACKUP, BEST_DIR, BEST_TMP, eval_batches_used
 
@@ -200,6 +201,23 @@ def _eval_batches_diff(old, new: dict) -> str | None:
             f"(now {new['micro_batches']}, set to {setting(new['setting'])})")
 
 
+def write_run_file(where: Path, identity: dict) -> str | None:
+    """Write ``identity`` (:func:`run_identity`) whole to ``where``/:data:`RUN_FILE` (a checkpoint folder, made if
+    missing), before DeepSpeed saves into it: a kill mid-save then leaves no checkpoint named by ``latest`` without it.
+
+    Returns:
+        ``None``, or what went wrong in one line with what to do (a full disk, no permission), for the caller to
+        share with the other ranks before any of them enters DeepSpeed's save.
+    """
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with replaced_when_done(where / RUN_FILE) as tmp:
+            tmp.write_text(json.dumps(identity, indent=1))
+    except OSError as e:
+        return f"cannot write {where / RUN_FILE} ({e.strerror or e}); free space or fix permissions, then resume"
+    return None
+
+
 def check_resume(ckpt_dir: Path, identity: dict) -> None:
     """Refuse to resume the newest checkpoint under ``ckpt_dir`` with settings other than its run's.
 
@@ -382,6 +400,26 @@ def check_checkpoint_files(ckpt_dir: Path) -> None:
                       f"{damaged_checkpoint_advice(ckpt_dir, tag)}")
 
 
+def _past_checkpoint(step: int, total_steps: int, schedule_total: int) -> str:
+    return (f"the checkpoint is at step {step}, past the {total_steps} steps train.max_steps / train.epochs now ask "
+            f"for, and a resume cannot go back: resume with the run's own settings (its schedule ends at step "
+            f"{schedule_total}), or name an earlier checkpoint in checkpoints/latest")
+
+
+def check_max_steps(ckpt_dir: Path, max_steps: int | None) -> None:
+    """Before any model, data or engine is built: refuse ``train.max_steps`` below the step of the checkpoint being
+    resumed (:func:`checkpoint_progress`), the one case of :func:`check_resumed_schedule`'s that needs no data
+    (``train.epochs`` needs the tokenized data, and is checked there).
+
+    Raises:
+        ConfigError: ``max_steps`` below the checkpoint's step (the run would write the checkpoint's head as its
+            final one and call it finished, though asked to stop earlier).
+    """
+    progress = checkpoint_progress(ckpt_dir) if max_steps is not None else None
+    if progress is not None and max_steps < progress[0]:
+        raise ConfigError(_past_checkpoint(progress[0], max_steps, progress[1]))
+
+
 def check_resumed_schedule(schedule, base_lr: float, weight_decay: float, tc, total_steps: int,
                            say, step: int = 0) -> None:
     """After a checkpoint is loaded: the run keeps the learning-rate schedule and optimizer settings it was saved
@@ -399,10 +437,7 @@ def check_resumed_schedule(schedule, base_lr: float, weight_decay: float, tc, to
             would write the checkpoint's head as its final one and call it finished, though asked to stop earlier.
     """
     if total_steps < step:
-        raise ConfigError(f"the checkpoint is at step {step}, past the {total_steps} steps train.max_steps / "
-                          "train.epochs now ask for, and a resume cannot go back: resume with the run's own settings "
-                          "(its schedule ends at step "
-                          f"{schedule.total}), or name an earlier checkpoint in checkpoints/latest")
+        raise ConfigError(_past_checkpoint(step, total_steps, schedule.total))
     if total_steps > schedule.total:
         raise ConfigError(f"the run's learning-rate schedule ends at step {schedule.total} (decayed to 0); "
                           f"train.max_steps / train.epochs now ask for {total_steps} steps, which would not train. "
@@ -524,15 +559,13 @@ def truncate_log(path: Path, step: int) -> None:
         path.unlink(missing_ok=True)
         return
     keep = [rec for rec in read_train_log(path) if isinstance(rec.get("step"), int) and rec["step"] <= step]
-    from spd_ds.files import replaced_when_done
-
     with replaced_when_done(path) as tmp:
         tmp.write_text("".join(json.dumps(rec) + "\n" for rec in keep))  # as the loop writes them
 
 
 __all__ = ["CHECKPOINTS", "RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "EVAL_BATCHES", "DS_STAGE", "DS_BF16",
            "draft_vocab_digest", "run_identity", "eval_batches_identity", "data_identity", "check_resumed_data",
-           "recorded_attention", "flex_kept_message", "check_resume", "check_checkpoint_files",
+           "recorded_attention", "flex_kept_message", "write_run_file", "check_resume", "check_checkpoint_files",
            "check_optimizer_shards", "checkpoint_step", "damaged_checkpoint_advice", "check_resumed_schedule",
-           "checkpoint_progress", "finished_message", "finished_run", "check_fresh_output", "whole_checkpoints",
-           "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]
+           "checkpoint_progress", "check_max_steps", "finished_message", "finished_run", "check_fresh_output",
+           "whole_checkpoints", "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]
