@@ -164,6 +164,15 @@ def test_load_prompts_normalises_plain_jsonl(tmp_path):
     pretty.write_text(json.dumps({"turns": ["What is 2+2?"]}, indent=2))
     with pytest.raises(ValueError, match=r"is one JSON object over several lines, not JSON lines; .* jq -c '\.' "):
         load_prompts(pretty)
+    # `jq . FILE.jsonl` (no -c): records one after another, each over several lines; was "not JSON" at line 1
+    pretty.write_text("".join(json.dumps({"turns": [t]}, indent=2) + "\n" for t in ("Hi", "Bye")))
+    with pytest.raises(ValueError) as e:
+        load_prompts(pretty)
+    assert str(e.value) == (f"{pretty} is JSON objects over several lines, not JSON lines; write each record on a "
+                            "line of its own ({\"turns\": [\"...\"]} a line: jq -c '.' FILE > FILE.jsonl)")
+    pretty.write_text('{"turns": [\n"a"]}\n[1]\n')  # not all records: no advice to keep them as they are
+    with pytest.raises(ValueError, match=r"pretty.json:1: not JSON \(.*\); give one JSON object per line$"):
+        load_prompts(pretty)
     pretty.write_text('{"turns": ["a"]}\n{"turns": [\n')  # a bad line after good ones: named by its number
     with pytest.raises(ValueError, match=r"pretty.json:2: not JSON \(.*\); give one JSON object per line$"):
         load_prompts(pretty)

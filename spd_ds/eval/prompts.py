@@ -26,6 +26,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 import shutil
 import zlib
 from dataclasses import dataclass
@@ -156,8 +157,8 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
 
     Raises:
         ValueError: a line is not JSON, has no usable turns or an empty (whitespace-only) turn; one line naming
-            ``path:line`` and the record's index. The file is one JSON array or object over several lines (not JSON
-            lines), is not UTF-8 text, or is a damaged gzip file.
+            ``path:line`` and the record's index. The file is JSON over several lines (one array or object, or records
+            written over several lines each), is not UTF-8 text, or is a damaged gzip file.
     """
     records: list[dict] = []
     try:
@@ -170,11 +171,11 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    whole = None if records else _one_json_document(path)  # a .json file, or one pretty-printed
+                    whole = None if records else _json_documents(path)  # a .json file, or pretty-printed
                     if whole is not None:
-                        raise ValueError(f"{path} is one JSON {whole} over several lines, not JSON lines; write "
+                        raise ValueError(f"{path} is {whole} over several lines, not JSON lines; write "
                                          "each record on a line of its own ({\"turns\": [\"...\"]} a line: "
-                                         f"jq -c '{'.[]' if whole == 'array' else '.'}' FILE > FILE.jsonl)") from None
+                                         f"jq -c '{'.[]' if 'array' in whole else '.'}' FILE > FILE.jsonl)") from None
                     raise ValueError(f"{path}:{lineno}: not JSON ({e.msg}); give one JSON object per line") from None
                 try:
                     records.append(_normalize(rec, len(records)))
@@ -187,15 +188,27 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
     return records
 
 
-def _one_json_document(path: str | os.PathLike) -> str | None:
-    """``"array"`` or ``"object"`` when the whole file is that one JSON value (a ``.json`` file, or a record written
-    over several lines), else ``None``."""
+def _json_documents(path: str | os.PathLike) -> str | None:
+    """What the whole file is when it is JSON but not JSON lines: ``"one JSON array"`` or ``"one JSON object"`` (a
+    ``.json`` file, or a record written over several lines), ``"JSON objects"`` (several records, each written over
+    several lines: ``jq`` without ``-c``); else ``None``."""
     try:
         with _open_text(path) as f:
-            value = json.loads(f.read())
+            text = f.read()
     except (ValueError, OSError, EOFError, zlib.error):
         return None
-    return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else None
+    values, decoder, space = [], json.JSONDecoder(), re.compile(r"\s*")
+    at = space.match(text).end()
+    while at < len(text):  # one value after another, whitespace between
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        values.append(value)
+        at = space.match(text, at).end()
+    if len(values) == 1 and isinstance(values[0], (list, dict)):
+        return f"one JSON {'array' if isinstance(values[0], list) else 'object'}"
+    return "JSON objects" if len(values) > 1 and all(isinstance(v, dict) for v in values) else None
 
 
 def _open_text(path: str | os.PathLike):
