@@ -23,6 +23,10 @@
 # the data are the same as alone, only the wall time differs. Measured (sixteenth session): w2+w3 took 537 s of
 # steps together against 539 s one after the other, so a pair saves only the second start (~35 s of model load).
 # Alone on one H200 a continuation takes about 310 s (n = 2), 400 s (n = 3), 450 s (n = 4), 600 s (n = 6).
+# The runs of one base share one torch.compile cache (train.compile_cache): a head alone in its item starts from
+# $WORK/compile_cache/train_<base>.bin (an earlier run of the chain's) or the carried
+# runs/compile_cache/train_<base>.bin, and leaves its own there, which `wait` and `fetch` return; unpack them into
+# runs/compile_cache/ and carry that folder with `start` on the next fresh machine.
 # Knobs: WORK (/root/spd_work), REPO (/root/spd_repo), STEPS (3600), LR (5.0e-4), SPD_TRAIN_DATA
 # (runs/train_data/sharegpt.jsonl.gz, carried), DRY=1 (`start` prints the chain script instead of starting it).
 # On the GPU machine, after `source .devkit/on_device.sh` (the kit: docs/training.md "SmolLM2 heads on a GPU").
@@ -51,6 +55,10 @@ declare -A IS_SRC=()  # heads that are another head's warm start: their best hea
 for w in "${!SRC[@]}"; do IS_SRC[${SRC[$w]}]=1; done
 RECIPE="head.lm_head_from_target=true head.tower_init_layer=-1 train.lr_stable_fraction=0.6 train.warmup_steps=50"
 
+base_of() {  # a head's base: s2 w2 x2 -> 2, s2l2 e2l2 -> 2l2, p3 wp3 -> p3
+  if [[ -n "${BASE_SHAPE[$1]:-}" ]]; then echo "$1"; else echo "${1:1}"; fi
+}
+
 chain_script() {  # the detached job: one gpu_train_session.sh per item (a head, or heads joined by +), own OUT each
   echo "cd $REPO"
   echo "[ -f .devkit/on_device.sh ] && source .devkit/on_device.sh"
@@ -67,7 +75,13 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
       variants+="${variants:+ }$name:${SHAPE[$name]},head.checkpoint=$warm,train.lr=${LR:-5.0e-4},train.max_steps=${STEPS:-3600}"
       echo "for i in \$(seq 360); do [ -f $warm/head.safetensors ] && break; sleep 5; done"
     done
-    local out=$WORK/out_${item//+/_}
+    local out=$WORK/out_${item//+/_} base=""
+    [[ $item != *+* ]] && base=$(base_of "$item")
+    if [[ -n $base ]]; then  # the base's compile cache (this chain's, else carried in) under the run's own name
+      local mine=runs/compile_cache/train_$item.bin
+      echo "mkdir -p runs/compile_cache; for c in $WORK/compile_cache/train_$base.bin" \
+           "runs/compile_cache/train_$base.bin; do if [ -f \$c ] && [ ! -f $mine ]; then cp \$c $mine; fi; done"
+    fi
     echo "mkdir -p $out; echo \"[\$(date +%T)] train $item\""
     echo "OUT=$out WORK=$WORK SPD_TRAIN_DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt.jsonl.gz}" \
          "TRAIN_SECONDS=1500 SESSION_SECONDS=1500 ${seq:+SEQUENTIAL=1 }VARIANTS=\"$variants\" EXTRA=\"$RECIPE\" FETCH=1" \
@@ -77,7 +91,11 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
       echo "[ -f $WORK/heads/$name/best_head/head.safetensors ] && mkdir -p $WORK/warm && rm -rf $WORK/warm/$name &&" \
            "cp -r $WORK/heads/$name/best_head $WORK/warm/$name"
     done
-    echo "rm -f $out/compile_cache.tgz.part-*  # not needed back"
+    echo "rm -f $out/compile_cache.tgz.part-*  # not needed back (the base's is: compile_cache/ below)"
+    if [[ -n $base ]]; then
+      echo "if [ -f runs/compile_cache/train_$item.bin ]; then mkdir -p $WORK/compile_cache &&" \
+           "cp runs/compile_cache/train_$item.bin $WORK/compile_cache/train_$base.bin; fi"
+    fi
   done
   echo "echo \"[\$(date +%T)] CHAIN DONE\""
 }
@@ -110,7 +128,8 @@ case "${1:-}" in
     for f in "$WORK"/heads/*/train_log.jsonl; do [[ -f $f ]] && { echo "== $f"; tail -1 "$f" | cut -c1-300; }; done
     bash "$0" fetch ;;
   fetch)
-    OUT=${OUT:?set OUT} bash "$HERE/scripts/gpu_collect.sh" "$WORK" 'out_*/heads.tgz.part-*' 'out_*/log.txt' 'heads.log'
+    OUT=${OUT:?set OUT} bash "$HERE/scripts/gpu_collect.sh" "$WORK" 'out_*/heads.tgz.part-*' 'out_*/log.txt' \
+      'heads.log' 'compile_cache/train_*.bin'
     ls -la "$OUT" ;;
   *)
     echo "usage: gpu_continue_heads.sh start | warm | wait [SECONDS] | fetch" >&2; exit 2 ;;

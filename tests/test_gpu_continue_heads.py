@@ -124,3 +124,29 @@ def test_any_head_continues_run_after_run_by_letter(tmp_path):
     assert not any(f"heads/h4/best_head {work}/warm" in x for x in lines)  # the 13th run: the last letter
     r = _run(tmp_path, "start", CHAIN="i2", DRY="1")
     assert r.returncode == 2 and "unknown head 'i2'" in r.stderr and "letters w x y z" in r.stderr
+
+
+def test_the_runs_of_one_base_share_its_compile_cache(tmp_path):
+    """Each run trains under its own name, and so compiled from nothing on every fresh machine (train_<name>.bin):
+    a head alone in its item now starts from its base's cache, the chain's newest (WORK) before a carried one, and
+    leaves its own there for the next run and for `fetch`. The chain's cache lines are run here in a scratch tree."""
+    lines, train, work = _dry_chain(tmp_path, "w6 x6 w2+w3")
+    cache = [x for x in lines if "compile_cache/train_" in x and "gpu_train_session.sh" not in x]
+    assert len(cache) == 4 and not any("train_w2" in x or "train_w3" in x for x in cache)  # a group: its own
+    before_w6, after_w6, before_x6, after_x6 = cache
+    assert lines.index(before_w6) < lines.index(train[0]) < lines.index(after_w6) < lines.index(before_x6)
+    tree = tmp_path / "tree"
+    (tree / "runs" / "compile_cache").mkdir(parents=True)
+    (tree / "runs" / "compile_cache" / "train_6.bin").write_text("carried")
+
+    def run(line):
+        assert subprocess.run(["bash", "-c", line], cwd=tree, timeout=30).returncode == 0
+
+    run(before_w6)
+    assert (tree / "runs" / "compile_cache" / "train_w6.bin").read_text() == "carried"
+    (tree / "runs" / "compile_cache" / "train_w6.bin").write_text("w6's")  # what the run saved
+    run(after_w6)
+    assert (work / "compile_cache" / "train_6.bin").read_text() == "w6's"
+    run(before_x6)  # the chain's newest, not the carried one
+    assert (tree / "runs" / "compile_cache" / "train_x6.bin").read_text() == "w6's"
+    assert "'compile_cache/train_*.bin'" in SCRIPT.read_text()  # returned by wait / fetch
