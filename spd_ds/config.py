@@ -9,6 +9,7 @@ unknown key names the valid keys of its section. The value checks that need no m
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import io
 import os
 import typing
@@ -280,6 +281,25 @@ class ExperimentConfig:
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}
 
 
+def _did_you_mean(path: Sequence[str]) -> str:
+    """`` (did you mean 'train.lr'?)`` for an unknown ``section.key`` (``path``): a close spelling of the section or
+    of a key of it, else the same key in another section (``head.anchors``: ``partition.anchors``); else ``""``."""
+    keys = {f.name: [g.name for g in dataclasses.fields(f.default_factory)]
+            for f in dataclasses.fields(ExperimentConfig)}
+    if not path or len(path) > 2:
+        return ""
+    if path[0] not in keys:  # a misspelled section (moddel.name), or a key at the top of a file (its own message)
+        close = difflib.get_close_matches(path[0], list(keys), n=1, cutoff=0.75)
+        return f" (did you mean {'.'.join([close[0], *path[1:]])!r}?)" if close else ""
+    if len(path) == 1:
+        return ""
+    close = difflib.get_close_matches(path[1], keys[path[0]], n=1, cutoff=0.75)
+    if close:
+        return f" (did you mean '{path[0]}.{close[0]}'?)"
+    other = next((sec for sec in keys if path[1] in keys[sec]), None)
+    return f" (did you mean '{other}.{path[1]}'?)" if other else ""
+
+
 def _valid_keys(path: Sequence[str]) -> str:
     if not path or path[0] not in _SECTIONS:
         homes = [f.name for f in dataclasses.fields(ExperimentConfig)
@@ -377,7 +397,8 @@ def load_config(path: str | os.PathLike | DictConfig | None = None, overrides: S
             base = OmegaConf.merge(base, parsed)
     except (ConfigKeyError, ConfigAttributeError) as e:
         key = getattr(e, "full_key", None) or str(e)
-        raise ConfigError(f"unknown config key {key!r}; {_valid_keys(str(key).split('.'))}") from None
+        path = str(key).split(".")
+        raise ConfigError(f"unknown config key {key!r}{_did_you_mean(path)}; {_valid_keys(path)}") from None
     except OmegaConfBaseException as e:
         msg, key = str(e).splitlines()[0], getattr(e, "full_key", "?")
         if msg.startswith("Incompatible value 'None'") or msg.endswith("is not Optional"):  # `key=`, `key:` + nothing

@@ -25,6 +25,19 @@ def test_unknown_key_names_valid_keys():
         load_config(None, ["pipeline.num_stages=2"])
 
 
+def test_an_unknown_key_names_the_likely_one():
+    """A misspelled key or section, or a key given under the wrong section, is named first (the list of valid keys
+    follows); a name like none gets the list alone."""
+    for given, meant in (("train.lrr", "train.lr"), ("decoding.temprature", "decoding.temperature"),
+                         ("head.anchors", "partition.anchors"), ("trian.lr", "train"), ("moddel.name", "model")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"{given}=1"])
+        assert f" (did you mean '{meant}'?); " in str(e.value), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.bogus=1"])
+    assert str(e.value).startswith("unknown config key 'train.bogus'; valid keys of train: output_dir,")
+
+
 def test_unknown_key_in_yaml_file(tmp_path):
     f = tmp_path / "x.yaml"
     f.write_text("decoding:\n  max_tokens: 3\n")
@@ -335,7 +348,7 @@ def test_a_section_that_is_not_a_mapping_is_named_and_an_empty_one_keeps_its_def
     assert cfg.decoding.temperature == 0.0 and cfg.head.placement == "dedicated"
     typo = tmp_path / "typo.yaml"
     typo.write_text("moddel:\n#  name: x\n")  # a misspelled section stays an error even when it is empty
-    with pytest.raises(ConfigError, match="unknown config key 'moddel'; sections: model, "):
+    with pytest.raises(ConfigError, match=r"unknown config key 'moddel' \(did you mean 'model'\?\); sections: model, "):
         load_config(typo)
 
 

@@ -121,7 +121,8 @@ def test_bad_stop_list_under_the_launcher_is_one_line_on_every_rank(smollm2_dir)
 def test_unknown_key_is_a_one_line_error():
     r = run([sys.executable, "launch/infer.py", "--config", str(CONFIG), "partition.stages=3"])
     assert r.returncode == 2
-    assert "unknown config key 'partition.stages'; valid keys of partition: num_stages" in r.stderr
+    assert ("unknown config key 'partition.stages' (did you mean 'partition.num_stages'?); valid keys of partition: "
+            "num_stages") in r.stderr
 
 
 def test_num_prompts_override_beside_prompt_is_a_one_line_error(tmp_path):
