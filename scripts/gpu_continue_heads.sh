@@ -25,8 +25,9 @@
 # Alone on one H200 a continuation takes about 310 s (n = 2), 400 s (n = 3), 450 s (n = 4), 600 s (n = 6).
 # The runs of one base share one torch.compile cache (train.compile_cache): a head alone in its item starts from
 # $WORK/compile_cache/train_<base>.bin (an earlier run of the chain's) or the carried
-# runs/compile_cache/train_<base>.bin, and leaves its own there, which `wait` and `fetch` return; unpack them into
-# runs/compile_cache/ and carry that folder with `start` on the next fresh machine.
+# runs/compile_cache/train_<base>.bin, and leaves its own there, which `wait` and `fetch` return (as
+# compile_cache/train_<base>.bin in collect_<N>.tgz: `tar xzf - -C runs compile_cache/` puts them in
+# runs/compile_cache/); carry that folder with `start` on the next fresh machine.
 # Knobs: WORK (/root/spd_work), REPO (/root/spd_repo), STEPS (3600), LR (5.0e-4), SPD_TRAIN_DATA
 # (runs/train_data/sharegpt.jsonl.gz, carried), DRY=1 (`start` prints the chain script instead of starting it).
 # On the GPU machine, after `source .devkit/on_device.sh` (the kit: docs/training.md "SmolLM2 heads on a GPU").

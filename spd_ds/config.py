@@ -283,7 +283,8 @@ _SECTIONS = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}
 
 def _did_you_mean(path: Sequence[str]) -> str:
     """`` (did you mean 'train.lr'?)`` for an unknown ``section.key`` (``path``): a close spelling of the section or
-    of a key of it, else the same key in another section (``head.anchors``: ``partition.anchors``); else ``""``."""
+    of a key of it (case aside), else the same key in the other sections that have it (``head.anchors``:
+    ``partition.anchors``; ``head.seed``: ``decoding.seed`` or ``train.seed``); else ``""``."""
     keys = {f.name: [g.name for g in dataclasses.fields(f.default_factory)]
             for f in dataclasses.fields(ExperimentConfig)}
     if not path or len(path) > 2:
@@ -293,11 +294,12 @@ def _did_you_mean(path: Sequence[str]) -> str:
         return f" (did you mean {'.'.join([close[0], *path[1:]])!r}?)" if close else ""
     if len(path) == 1:
         return ""
-    close = difflib.get_close_matches(path[1], keys[path[0]], n=1, cutoff=0.75)
+    lower = {k.lower(): k for k in keys[path[0]]}  # train.LR, train.Lr: lr
+    close = difflib.get_close_matches(path[1].lower(), list(lower), n=1, cutoff=0.75)
     if close:
-        return f" (did you mean '{path[0]}.{close[0]}'?)"
-    other = next((sec for sec in keys if path[1] in keys[sec]), None)
-    return f" (did you mean '{other}.{path[1]}'?)" if other else ""
+        return f" (did you mean '{path[0]}.{lower[close[0]]}'?)"
+    others = [f"'{sec}.{path[1]}'" for sec in keys if path[1] in keys[sec]]  # each one: seed (decoding, train)
+    return f" (did you mean {' or '.join(others)}?)" if others else ""
 
 
 def _valid_keys(path: Sequence[str]) -> str:

@@ -38,6 +38,17 @@ def test_an_unknown_key_names_the_likely_one():
     assert str(e.value).startswith("unknown config key 'train.bogus'; valid keys of train: output_dir,")
 
 
+def test_an_unknown_key_of_several_sections_names_each_and_case_is_no_typo():
+    """``seed`` is decoding's and train's: ``head.seed`` named ``decoding.seed`` alone (the first section holding it),
+    though ``data.seed`` is more likely ``train.seed``; a key that differs only in case (``train.LR``) named none."""
+    for given, meant in (("head.seed", "'decoding.seed' or 'train.seed'"),
+                         ("data.output_dir", "'train.output_dir' or 'eval.output_dir'"),
+                         ("train.LR", "'train.lr'"), ("model.Name", "'model.name'")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"{given}=1"])
+        assert f" (did you mean {meant}?); " in str(e.value), str(e.value)
+
+
 def test_unknown_key_in_yaml_file(tmp_path):
     f = tmp_path / "x.yaml"
     f.write_text("decoding:\n  max_tokens: 3\n")

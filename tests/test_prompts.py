@@ -168,8 +168,15 @@ def test_load_prompts_normalises_plain_jsonl(tmp_path):
     pretty.write_text("".join(json.dumps({"turns": [t]}, indent=2) + "\n" for t in ("Hi", "Bye")))
     with pytest.raises(ValueError) as e:
         load_prompts(pretty)
-    assert str(e.value) == (f"{pretty} is JSON objects over several lines, not JSON lines; write each record on a "
-                            "line of its own ({\"turns\": [\"...\"]} a line: jq -c '.' FILE > FILE.jsonl)")
+    assert str(e.value) == (f"{pretty} is several JSON objects, not one per line (pretty-printed: jq without -c?); "
+                            "write each record on a line of its own ({\"turns\": [\"...\"]} a line: jq -c '.' FILE > "
+                            "FILE.jsonl)")
+    pretty.write_text('{"turns": ["a"]} {"turns": ["b"]}\n')  # two on one line: not "over several lines"
+    with pytest.raises(ValueError, match=r"is several JSON objects, not one per line .* jq -c '\.' "):
+        load_prompts(pretty)
+    pretty.write_text('{"turns": [\n"a"]}\u00a0{"turns": ["b"]}\n', encoding="utf-8")  # no JSON whitespace: jq fails
+    with pytest.raises(ValueError, match=r"pretty.json:1: not JSON \(.*\); give one JSON object per line$"):
+        load_prompts(pretty)
     pretty.write_text('{"turns": [\n"a"]}\n[1]\n')  # not all records: no advice to keep them as they are
     with pytest.raises(ValueError, match=r"pretty.json:1: not JSON \(.*\); give one JSON object per line$"):
         load_prompts(pretty)

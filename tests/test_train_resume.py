@@ -476,6 +476,20 @@ def test_max_steps_below_the_checkpoints_step_is_refused_before_anything_is_buil
         check_max_steps(ck, fine)
 
 
+def test_the_train_loop_checks_max_steps_before_it_reads_the_data(tmp_path):
+    """The early check is the loop's, not only a function's: a resume with train.max_steps below the checkpoint's step
+    stops on it before the training files are looked at (without the call: the missing file's error instead)."""
+    from spd_ds.config import load_config
+    from spd_ds.train import loop
+
+    run = tmp_path / "run"
+    _checkpoint(run, 6, 12, 1.0)
+    cfg = load_config(None, [f"train.output_dir={run}", "train.max_steps=4",
+                             f"data.train_files=[{tmp_path / 'missing.jsonl'}]"])
+    with pytest.raises(ConfigError, match=r"^the checkpoint is at step 6, past the 4 steps train.max_steps"):
+        loop.train(cfg, str(Path(__file__).resolve().parents[1] / "ds_configs" / "zero2.json"), resume=True)
+
+
 def test_an_earlier_attempts_later_checkpoint_does_not_crowd_out_the_one_just_saved(tmp_path):
     """A kill while step 12 was being saved leaves a step12 folder cut short (``latest`` still names step6). The
     resumed run pauses at step 9 (train.session_time_s, train.max_time_s) and saves step9: with

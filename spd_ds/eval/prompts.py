@@ -173,7 +173,7 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
                 except json.JSONDecodeError as e:
                     whole = None if records else _json_documents(path)  # a .json file, or pretty-printed
                     if whole is not None:
-                        raise ValueError(f"{path} is {whole} over several lines, not JSON lines; write "
+                        raise ValueError(f"{path} is {whole}; write "
                                          "each record on a line of its own ({\"turns\": [\"...\"]} a line: "
                                          f"jq -c '{'.[]' if 'array' in whole else '.'}' FILE > FILE.jsonl)") from None
                     raise ValueError(f"{path}:{lineno}: not JSON ({e.msg}); give one JSON object per line") from None
@@ -189,15 +189,16 @@ def read_jsonl_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
 
 
 def _json_documents(path: str | os.PathLike) -> str | None:
-    """What the whole file is when it is JSON but not JSON lines: ``"one JSON array"`` or ``"one JSON object"`` (a
-    ``.json`` file, or a record written over several lines), ``"JSON objects"`` (several records, each written over
-    several lines: ``jq`` without ``-c``); else ``None``."""
+    """What the whole file is when it is JSON but not JSON lines: ``"one JSON array over several lines, ..."`` or
+    ``"one JSON object over several lines, ..."`` (a ``.json`` file, or a record written over several lines),
+    ``"several JSON objects, not one per line ..."`` (records written over several lines each, ``jq`` without ``-c``,
+    or several on one line); else ``None``. Only JSON's own whitespace may stand between them, as for ``jq``."""
     try:
         with _open_text(path) as f:
             text = f.read()
     except (ValueError, OSError, EOFError, zlib.error):
         return None
-    values, decoder, space = [], json.JSONDecoder(), re.compile(r"\s*")
+    values, decoder, space = [], json.JSONDecoder(), re.compile(r"[ \t\n\r]*")  # JSON's whitespace, as jq's
     at = space.match(text).end()
     while at < len(text):  # one value after another, whitespace between
         try:
@@ -207,8 +208,9 @@ def _json_documents(path: str | os.PathLike) -> str | None:
         values.append(value)
         at = space.match(text, at).end()
     if len(values) == 1 and isinstance(values[0], (list, dict)):
-        return f"one JSON {'array' if isinstance(values[0], list) else 'object'}"
-    return "JSON objects" if len(values) > 1 and all(isinstance(v, dict) for v in values) else None
+        return f"one JSON {'array' if isinstance(values[0], list) else 'object'} over several lines, not JSON lines"
+    return ("several JSON objects, not one per line (pretty-printed: jq without -c?)"
+            if len(values) > 1 and all(isinstance(v, dict) for v in values) else None)
 
 
 def _open_text(path: str | os.PathLike):
