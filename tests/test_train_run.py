@@ -205,7 +205,7 @@ def test_resume_with_other_settings_is_refused(run_a, setup, tmp_path):
     # before the checkpoint's step: it trained nothing and wrote step 6's head as the final one, 'finished'
     proc = _launch(cfg, "--resume", "train.max_steps=4")
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "the checkpoint is at step 6, past the 4 steps train.max_steps / train.epochs now ask for" in proc.stderr
+    assert "train.max_steps=4 is below the checkpoint's step 6, and a resume cannot go back" in proc.stderr
     run = cfg.parent / "run"
     assert not (run / "head").exists() and not (run / "train_summary.json").exists()
     (tmp_path / "afile").write_text("x")

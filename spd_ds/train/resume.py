@@ -214,7 +214,8 @@ def write_run_file(where: Path, identity: dict) -> str | None:
         with replaced_when_done(where / RUN_FILE) as tmp:
             tmp.write_text(json.dumps(identity, indent=1))
     except OSError as e:
-        return f"cannot write {where / RUN_FILE} ({e.strerror or e}); free space or fix permissions, then resume"
+        return (f"cannot write {where / RUN_FILE} ({e.strerror or e}); fix the cause (a full disk, no permission), "
+                "then resume (--resume continues from the checkpoint before)")
     return None
 
 
@@ -400,12 +401,6 @@ def check_checkpoint_files(ckpt_dir: Path) -> None:
                       f"{damaged_checkpoint_advice(ckpt_dir, tag)}")
 
 
-def _past_checkpoint(step: int, total_steps: int, schedule_total: int) -> str:
-    return (f"the checkpoint is at step {step}, past the {total_steps} steps train.max_steps / train.epochs now ask "
-            f"for, and a resume cannot go back: resume with the run's own settings (its schedule ends at step "
-            f"{schedule_total}), or name an earlier checkpoint in checkpoints/latest")
-
-
 def check_max_steps(ckpt_dir: Path, max_steps: int | None) -> None:
     """Before any model, data or engine is built: refuse ``train.max_steps`` below the step of the checkpoint being
     resumed (:func:`checkpoint_progress`), the one case of :func:`check_resumed_schedule`'s that needs no data
@@ -417,7 +412,9 @@ def check_max_steps(ckpt_dir: Path, max_steps: int | None) -> None:
     """
     progress = checkpoint_progress(ckpt_dir) if max_steps is not None else None
     if progress is not None and max_steps < progress[0]:
-        raise ConfigError(_past_checkpoint(progress[0], max_steps, progress[1]))
+        raise ConfigError(f"train.max_steps={max_steps} is below the checkpoint's step {progress[0]}, and a resume "
+                          f"cannot go back: resume with the run's own settings (its schedule ends at step "
+                          f"{progress[1]}), or name an earlier checkpoint in checkpoints/latest")
 
 
 def check_resumed_schedule(schedule, base_lr: float, weight_decay: float, tc, total_steps: int,
@@ -437,7 +434,10 @@ def check_resumed_schedule(schedule, base_lr: float, weight_decay: float, tc, to
             would write the checkpoint's head as its final one and call it finished, though asked to stop earlier.
     """
     if total_steps < step:
-        raise ConfigError(_past_checkpoint(step, total_steps, schedule.total))
+        raise ConfigError(f"the checkpoint is at step {step}, past the {total_steps} steps train.max_steps / "
+                          "train.epochs now ask for, and a resume cannot go back: resume with the run's own settings "
+                          f"(its schedule ends at step {schedule.total}), or name an earlier checkpoint in "
+                          "checkpoints/latest")
     if total_steps > schedule.total:
         raise ConfigError(f"the run's learning-rate schedule ends at step {schedule.total} (decayed to 0); "
                           f"train.max_steps / train.epochs now ask for {total_steps} steps, which would not train. "
