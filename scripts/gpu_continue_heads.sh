@@ -25,9 +25,10 @@
 # Alone on one H200 a continuation takes about 310 s (n = 2), 400 s (n = 3), 450 s (n = 4), 600 s (n = 6).
 # The runs of one base share one torch.compile cache (train.compile_cache): a head alone in its item starts from
 # $WORK/compile_cache/train_<base>.bin (an earlier run of the chain's) or the carried
-# runs/compile_cache/train_<base>.bin, and leaves its own there, which `wait` and `fetch` return (as
+# runs/compile_cache/train_<base>.bin[.gz], and leaves its own there, which `wait` and `fetch` return (as
 # compile_cache/train_<base>.bin in collect_<N>.tgz: `tar xzf - -C runs compile_cache/` puts them in
-# runs/compile_cache/); carry that folder with `start` on the next fresh machine.
+# runs/compile_cache/); gzip them (PPSD n = 3's: 37 MB, 4.5 MB gzip'd) and carry that folder with `start` on the next
+# fresh machine.
 # Knobs: WORK (/root/spd_work), REPO (/root/spd_repo), STEPS (3600), LR (5.0e-4), SPD_TRAIN_DATA
 # (runs/train_data/sharegpt.jsonl.gz, carried), DRY=1 (`start` prints the chain script instead of starting it).
 # On the GPU machine, after `source .devkit/on_device.sh` (the kit: docs/training.md "SmolLM2 heads on a GPU").
@@ -81,7 +82,9 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
     if [[ -n $base ]]; then  # the base's compile cache (this chain's, else carried in) under the run's own name
       local mine=runs/compile_cache/train_$item.bin
       echo "mkdir -p runs/compile_cache; for c in $WORK/compile_cache/train_$base.bin" \
-           "runs/compile_cache/train_$base.bin; do if [ -f \$c ] && [ ! -f $mine ]; then cp \$c $mine; fi; done"
+           "runs/compile_cache/train_$base.bin runs/compile_cache/train_$base.bin.gz; do" \
+           "if [ -f \$c ] && [ ! -f $mine ]; then" \
+           "case \$c in *.gz) gzip -dc \$c > $mine;; *) cp \$c $mine;; esac; fi; done"
     fi
     echo "mkdir -p $out; echo \"[\$(date +%T)] train $item\""
     echo "OUT=$out WORK=$WORK SPD_TRAIN_DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt.jsonl.gz}" \

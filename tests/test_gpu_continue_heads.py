@@ -1,6 +1,7 @@
 """scripts/gpu_continue_heads.sh: the chain of warm-started continuations (dry run: the script it would start)."""
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -149,4 +150,12 @@ def test_the_runs_of_one_base_share_its_compile_cache(tmp_path):
     assert (work / "compile_cache" / "train_6.bin").read_text() == "w6's"
     run(before_x6)  # the chain's newest, not the carried one
     assert (tree / "runs" / "compile_cache" / "train_x6.bin").read_text() == "w6's"
+    # carried gzip'd (a cache is ~37 MB, ~4.5 MB gzip'd): unpacked under the run's name
+    import gzip
+    (tree / "runs" / "compile_cache" / "train_6.bin").unlink()
+    (tree / "runs" / "compile_cache" / "train_w6.bin").unlink()
+    (tree / "runs" / "compile_cache" / "train_6.bin.gz").write_bytes(gzip.compress(b"carried gzip'd"))
+    shutil.rmtree(work / "compile_cache")
+    run(before_w6)
+    assert (tree / "runs" / "compile_cache" / "train_w6.bin").read_bytes() == b"carried gzip'd"
     assert "'compile_cache/train_*.bin'" in SCRIPT.read_text()  # returned by wait / fetch
