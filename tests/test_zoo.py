@@ -182,14 +182,17 @@ def test_concurrent_conversion_from_spd_gguf(smollm2_dir, tmp_path):
     env = dict(os.environ, SPD_GGUF=str(gguf), SPD_DS_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",  # 2 cores
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     code = "from spd_ds.zoo import resolve_model; print(resolve_model())"
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(2)]
+    outs = [tuple(x.decode() for x in p.communicate(timeout=600)) for p in procs]  # bytes first: '\r' kept
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     dirs = {o[0].strip().splitlines()[-1] for o in outs}
     assert dirs == {str(tmp_path / "cache" / "smollm2-135m-instruct")}
     converted = sum("converting smollm2-135m-instruct once" in o[1] for o in outs)
     assert converted == 1
+    # stderr is a pipe (a log file): no progress-bar redraws (carriage returns, cursor-up escapes), one line at the end
+    assert not any("\r" in o[1] or "\x1b[" in o[1] for o in outs), [o[1][-600:] for o in outs]
+    assert sum(f"spd_ds: converted {gguf.name} -> {tmp_path / 'cache'}" in o[1] for o in outs) == 1
     out = Path(dirs.pop())
     info = json.loads((out / zoo.MARKER).read_text())
     assert info["source"].startswith("SPD_GGUF=")

@@ -6,10 +6,12 @@ directory once, which everything downstream loads like any other.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -56,6 +58,8 @@ def convert_gguf(
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
 
     from spd_ds.zoo import ModelUnavailableError
 
@@ -78,7 +82,16 @@ def convert_gguf(
 
     t0 = time.perf_counter()
     steps = ["load + dequantise weights", "tokenizer", "save safetensors"]
-    bar = tqdm(total=len(steps), desc=f"spd_ds: converting {gguf.name}", unit="step", leave=True)
+    # progress bars only on a terminal: in a log file every redraw is a line of carriage returns and escape codes
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=len(steps), desc=f"spd_ds: converting {gguf.name}", unit="step", leave=True,
+               disable=not interactive)
+    hf_bars = hf_logging.is_progress_bar_enabled()
+    gguf_bar = getattr(gguf_utils, "tqdm", None)  # the GGUF tensors' bar: a plain tqdm, not transformers' switch
+    if not interactive:  # (the caller says that it converts: spd_ds.zoo)
+        hf_logging.disable_progress_bar()  # transformers' own (loading the weights), for this call
+        if gguf_bar is not None:
+            gguf_utils.tqdm = functools.partial(gguf_bar, disable=True)
     try:
         bar.set_postfix_str(steps[0])
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **load_kwargs)
@@ -152,7 +165,15 @@ def convert_gguf(
         os.replace(tmp, out)
     finally:
         bar.close()
+        if hf_bars:
+            hf_logging.enable_progress_bar()
+        if gguf_bar is not None:
+            gguf_utils.tqdm = gguf_bar
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted %s -> %s in %.1f s", gguf.name, out, time.perf_counter() - t0)
+    done = f"converted {gguf.name} -> {out} in {time.perf_counter() - t0:.1f} s"
+    if interactive:
+        logger.info(done)
+    else:
+        print(f"spd_ds: {done}", file=sys.stderr, flush=True)
     return out
