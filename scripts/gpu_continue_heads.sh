@@ -84,7 +84,8 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
       echo "mkdir -p runs/compile_cache; for c in $WORK/compile_cache/train_$base.bin" \
            "runs/compile_cache/train_$base.bin runs/compile_cache/train_$base.bin.gz; do" \
            "if [ -f \$c ] && [ ! -f $mine ]; then" \
-           "case \$c in *.gz) gzip -dc \$c > $mine;; *) cp \$c $mine;; esac; fi; done"
+           "case \$c in *.gz) { gzip -dc \$c > $mine.part && mv $mine.part $mine; } || rm -f $mine.part;;" \
+           "*) cp \$c $mine;; esac; fi; done  # a corrupt .gz leaves no partial cache"
     fi
     echo "mkdir -p $out; echo \"[\$(date +%T)] train $item\""
     echo "OUT=$out WORK=$WORK SPD_TRAIN_DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt.jsonl.gz}" \

@@ -158,4 +158,9 @@ def test_the_runs_of_one_base_share_its_compile_cache(tmp_path):
     shutil.rmtree(work / "compile_cache")
     run(before_w6)
     assert (tree / "runs" / "compile_cache" / "train_w6.bin").read_bytes() == b"carried gzip'd"
+    # a corrupt (truncated) .gz: no partial file under the run's name (it would count as its cache and go back)
+    (tree / "runs" / "compile_cache" / "train_w6.bin").unlink()
+    (tree / "runs" / "compile_cache" / "train_6.bin.gz").write_bytes(gzip.compress(os.urandom(4000))[:2000])
+    run(before_w6)
+    assert not [p.name for p in (tree / "runs" / "compile_cache").iterdir() if p.name.startswith("train_w6.bin")]
     assert "'compile_cache/train_*.bin'" in SCRIPT.read_text()  # returned by wait / fetch
