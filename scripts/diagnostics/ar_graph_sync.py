@@ -4,8 +4,9 @@ between two reads of its tokens, on one GPU, the same prompts, with the same tok
 
 Each setting decodes every prompt ``--repeats`` times with one decoder (one capture); the table gives the decode rate
 (tokens after the prefill token over ``decode_s``, summed over prompts; best and median repeat), the wasted replays
-after an EOS inside a chunk are counted in it, and whether the tokens equal those of ``sync_every=1`` on every
-prompt. Writes ``sync.md`` and ``sync.json`` to ``--out`` and prints the table.
+after an EOS inside a chunk are counted in it, and whether the tokens equal those of the first ``--sync`` setting
+(``sync_every=1`` by default) on every prompt. Writes ``sync.md`` and ``sync.json`` to ``--out`` and prints the table.
+``--sync`` and ``--sets`` take every value after them: give config overrides before them (or after ``--``).
 
 Usage (GPU machine, repo root, model parts staged; ``runs/eval_sets`` carried, launch/prepare_eval_data.py)::
 
