@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from spd_ds import builder  # noqa: E402
-from spd_ds.config import load_config  # noqa: E402
-from spd_ds.eval.prompts import load_prompts  # noqa: E402
+from spd_ds import builder
+from spd_ds.config import load_config
+from spd_ds.eval.prompts import load_prompts
 
 
 def main() -> None:
