@@ -279,14 +279,15 @@ class ExperimentConfig:
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}
+_SECTION_KEYS = {f.name: [g.name for g in dataclasses.fields(f.default_factory)]  # section -> its keys, in order
+                 for f in dataclasses.fields(ExperimentConfig)}
 
 
 def _did_you_mean(path: Sequence[str]) -> str:
     """`` (did you mean 'train.lr'?)`` for an unknown ``section.key`` (``path``): a close spelling of the section or
     of a key of it (case aside), else the same key in the other sections that have it (``head.anchors``:
     ``partition.anchors``; ``head.seed``: ``decoding.seed`` or ``train.seed``); else ``""``."""
-    keys = {f.name: [g.name for g in dataclasses.fields(f.default_factory)]
-            for f in dataclasses.fields(ExperimentConfig)}
+    keys = _SECTION_KEYS
     if not path or len(path) > 2:
         return ""
     if path[0] not in keys:  # a misspelled section (moddel.name), or a key at the top of a file (its own message)
@@ -304,13 +305,11 @@ def _did_you_mean(path: Sequence[str]) -> str:
 
 def _valid_keys(path: Sequence[str]) -> str:
     if not path or path[0] not in _SECTIONS:
-        homes = [f.name for f in dataclasses.fields(ExperimentConfig)
-                 if len(path) == 1 and path[0] in {g.name for g in dataclasses.fields(f.default_factory)}]
+        homes = [sec for sec, keys in _SECTION_KEYS.items() if len(path) == 1 and path[0] in keys]
         under = " or ".join(h + ":" for h in homes)
         where = f" ({path[0]} belongs in a section: indent it under {under})" if homes else ""
         return "sections: " + ", ".join(_SECTIONS) + where
-    cls = {f.name: f for f in dataclasses.fields(ExperimentConfig)}[path[0]].default_factory
-    return f"valid keys of {path[0]}: " + ", ".join(f.name for f in dataclasses.fields(cls))
+    return f"valid keys of {path[0]}: " + ", ".join(_SECTION_KEYS[path[0]])
 
 
 # lists of strings typed list[Any] in the schema (so that YAML's No -> False gets our own message, not OmegaConf's)

@@ -76,6 +76,9 @@ def convert_gguf(
         name_or_path: recorded as the config's ``_name_or_path`` (the GGUF's own name is often a
             training-run label).
 
+    Progress: a bar on stderr when it is a terminal; otherwise (a log file) no bars, transformers' included, and one
+    ``spd_ds: converted ... in N s`` line at the end.
+
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`.
 
