@@ -498,14 +498,18 @@ def test_an_earlier_attempts_later_checkpoint_does_not_crowd_out_the_one_just_sa
     ``latest`` had just been set to, and the next resume found nothing to resume (the work since step 6 lost)."""
     ck = tmp_path / "run" / "checkpoints"
     identity = _identity(range(96), "/v/a.json")
-    _save_on_one_rank(ck, identity, [6], keep=1)
+    _save_on_one_rank(ck, identity, [6, 15], keep=0)
+    (ck / "latest").write_text("step6")  # step15 whole: a kill after its files, before `latest`
     (ck / "step12").mkdir()  # what the kill mid-save left
     (ck / "step12" / "mp_rank_00_model_states.pt").write_bytes(b"cut sh")
     (ck / "step.bak").mkdir()  # a user's copy: not a step, not counted (int('.bak') was a ValueError)
-    _save_on_one_rank(ck, identity, [9], keep=1)
+    out = _save_on_one_rank(ck, identity, [9], keep=1)
     assert (ck / "latest").read_text().strip() == "step9"
     check_resume(ck, identity)  # step9 is whole (model and optimizer files): resumable
-    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["step.bak", "step12", "step9"]  # step6 pruned
+    # step6 pruned; step12, cut short, removed (nothing resumes it, and a run ending before step 12 left it for good);
+    # step15 holds a whole checkpoint: neither counted nor removed
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["step.bak", "step15", "step9"]
+    assert f"spd_ds.train: removed step12 under {ck} (saves cut short by a kill)" in out, out
 
 
 def test_the_checkpoint_offered_instead_of_a_damaged_one_is_an_earlier_whole_one(tmp_path):

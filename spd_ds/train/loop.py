@@ -47,10 +47,9 @@ from spd_ds.train.mask import sample_fill
 from spd_ds.train.split import split_held_out
 from spd_ds.train.history import SUMMARY_FILE, prior_steps
 from spd_ds.train.resume import (CHECKPOINTS, EVAL_BATCHES, check_fresh_output, check_max_steps, check_resume,
-                                  check_resumed_data, check_resumed_schedule, checkpoint_step,
-                                  damaged_checkpoint_advice, data_identity,
-                                  eval_batches_identity, finished_message, finished_run,
-                                  flex_kept_message, recorded_attention, rng_state, run_identity, set_rng_state,
+                                  check_resumed_data, check_resumed_schedule, damaged_checkpoint_advice, data_identity,
+                                  eval_batches_identity, finished_message, finished_run, flex_kept_message,
+                                  prune_checkpoints, recorded_attention, rng_state, run_identity, set_rng_state,
                                   stale_best_heads, truncate_log, write_run_file)
 from spd_ds.train.validate import Validator, recover_best_head
 
@@ -521,7 +520,7 @@ def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro:
     far (``elapsed_s``, seconds) and ``extra`` client state (the validation's best so far), and ``identity``
     (:func:`~spd_ds.train.resume.run_identity`) in its :data:`~spd_ds.train.resume.RUN_FILE`, written before the
     checkpoint so that ``latest`` never names a checkpoint without it; keep the newest ``keep`` of the steps up to
-    ``step`` (a later step's folder, an earlier attempt's, is left for the run to replace when it gets there).
+    ``step`` and remove later steps' folders cut short by a kill (:func:`~spd_ds.train.resume.prune_checkpoints`).
 
     Raises:
         OSError: on every rank, before any enters DeepSpeed's save, when rank 0 cannot write the run file (a full
@@ -540,12 +539,9 @@ def _save(engine, ckpt_dir: Path, step: int, epoch: int, next_index: int, micro:
     client = {"step": step, "epoch": epoch, "index": next_index, "micro": micro, "rng": [r for r, _ in gathered],
               "elapsed_s": float(elapsed_s), **(extra or {})}
     engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client)
-    if rank == 0 and keep > 0:  # among this run's steps so far: a later step's folder is an earlier attempt's (cut
-        # short by a kill mid-save, or left by a resume from before it), and counting it removed the one just saved
-        tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir() and checkpoint_step(p.name) is not None
-                       and checkpoint_step(p.name) <= step), key=lambda p: checkpoint_step(p.name))
-        for old in tags[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    removed = prune_checkpoints(ckpt_dir, step, keep) if rank == 0 else []
+    if removed:
+        print(f"spd_ds.train: removed {', '.join(removed)} under {ckpt_dir} (saves cut short by a kill)", flush=True)
     dist.barrier()
 
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import pickle
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -368,6 +369,21 @@ def whole_checkpoints(ckpt_dir: Path, below: int | None = None) -> list[str]:
     steps = [d for d in Path(ckpt_dir).glob("step*") if d.is_dir() and checkpoint_step(d.name) is not None
              and (below is None or checkpoint_step(d.name) < below)]
     return [d.name for d in sorted(steps, key=lambda d: checkpoint_step(d.name), reverse=True) if _missing(d) is None]
+
+
+def prune_checkpoints(ckpt_dir: Path, step: int, keep: int) -> list[str]:
+    """After checkpoint ``step<step>`` is saved (rank 0 only): remove the folders of later steps that hold no whole
+    checkpoint (:func:`_missing`: what a kill mid-save left; nothing can resume them, and a run that ends before their
+    step never replaced them), and keep the newest ``keep`` of the steps up to ``step`` (0 keeps all). A later step's
+    whole folder (a save killed after its files, before ``latest``) is neither counted nor removed: counting it would
+    remove the checkpoint just saved. Returns the names of the cut-short folders removed, for the log."""
+    steps = [(checkpoint_step(p.name), p) for p in Path(ckpt_dir).glob("step*") if p.is_dir()]
+    steps = sorted((s, p) for s, p in steps if s is not None)
+    cut_short = [p for s, p in steps if s > step and _missing(p) is not None]
+    earlier = [p for s, p in steps if s <= step]
+    for old in cut_short + (earlier[:-keep] if keep > 0 else []):
+        shutil.rmtree(old, ignore_errors=True)
+    return [p.name for p in cut_short]
 
 
 def damaged_checkpoint_advice(ckpt_dir: Path, tag: str) -> str:
