@@ -25,10 +25,10 @@
 # Alone on one H200 a continuation takes about 310 s (n = 2), 400 s (n = 3), 450 s (n = 4), 600 s (n = 6).
 # The runs of one base share one torch.compile cache (train.compile_cache): a head alone in its item starts from
 # $WORK/compile_cache/train_<base>.bin (an earlier run of the chain's) or the carried
-# runs/compile_cache/train_<base>.bin[.gz], and leaves its own there, which `wait` and `fetch` return (as
-# compile_cache/train_<base>.bin in collect_<N>.tgz: `tar xzf - -C runs compile_cache/` puts them in
-# runs/compile_cache/); gzip them (PPSD n = 3's: 37 MB, 4.5 MB gzip'd) and carry that folder with `start` on the next
-# fresh machine.
+# runs/compile_cache/train_<base>.bin[.gz], and leaves its own there when it differs (an unchanged one is not sent
+# again), which `wait` and `fetch` return (as compile_cache/train_<base>.bin in collect_<N>.tgz: `tar xzf - -C runs
+# compile_cache/` puts them in runs/compile_cache/); gzip them (PPSD n = 3's: 37 MB, 4.5 MB gzip'd) and carry that
+# folder with `start` on the next fresh machine.
 # Knobs: WORK (/root/spd_work), REPO (/root/spd_repo), STEPS (3600), LR (5.0e-4), SPD_TRAIN_DATA
 # (runs/train_data/sharegpt.jsonl.gz, carried), DRY=1 (`start` prints the chain script instead of starting it).
 # On the GPU machine, after `source .devkit/on_device.sh` (the kit: docs/training.md "SmolLM2 heads on a GPU").
@@ -98,8 +98,9 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
     done
     echo "rm -f $out/compile_cache.tgz.part-*  # not needed back (the base's is: compile_cache/ below)"
     if [[ -n $base ]]; then
-      echo "if [ -f runs/compile_cache/train_$item.bin ]; then mkdir -p $WORK/compile_cache &&" \
-           "cp runs/compile_cache/train_$item.bin $WORK/compile_cache/train_$base.bin; fi"
+      echo "if [ -f runs/compile_cache/train_$item.bin ] && ! cmp -s runs/compile_cache/train_$item.bin" \
+           "$WORK/compile_cache/train_$base.bin; then mkdir -p $WORK/compile_cache &&" \
+           "cp runs/compile_cache/train_$item.bin $WORK/compile_cache/train_$base.bin; fi  # unchanged: not sent again"
     fi
   done
   echo "echo \"[\$(date +%T)] CHAIN DONE\""

@@ -150,6 +150,13 @@ def test_the_runs_of_one_base_share_its_compile_cache(tmp_path):
     assert (work / "compile_cache" / "train_6.bin").read_text() == "w6's"
     run(before_x6)  # the chain's newest, not the carried one
     assert (tree / "runs" / "compile_cache" / "train_x6.bin").read_text() == "w6's"
+    # x6 compiled nothing new: the base's cache is left as it was (same mtime), so `fetch` does not send it again
+    os.utime(work / "compile_cache" / "train_6.bin", (1_000_000, 1_000_000))
+    run(after_x6)
+    assert (work / "compile_cache" / "train_6.bin").stat().st_mtime == 1_000_000
+    (tree / "runs" / "compile_cache" / "train_x6.bin").write_text("x6's")  # it did compile more: replaced
+    run(after_x6)
+    assert (work / "compile_cache" / "train_6.bin").read_text() == "x6's"
     # carried gzip'd (a cache is ~37 MB, ~4.5 MB gzip'd): unpacked under the run's name
     import gzip
     (tree / "runs" / "compile_cache" / "train_6.bin").unlink()
