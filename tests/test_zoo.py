@@ -429,3 +429,26 @@ def test_quiet_conversions_restore_progress_bars_even_when_they_overlap(tmp_path
     finally:
         gguf_utils.tqdm = orig
         hf_logging.enable_progress_bar()
+
+
+def test_a_conversion_without_stderr_neither_raises_nor_draws_bars(tmp_path, monkeypatch):
+    """A process without stderr (pythonw, some services: ``sys.stderr`` is None) failed on ``sys.stderr.isatty()``
+    before the conversion began (AttributeError); it converts quietly now, its bars off as in a log file."""
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from spd_ds.models.gguf import convert_gguf
+
+    orig = gguf_utils.tqdm
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+
+    def from_pretrained(path, gguf_file, **kwargs):
+        assert gguf_utils.tqdm is not orig  # quiet, as when stderr is a file
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(sys, "stderr", None)
+    with pytest.raises(ValueError, match="stop here"):
+        convert_gguf(f, tmp_path / "out")
+    assert gguf_utils.tqdm is orig

@@ -114,7 +114,10 @@ def convert_gguf(
     t0 = time.perf_counter()
     steps = ["load + dequantise weights", "tokenizer", "save safetensors"]
     # progress bars only on a terminal: in a log file every redraw is a line of carriage returns and escape codes
-    interactive = sys.stderr.isatty()
+    try:  # (a pythonw or service process has no stderr: sys.stderr is None; a replacement may lack isatty)
+        interactive = bool(sys.stderr.isatty())
+    except (AttributeError, ValueError):  # ValueError: a closed stream
+        interactive = False
     bar = tqdm(total=len(steps), desc=f"spd_ds: converting {gguf.name}", unit="step", leave=True,
                disable=not interactive)
     if not interactive:  # (the caller says that it converts: spd_ds.zoo)
@@ -197,7 +200,7 @@ def convert_gguf(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     done = f"converted {gguf.name} -> {out} in {time.perf_counter() - t0:.1f} s"
-    if interactive:
+    if interactive or sys.stderr is None:
         logger.info(done)
     else:
         print(f"spd_ds: {done}", file=sys.stderr, flush=True)
