@@ -512,6 +512,32 @@ def test_an_earlier_attempts_later_checkpoint_does_not_crowd_out_the_one_just_sa
     assert f"spd_ds.train: removed step12 under {ck} (saves cut short by a kill)" in out, out
 
 
+def test_pruning_keeps_what_it_cannot_judge_and_reports_only_what_it_removed(tmp_path, monkeypatch):
+    """prune_checkpoints with keep=0 keeps every earlier step; a later cut-short folder behind a link is not
+    followed (rmtree refuses links: it was reported "removed" at every save), and one it cannot read is kept without
+    raising (rank 0 raising there left the other ranks at the save's barrier until the collective timeout)."""
+    from spd_ds.train import resume
+
+    ck = tmp_path / "checkpoints"
+    for name in ("step3", "step6", "step9", "step12", "step15"):
+        (ck / name).mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (ck / "step18").symlink_to(tmp_path / "elsewhere")
+    real = resume._missing
+
+    def missing(where):
+        if where.name == "step15":
+            raise PermissionError(13, "Permission denied", str(where))
+        return real(where)
+
+    monkeypatch.setattr(resume, "_missing", missing)
+    assert resume.prune_checkpoints(ck, 9, keep=0) == ["step12"]
+    assert sorted(p.name for p in ck.iterdir()) == ["step15", "step18", "step3", "step6", "step9"]
+    assert (tmp_path / "elsewhere").is_dir()
+    assert resume.prune_checkpoints(ck, 9, keep=2) == []
+    assert sorted(p.name for p in ck.iterdir()) == ["step15", "step18", "step6", "step9"]
+
+
 def test_the_checkpoint_offered_instead_of_a_damaged_one_is_an_earlier_whole_one(tmp_path):
     """The advice named the highest-numbered other folder: after a kill mid-save that was the later step's folder it
     left, cut short (``latest`` naming the one before), or an empty one; it names an earlier folder holding the

@@ -375,15 +375,22 @@ def prune_checkpoints(ckpt_dir: Path, step: int, keep: int) -> list[str]:
     """After checkpoint ``step<step>`` is saved (rank 0 only): remove the folders of later steps that hold no whole
     checkpoint (:func:`_missing`: what a kill mid-save left; nothing can resume them, and a run that ends before their
     step never replaced them), and keep the newest ``keep`` of the steps up to ``step`` (0 keeps all). A later step's
-    whole folder (a save killed after its files, before ``latest``) is neither counted nor removed: counting it would
-    remove the checkpoint just saved. Returns the names of the cut-short folders removed, for the log."""
+    folder with all its files (a save killed after writing them, before ``latest``) is neither counted nor removed:
+    counting it would remove the checkpoint just saved; so is one that cannot be read, or a link. Never raises (the
+    other ranks wait at the save's barrier). Returns the names of the cut-short folders removed, for the log."""
+    def cut_short(p: Path) -> bool:
+        try:
+            return not p.is_symlink() and _missing(p) is not None
+        except OSError:  # unreadable (no permission): not judged, kept
+            return False
+
     steps = [(checkpoint_step(p.name), p) for p in Path(ckpt_dir).glob("step*") if p.is_dir()]
     steps = sorted((s, p) for s, p in steps if s is not None)
-    cut_short = [p for s, p in steps if s > step and _missing(p) is not None]
+    later = [p for s, p in steps if s > step and cut_short(p)]
     earlier = [p for s, p in steps if s <= step]
-    for old in cut_short + (earlier[:-keep] if keep > 0 else []):
+    for old in later + (earlier[:-keep] if keep > 0 else []):
         shutil.rmtree(old, ignore_errors=True)
-    return [p.name for p in cut_short]
+    return [p.name for p in later if not p.exists()]
 
 
 def damaged_checkpoint_advice(ckpt_dir: Path, tag: str) -> str:
@@ -584,4 +591,4 @@ __all__ = ["CHECKPOINTS", "RUN_FILE", "AUTOCAST", "DRAFT_VOCAB", "EVAL_BATCHES",
            "recorded_attention", "flex_kept_message", "write_run_file", "check_resume", "check_checkpoint_files",
            "check_optimizer_shards", "checkpoint_step", "damaged_checkpoint_advice", "check_resumed_schedule",
            "checkpoint_progress", "check_max_steps", "finished_message", "finished_run", "check_fresh_output",
-           "whole_checkpoints", "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]
+           "whole_checkpoints", "prune_checkpoints", "stale_best_heads", "truncate_log", "rng_state", "set_rng_state"]
