@@ -475,3 +475,45 @@ def test_a_jupyter_kernels_stderr_keeps_the_progress_bars(tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "stderr", OutStream())
     with pytest.raises(ValueError, match="stop here"):
         convert_gguf(f, tmp_path / "out")
+
+
+def test_a_conversion_that_ends_without_a_usable_stderr_returns_and_logs_its_line(tmp_path, monkeypatch, capsys,
+                                                                                   caplog):
+    """A conversion that succeeds with no stderr (None) or a closed one: the final "converted" line went to stdout
+    (print(file=None)) or raised ValueError after the folder was in place; it is logged now, the folder returned."""
+    import logging
+    import types
+
+    import torch
+    import transformers
+
+    from spd_ds.models.gguf import MARKER, convert_gguf
+
+    class Model:  # what from_pretrained hands back, as far as convert_gguf looks
+        def __init__(self):
+            self.weight = torch.nn.Parameter(torch.zeros(2))
+            self.config = types.SimpleNamespace(quantization_config=None, max_position_embeddings=8)
+            self.generation_config = types.SimpleNamespace()
+
+        def named_parameters(self):
+            return [("weight", self.weight)]
+
+        def save_pretrained(self, d):
+            Path(d).mkdir(parents=True, exist_ok=True)
+            (Path(d) / "model.safetensors").write_bytes(b"x")
+
+    tok = types.SimpleNamespace(eos_token="</s>", pad_token="</s>", chat_template="t", eos_token_id=1, pad_token_id=1,
+                                bos_token_id=0, save_pretrained=lambda d: (Path(d) / "tokenizer.json").write_text("{}"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: Model())
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: tok)
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    closed = io.StringIO()
+    closed.close()
+    for name, stream in (("none", None), ("closed", closed)):
+        with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="spd_ds.models.gguf"):
+            m.setattr(sys, "stderr", stream)
+            out = convert_gguf(f, tmp_path / f"out_{name}")
+        assert (out / MARKER).is_file()
+        assert f"converted m.gguf -> {out} in " in caplog.text and capsys.readouterr().out == ""
+        caplog.clear()
