@@ -202,10 +202,12 @@ def convert_gguf(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     done = f"converted {gguf.name} -> {out} in {time.perf_counter() - t0:.1f} s"
-    try:
-        if interactive or sys.stderr is None:  # (print(file=None) would write to stdout)
-            raise ValueError
-        print(f"spd_ds: {done}", file=sys.stderr, flush=True)
-    except (ValueError, OSError):  # no stderr, or a closed one: the conversion is done, the line goes to the log
+    logged = interactive or sys.stderr is None  # (print(file=None) would write to stdout)
+    if not logged:
+        try:
+            print(f"spd_ds: {done}", file=sys.stderr, flush=True)
+        except (ValueError, OSError):  # a closed stderr: the conversion is done, the line goes to the log
+            logged = True
+    if logged:
         logger.info(done)
     return out

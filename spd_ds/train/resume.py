@@ -376,8 +376,8 @@ def prune_checkpoints(ckpt_dir: Path, step: int, keep: int) -> list[str]:
     checkpoint (:func:`_missing`: what a kill mid-save left; nothing can resume them, and a run that ends before their
     step never replaced them), and keep the newest ``keep`` of the steps up to ``step`` (0 keeps all). A later step's
     folder with all its files (a save killed after writing them, before ``latest``) is neither counted nor removed:
-    counting it would remove the checkpoint just saved; so is one that cannot be read, or a link. Never raises (the
-    other ranks wait at the save's barrier). Returns the names of the cut-short folders removed, for the log."""
+    counting it would remove the checkpoint just saved; so is one that cannot be read (no error: the other ranks wait
+    at the save's barrier), or a link. Returns the names of the cut-short folders removed, for the log."""
     def cut_short(p: Path) -> bool:
         try:
             return not p.is_symlink() and _missing(p) is not None
