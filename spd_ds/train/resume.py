@@ -363,12 +363,17 @@ def _missing(where: Path) -> str | None:
     return f"no optimizer state of rank {', '.join(map(str, lost))} of {world}" if lost else None
 
 
+def _step_folders(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """The ``step<N>`` folders of ``ckpt_dir`` with their steps, oldest first (ties by name); other names skipped."""
+    steps = [(checkpoint_step(p.name), p) for p in Path(ckpt_dir).glob("step*") if p.is_dir()]
+    return sorted(((s, p) for s, p in steps if s is not None), key=lambda sp: (sp[0], sp[1].name))
+
+
 def whole_checkpoints(ckpt_dir: Path, below: int | None = None) -> list[str]:
     """The ``step<N>`` folders of ``ckpt_dir`` (of steps below ``below``, when given) that hold a whole DeepSpeed
     checkpoint by their files (:func:`_missing`), newest first. A folder a kill cut short mid-save is not one."""
-    steps = [d for d in Path(ckpt_dir).glob("step*") if d.is_dir() and checkpoint_step(d.name) is not None
-             and (below is None or checkpoint_step(d.name) < below)]
-    return [d.name for d in sorted(steps, key=lambda d: checkpoint_step(d.name), reverse=True) if _missing(d) is None]
+    steps = [p for s, p in reversed(_step_folders(ckpt_dir)) if below is None or s < below]
+    return [p.name for p in steps if _missing(p) is None]
 
 
 def prune_checkpoints(ckpt_dir: Path, step: int, keep: int) -> list[str]:
@@ -377,15 +382,15 @@ def prune_checkpoints(ckpt_dir: Path, step: int, keep: int) -> list[str]:
     step never replaced them), and keep the newest ``keep`` of the steps up to ``step`` (0 keeps all). A later step's
     folder with all its files (a save killed after writing them, before ``latest``) is neither counted nor removed:
     counting it would remove the checkpoint just saved; so is one that cannot be read (no error: the other ranks wait
-    at the save's barrier), or a link. Returns the names of the cut-short folders removed, for the log."""
+    at the save's barrier), or a link. ``step`` counts optimizer steps; ``keep`` is ``train.keep_checkpoints``.
+    Returns the names of the cut-short later folders removed (``["step12"]``), for the log."""
     def cut_short(p: Path) -> bool:
         try:
             return not p.is_symlink() and _missing(p) is not None
         except OSError:  # unreadable (no permission): not judged, kept
             return False
 
-    steps = [(checkpoint_step(p.name), p) for p in Path(ckpt_dir).glob("step*") if p.is_dir()]
-    steps = sorted((s, p) for s, p in steps if s is not None)
+    steps = _step_folders(ckpt_dir)
     later = [p for s, p in steps if s > step and cut_short(p)]
     earlier = [p for s, p in steps if s <= step]
     for old in later + (earlier[:-keep] if keep > 0 else []):
