@@ -48,6 +48,21 @@ def test_stops_at_eos_inside_a_chunk(target):
     assert dec.sync_every == 1 and dec.generate(PROMPT, 30).metrics.num_cycles == len(want.tokens) - 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+def test_cuda_default_reads_every_four_replays_and_stops_at_eos(tmp_path):
+    arch = TargetArch(make_random_shape(tmp_path, "llama"))
+    cuda = Target(arch, StagePartition.build(arch.num_layers, 2), torch.float32, "cuda")
+    free = ARDecoder(cuda, SamplingParams(), [], 128).generate(PROMPT, 30).tokens
+    eos = free[9]  # the 10th token (or an earlier one of the same id): inside a chunk of 4 replays
+    want = ARDecoder(cuda, SamplingParams(), [eos], 128).generate(PROMPT, 30)
+    dec = ARGraphDecoder(cuda, SamplingParams(), [eos], 128)
+    got = dec.generate(PROMPT, 30)
+    assert dec.graphed and dec.sync_every == 4
+    assert got.tokens == want.tokens and got.finish_reason == "eos"
+    steps = len(want.tokens) - 1  # decode steps after the prefill token, up to the EOS
+    assert got.metrics.num_cycles == -(-steps // 4) * 4  # whole chunks: the replays after the EOS are counted
+
+
 def test_refuses_graphs_on_cpu(target):
     with pytest.raises(ValueError, match="CUDA"):
         ARGraphDecoder(target, use_graph=True)

@@ -10,7 +10,7 @@ after an EOS inside a chunk are counted in it, and whether the tokens equal thos
 
 Usage (GPU machine, repo root, model parts staged; ``runs/eval_sets`` carried, launch/prepare_eval_data.py)::
 
-    PYTHONPATH=$PWD python scripts/diagnostics/ar_graph_sync.py --out $OUT/sync --eval-dir runs/eval_sets
+    PYTHONPATH=$PWD:$PYTHONPATH python scripts/diagnostics/ar_graph_sync.py --out $OUT/sync --eval-dir runs/eval_sets
     python scripts/diagnostics/ar_graph_sync.py --out /tmp/sync --eval-dir runs/eval_sets --num-prompts 1 \\
         --max-new-tokens 8 --repeats 1 model.device=cpu model.dtype=float32   # a dry run on CPU (no graph)
 """

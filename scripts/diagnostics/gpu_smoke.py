@@ -1,6 +1,7 @@
 """Do the core paths (reference decoder, AR on the stage code, HF generate) run on one GPU in bf16?
 
-Usage (GPU machine, repo root, SmolLM2 GGUF at $SPD_GGUF): ``PYTHONPATH=. python scripts/diagnostics/gpu_smoke.py``
+Usage (GPU machine, repo root, SmolLM2 GGUF at $SPD_GGUF):
+``PYTHONPATH=$PWD:$PYTHONPATH python scripts/diagnostics/gpu_smoke.py``
 -> prints a JSON line per check.
 """
 import json

@@ -39,9 +39,11 @@ class ARGraphDecoder:
         eos_token_ids: ids that end generation.
         max_len: KV capacity in positions (prompt + new tokens).
         use_graph: capture a CUDA graph; ``None`` = when the target is on a CUDA device.
-        sync_every: T = 0 only: replays launched between two reads of the generated tokens (>= 1); ``None`` = 16 on a
-            CUDA device, 1 elsewhere (on CPU the host runs every step itself, so a chunk launches nothing ahead and
-            only adds steps after an EOS to the decode time).
+        sync_every: T = 0 only: replays launched between two reads of the generated tokens (>= 1); ``None`` = 4 on a
+            CUDA device (on one H100, SmolLM2 bf16: 4 and 1 decode at the same rate, 16 1 % and 64 8 % slower, the
+            replays after an EOS counted; docs/benchmarks.md, ``scripts/diagnostics/ar_graph_sync.py``), 1 elsewhere
+            (on CPU the host runs every step itself, so a chunk launches nothing ahead and only adds steps after an EOS
+            to the decode time).
         warmup: eager runs on a side stream before the capture.
         caches: the static caches, one per stage (default: :func:`~spd_ds.models.graphs.make_static_cache` of each
             stage; a tensor-parallel shard passes caches of its own KV heads, :mod:`spd_ds.eval.tp_baseline`).
@@ -70,7 +72,7 @@ class ARGraphDecoder:
         use_graph = cuda if use_graph is None else bool(use_graph)
         if use_graph and not cuda:
             raise ValueError(f"CUDA graphs need the target on a CUDA device, not {self.device}")
-        sync_every = (16 if cuda else 1) if sync_every is None else sync_every
+        sync_every = (4 if cuda else 1) if sync_every is None else sync_every
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         self.sync_every = int(sync_every)
