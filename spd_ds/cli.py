@@ -417,6 +417,19 @@ def one_line(e: object, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def notice(text: str, log: logging.Logger) -> None:
+    """Tell the user ``text`` on stderr (flushed), or log it with ``log`` at INFO where there is no usable stderr: a
+    pythonw or service process has ``sys.stderr = None`` (``print(file=None)`` would write to stdout), a closed one
+    raises ``ValueError``. Never raises for the stream."""
+    if sys.stderr is not None:
+        try:
+            print(text, file=sys.stderr, flush=True)
+            return
+        except (ValueError, OSError, AttributeError):  # closed, broken, or a replacement without write/flush
+            pass
+    log.info(text)
+
+
 def _traceback_file(prog: str, rank: int) -> str | None:
     """Write the current exception's traceback to a log file; its path, or ``None`` if it cannot be written."""
     folder = os.environ.get(LOG_DIR_ENV) or tempfile.gettempdir()

@@ -41,7 +41,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spd_ds.cli import one_line
+from spd_ds.cli import notice, one_line
 from spd_ds.files import replaced_when_done
 from spd_ds.models.gguf import MARKER, convert_gguf
 
@@ -287,7 +287,7 @@ def _pip_download(package: str, version: str | None, dl: Path) -> Path:
            "--progress-bar", "off", "-d", str(dl), spec]
     mb = next((v for k, v in _PACKAGE_MB.items() if _norm_dist(package).startswith(_norm_dist(k))), None)
     size = f"about {mb} MB, " if mb else ""
-    print(f"spd_ds: downloading registry package {spec} ({size}once) with pip into {dl}", file=sys.stderr, flush=True)
+    notice(f"spd_ds: downloading registry package {spec} ({size}once) with pip into {dl}", logger)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = _find_dist(dl, package, version)
     if proc.returncode != 0 or found is None:
@@ -453,7 +453,7 @@ def _resolve_zoo(entry: ZooEntry, root: Path) -> Path:
                     f"{entry.gguf_file} or pass a local HF model directory"
                 ) from e
             source = ", ".join(f"{rf.package}=={rf.version}:{rf.member}" for rf in entry.gguf_parts)
-        print(f"spd_ds: converting {entry.name} once into {out} (20-60 s on CPU)", file=sys.stderr, flush=True)
+        notice(f"spd_ds: converting {entry.name} once into {out} (20-60 s on CPU)", logger)
         return convert_gguf(gguf, out, eos_token=entry.eos_token, extra_eos_tokens=entry.extra_eos_tokens,
                             chat_template=entry.chat_template, source=source, name_or_path=entry.hf_id)
 
@@ -465,7 +465,7 @@ def _resolve_gguf_file(path: Path, root: Path) -> Path:
     with _lock(root, out.name):
         if _is_converted(out):
             return out
-        print(f"spd_ds: converting {path} once into {out}", file=sys.stderr, flush=True)
+        notice(f"spd_ds: converting {path} once into {out}", logger)
         try:
             return convert_gguf(path, out, source=str(path.resolve()))
         except (ValueError, KeyError, OSError) as e:  # not GGUF, or a GGUF transformers cannot convert

@@ -517,3 +517,29 @@ def test_a_conversion_that_ends_without_a_usable_stderr_returns_and_logs_its_lin
         assert (out / MARKER).is_file()
         assert f"converted m.gguf -> {out} in " in caplog.text and capsys.readouterr().out == ""
         caplog.clear()
+
+
+@pytest.mark.parametrize("stream", ["none", "closed", "open"])
+def test_the_zoo_converts_with_or_without_a_usable_stderr(tmp_path, monkeypatch, capsys, caplog, stream):
+    """The zoo's "converting ... once" line goes to stderr, or to the log where there is none (None: print(file=None)
+    would write it to stdout) or it is closed (print raised ValueError before converting)."""
+    import logging
+
+    from spd_ds import zoo
+
+    calls = []
+    monkeypatch.setattr(zoo, "convert_gguf", lambda path, out, **kw: calls.append(out) or out)
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    err = {"none": None, "closed": io.StringIO(), "open": io.StringIO()}[stream]
+    if stream == "closed":
+        err.close()
+    with caplog.at_level(logging.INFO, logger="spd_ds.zoo"):
+        monkeypatch.setattr(sys, "stderr", err)
+        out = zoo._resolve_gguf_file(f, tmp_path / "cache")
+        monkeypatch.undo()
+    line = f"spd_ds: converting {f} once into {out}"
+    assert calls == [out] and capsys.readouterr().out == ""
+    assert (line in caplog.text) == (stream != "open")
+    if stream == "open":
+        assert err.getvalue() == line + "\n"

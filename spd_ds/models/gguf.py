@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+from spd_ds.cli import notice
+
 logger = logging.getLogger(__name__)
 
 MARKER = "SPD_DS_CONVERTED.json"  # written last: a converted directory without it is redone
@@ -201,13 +203,9 @@ def convert_gguf(
             _quiet_bars(gguf_utils, hf_logging, -1)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    done = f"converted {gguf.name} -> {out} in {time.perf_counter() - t0:.1f} s"
-    logged = interactive or sys.stderr is None  # (print(file=None) would write to stdout)
-    if not logged:
-        try:
-            print(f"spd_ds: {done}", file=sys.stderr, flush=True)
-        except (ValueError, OSError):  # a closed stderr: the conversion is done, the line goes to the log
-            logged = True
-    if logged:
+    done = f"spd_ds: converted {gguf.name} -> {out} in {time.perf_counter() - t0:.1f} s"
+    if interactive:  # the bar said it
         logger.info(done)
+    else:  # without a usable stderr (None, closed) the line goes to the log: the conversion is done
+        notice(done, logger)
     return out
