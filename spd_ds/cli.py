@@ -418,16 +418,22 @@ def one_line(e: object, limit: int = 600) -> str:
 
 
 def notice(text: str, log: logging.Logger) -> None:
-    """Tell the user ``text`` on stderr (flushed), or log it with ``log`` at INFO where there is no usable stderr: a
-    pythonw or service process has ``sys.stderr = None`` (``print(file=None)`` would write to stdout), a closed one
-    raises ``ValueError``. Never raises for the stream."""
-    if sys.stderr is not None:
+    """Tell the user ``text`` (one line) on stderr, flushed, or log it with ``log`` at INFO where there is no usable
+    stderr: a pythonw or service process has ``sys.stderr = None`` (``print(file=None)`` would write to stdout); a
+    closed, broken, binary or write-less one fails to take it. Never raises for the stream: where the log's handler
+    writes to that same closed stderr, the line is dropped."""
+    err = sys.stderr
+    if err is not None:
         try:
-            print(text, file=sys.stderr, flush=True)
-            return
-        except (ValueError, OSError, AttributeError):  # closed, broken, or a replacement without write/flush
+            err.write(text + "\n")
+        except (ValueError, OSError, AttributeError, TypeError):  # closed (or unencodable), broken, no write, binary
             pass
-    log.info(text)
+        else:
+            with contextlib.suppress(ValueError, OSError, AttributeError):  # written: a failing flush loses nothing
+                err.flush()
+            return
+    with contextlib.suppress(ValueError, OSError):  # logging's own error report writes to the closed stderr too
+        log.info(text)
 
 
 def _traceback_file(prog: str, rank: int) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import logging
 import os
 import subprocess
@@ -734,3 +735,53 @@ def test_a_home_folder_after_the_equals_sign_of_a_flag_is_expanded(monkeypatch, 
     assert cli.run_cli(lambda a: seen.append(a) or 0, ["--out=~/o"]) == 0 and seen == [[f"--out={tmp_path}/o"]]
     monkeypatch.setattr(sys, "argv", ["infer", "--out=~/p"])
     assert cli.run_cli(lambda a: seen.append(a) or 0) == 0 and seen[-1] == [f"--out={tmp_path}/p"]
+
+
+class _Broken(io.StringIO):
+    def write(self, s):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+class _NoFlush:
+    def __init__(self):
+        self.text = ""
+
+    def write(self, s):
+        self.text += s
+
+
+@pytest.mark.parametrize("kind", ["open", "no_flush", "none", "closed", "broken_pipe", "no_write", "binary", "ascii"])
+def test_notice_writes_the_line_once_to_stderr_or_to_the_log(kind, monkeypatch, capsys, caplog):
+    """``cli.notice``: the line on stderr where it can be written (a missing flush loses nothing), else in the log at
+    INFO, never both, never on stdout, never an exception."""
+    closed = io.StringIO()
+    closed.close()
+    ascii_err = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    stream = {"open": io.StringIO(), "no_flush": _NoFlush(), "none": None, "closed": closed, "broken_pipe": _Broken(),
+              "no_write": object(), "binary": io.BytesIO(), "ascii": ascii_err}[kind]
+    text = "spd_ds: converting /tmp/modèle once"  # not ASCII: an ASCII-only stderr cannot take it
+    monkeypatch.setattr(sys, "stderr", stream)
+    with caplog.at_level(logging.INFO, logger="spd_ds.test_notice"):
+        cli.notice(text, logging.getLogger("spd_ds.test_notice"))
+    monkeypatch.undo()
+    written = {"open": lambda: stream.getvalue(), "no_flush": lambda: stream.text}.get(kind, lambda: "")()
+    assert capsys.readouterr().out == ""
+    assert written == (text + "\n" if kind in ("open", "no_flush") else "")
+    assert caplog.text.count(text) == (0 if kind in ("open", "no_flush") else 1)
+
+
+def test_notice_survives_a_log_handler_on_the_same_closed_stderr(monkeypatch):
+    """The launchers log to stderr (logging.basicConfig): with that stream closed, the fallback's handler fails too and
+    logging's own error report writes to it again (ValueError); the line is dropped, nothing raised."""
+    err = io.StringIO()
+    handler = logging.StreamHandler(err)
+    log = logging.getLogger("spd_ds.test_notice_closed")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        err.close()
+        monkeypatch.setattr(sys, "stderr", err)
+        cli.notice("spd_ds: converting once", log)
+    finally:
+        monkeypatch.undo()
+        log.removeHandler(handler)

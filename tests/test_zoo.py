@@ -480,7 +480,8 @@ def test_a_jupyter_kernels_stderr_keeps_the_progress_bars(tmp_path, monkeypatch)
 def test_a_conversion_that_ends_without_a_usable_stderr_returns_and_logs_its_line(tmp_path, monkeypatch, capsys,
                                                                                    caplog):
     """A conversion that succeeds with no stderr (None) or a closed one: the final "converted" line went to stdout
-    (print(file=None)) or raised ValueError after the folder was in place; it is logged now, the folder returned."""
+    (print(file=None)) or raised ValueError after the folder was in place; it is logged now, the folder returned. With
+    a usable stderr that is no terminal the line goes to stderr."""
     import logging
     import types
 
@@ -510,12 +511,16 @@ def test_a_conversion_that_ends_without_a_usable_stderr_returns_and_logs_its_lin
     f.write_bytes(b"GGUF")
     closed = io.StringIO()
     closed.close()
-    for name, stream in (("none", None), ("closed", closed)):
+    for name, stream in (("none", None), ("closed", closed), ("open", io.StringIO())):
         with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="spd_ds.models.gguf"):
             m.setattr(sys, "stderr", stream)
             out = convert_gguf(f, tmp_path / f"out_{name}")
-        assert (out / MARKER).is_file()
-        assert f"converted m.gguf -> {out} in " in caplog.text and capsys.readouterr().out == ""
+        assert (out / MARKER).is_file() and capsys.readouterr().out == ""
+        line = f"spd_ds: converted m.gguf -> {out} in "
+        if name == "open":  # a usable stderr that is no terminal (a log file): the line goes there, not to the log
+            assert stream.getvalue().startswith(line) and line not in caplog.text
+        else:
+            assert line in caplog.text
         caplog.clear()
 
 
