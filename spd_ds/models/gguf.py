@@ -206,6 +206,6 @@ def convert_gguf(
     done = f"spd_ds: converted {gguf.name} -> {out} in {time.perf_counter() - t0:.1f} s"
     if interactive:  # the bar said it
         logger.info(done)
-    else:  # without a usable stderr (None, closed) the line goes to the log: the conversion is done
+    else:  # to stderr, or to the log where it is missing or closed (the conversion is done: nothing may raise)
         notice(done, logger)
     return out
