@@ -24,11 +24,11 @@
 # steps together against 539 s one after the other, so a pair saves only the second start (~35 s of model load).
 # Alone on one H200 a continuation takes about 310 s (n = 2), 400 s (n = 3), 450 s (n = 4), 600 s (n = 6).
 # The runs of one base share one torch.compile cache (train.compile_cache): a head alone in its item starts from
-# $WORK/compile_cache/train_<base>.bin (an earlier run of the chain's) or the carried
-# runs/compile_cache/train_<base>.bin[.gz], and leaves its own there when it differs (an unchanged one is not sent
-# again), which `wait` and `fetch` return (as compile_cache/train_<base>.bin in collect_<N>.tgz: `tar xzf - -C runs
-# compile_cache/` puts them in runs/compile_cache/); gzip them (PPSD n = 3's: 37 MB, 4.5 MB gzip'd) and carry that
-# folder with `start` on the next fresh machine.
+# $WORK/compile_cache/train_<base>.bin.gz (an earlier run of the chain's) or the carried
+# runs/compile_cache/train_<base>.bin[.gz], and leaves its own there, gzip'd, when it differs (an unchanged one is not
+# sent again), which `wait` and `fetch` return (as compile_cache/train_<base>.bin.gz in collect_<N>.tgz: `tar xzf - -C
+# runs compile_cache/` puts them in runs/compile_cache/; PPSD n = 3's is 37 MB, 4.5 MB gzip'd, SPD n = 6's 70 MB,
+# 12.5 MB); carry that folder with `start` on the next fresh machine.
 # Knobs: WORK (/root/spd_work), REPO (/root/spd_repo), STEPS (3600), LR (5.0e-4), SPD_TRAIN_DATA
 # (runs/train_data/sharegpt.jsonl.gz, carried), DRY=1 (`start` prints the chain script instead of starting it).
 # On the GPU machine, after `source .devkit/on_device.sh` (the kit: docs/training.md "SmolLM2 heads on a GPU").
@@ -81,7 +81,7 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
     [[ $item != *+* ]] && base=$(base_of "$item")
     if [[ -n $base ]]; then  # the base's compile cache (this chain's, else carried in) under the run's own name
       local mine=runs/compile_cache/train_$item.bin
-      echo "mkdir -p runs/compile_cache; for c in $WORK/compile_cache/train_$base.bin" \
+      echo "mkdir -p runs/compile_cache; for c in $WORK/compile_cache/train_$base.bin.gz" \
            "runs/compile_cache/train_$base.bin runs/compile_cache/train_$base.bin.gz; do" \
            "if [ -f \$c ] && [ ! -f $mine ]; then" \
            "case \$c in *.gz) { gzip -dc \$c > $mine.part && mv $mine.part $mine; } || rm -f $mine.part;;" \
@@ -98,9 +98,10 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
     done
     echo "rm -f $out/compile_cache.tgz.part-*  # not needed back (the base's is: compile_cache/ below)"
     if [[ -n $base ]]; then
-      echo "if [ -f runs/compile_cache/train_$item.bin ] && ! cmp -s runs/compile_cache/train_$item.bin" \
-           "$WORK/compile_cache/train_$base.bin; then mkdir -p $WORK/compile_cache &&" \
-           "cp runs/compile_cache/train_$item.bin $WORK/compile_cache/train_$base.bin; fi  # unchanged: not sent again"
+      local kept=$WORK/compile_cache/train_$base.bin.gz  # gzip'd (~1/6): an n = 6 cache is ~70 MB, too big to send
+      echo "if [ -f runs/compile_cache/train_$item.bin ] && ! { gzip -dc $kept 2>/dev/null |" \
+           "cmp -s - runs/compile_cache/train_$item.bin; }; then mkdir -p $WORK/compile_cache &&" \
+           "gzip -c runs/compile_cache/train_$item.bin > $kept.part && mv $kept.part $kept; fi  # unchanged: not resent"
     fi
   done
   echo "echo \"[\$(date +%T)] CHAIN DONE\""
@@ -135,7 +136,7 @@ case "${1:-}" in
     bash "$0" fetch ;;
   fetch)
     OUT=${OUT:?set OUT} bash "$HERE/scripts/gpu_collect.sh" "$WORK" 'out_*/heads.tgz.part-*' 'out_*/log.txt' \
-      'heads.log' 'compile_cache/train_*.bin'
+      'heads.log' 'compile_cache/train_*.bin.gz'
     ls -la "$OUT" ;;
   *)
     echo "usage: gpu_continue_heads.sh start | warm | wait [SECONDS] | fetch" >&2; exit 2 ;;

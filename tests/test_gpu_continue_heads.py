@@ -1,5 +1,6 @@
 """scripts/gpu_continue_heads.sh: the chain of warm-started continuations (dry run: the script it would start)."""
 
+import gzip
 import os
 import shutil
 import subprocess
@@ -146,19 +147,21 @@ def test_the_runs_of_one_base_share_its_compile_cache(tmp_path):
     run(before_w6)
     assert (tree / "runs" / "compile_cache" / "train_w6.bin").read_text() == "carried"
     (tree / "runs" / "compile_cache" / "train_w6.bin").write_text("w6's")  # what the run saved
-    run(after_w6)
-    assert (work / "compile_cache" / "train_6.bin").read_text() == "w6's"
+    run(after_w6)  # kept gzip'd: an n = 6 cache (~70 MB) is over what one call sends back, gzip'd it is ~12 MB
+    kept = work / "compile_cache" / "train_6.bin.gz"
+    assert gzip.decompress(kept.read_bytes()) == b"w6's"
+    assert not (work / "compile_cache" / "train_6.bin").exists()
+    assert not [p for p in (work / "compile_cache").iterdir() if p.name.endswith(".part")]
     run(before_x6)  # the chain's newest, not the carried one
     assert (tree / "runs" / "compile_cache" / "train_x6.bin").read_text() == "w6's"
     # x6 compiled nothing new: the base's cache is left as it was (same mtime), so `fetch` does not send it again
-    os.utime(work / "compile_cache" / "train_6.bin", (1_000_000, 1_000_000))
+    os.utime(kept, (1_000_000, 1_000_000))
     run(after_x6)
-    assert (work / "compile_cache" / "train_6.bin").stat().st_mtime == 1_000_000
+    assert kept.stat().st_mtime == 1_000_000
     (tree / "runs" / "compile_cache" / "train_x6.bin").write_text("x6's")  # it did compile more: replaced
     run(after_x6)
-    assert (work / "compile_cache" / "train_6.bin").read_text() == "x6's"
+    assert gzip.decompress(kept.read_bytes()) == b"x6's"
     # carried gzip'd (a cache is ~37 MB, ~4.5 MB gzip'd): unpacked under the run's name
-    import gzip
     (tree / "runs" / "compile_cache" / "train_6.bin").unlink()
     (tree / "runs" / "compile_cache" / "train_w6.bin").unlink()
     (tree / "runs" / "compile_cache" / "train_6.bin.gz").write_bytes(gzip.compress(b"carried gzip'd"))
@@ -170,4 +173,4 @@ def test_the_runs_of_one_base_share_its_compile_cache(tmp_path):
     (tree / "runs" / "compile_cache" / "train_6.bin.gz").write_bytes(gzip.compress(os.urandom(4000))[:2000])
     run(before_w6)
     assert not [p.name for p in (tree / "runs" / "compile_cache").iterdir() if p.name.startswith("train_w6.bin")]
-    assert "'compile_cache/train_*.bin'" in SCRIPT.read_text()  # returned by wait / fetch
+    assert "'compile_cache/train_*.bin.gz'" in SCRIPT.read_text()  # returned by wait / fetch
