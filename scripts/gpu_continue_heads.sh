@@ -28,7 +28,7 @@
 # runs/compile_cache/train_<base>.bin[.gz], and leaves its own there, gzip'd, when it differs (an unchanged one is not
 # sent again), which `wait` and `fetch` return (as compile_cache/train_<base>.bin.gz in collect_<N>.tgz: `tar xzf - -C
 # runs compile_cache/` puts them in runs/compile_cache/; PPSD n = 3's is 37 MB, 4.5 MB gzip'd, SPD n = 6's 70 MB,
-# 12.5 MB); carry that folder with `start` on the next fresh machine.
+# 8.1 MB); carry that folder with `start` on the next fresh machine.
 # Knobs: WORK (/root/spd_work), REPO (/root/spd_repo), STEPS (3600), LR (5.0e-4), SPD_TRAIN_DATA
 # (runs/train_data/sharegpt.jsonl.gz, carried), DRY=1 (`start` prints the chain script instead of starting it).
 # On the GPU machine, after `source .devkit/on_device.sh` (the kit: docs/training.md "SmolLM2 heads on a GPU").
@@ -98,7 +98,7 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
     done
     echo "rm -f $out/compile_cache.tgz.part-*  # not needed back (the base's is: compile_cache/ below)"
     if [[ -n $base ]]; then
-      local kept=$WORK/compile_cache/train_$base.bin.gz  # gzip'd (~1/6): an n = 6 cache is ~70 MB, too big to send
+      local kept=$WORK/compile_cache/train_$base.bin.gz  # gzip'd (~1/8): an n = 6 cache is ~70 MB, too big to send
       echo "if [ -f runs/compile_cache/train_$item.bin ] && ! { gzip -dc $kept 2>/dev/null |" \
            "cmp -s - runs/compile_cache/train_$item.bin; }; then mkdir -p $WORK/compile_cache &&" \
            "gzip -c runs/compile_cache/train_$item.bin > $kept.part && mv $kept.part $kept; fi  # unchanged: not resent"

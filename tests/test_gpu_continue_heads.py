@@ -147,7 +147,7 @@ def test_the_runs_of_one_base_share_its_compile_cache(tmp_path):
     run(before_w6)
     assert (tree / "runs" / "compile_cache" / "train_w6.bin").read_text() == "carried"
     (tree / "runs" / "compile_cache" / "train_w6.bin").write_text("w6's")  # what the run saved
-    run(after_w6)  # kept gzip'd: an n = 6 cache (~70 MB) is over what one call sends back, gzip'd it is ~12 MB
+    run(after_w6)  # kept gzip'd: an n = 6 cache (~70 MB) is over what one call sends back, gzip'd it is ~8 MB
     kept = work / "compile_cache" / "train_6.bin.gz"
     assert gzip.decompress(kept.read_bytes()) == b"w6's"
     assert not (work / "compile_cache" / "train_6.bin").exists()
