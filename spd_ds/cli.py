@@ -421,7 +421,13 @@ def notice(text: str, log: logging.Logger) -> None:
     """Tell the user ``text`` (one line) on stderr, flushed, or log it with ``log`` at INFO where there is no usable
     stderr: a pythonw or service process has ``sys.stderr = None`` (``print(file=None)`` would write to stdout); a
     closed, broken, binary or write-less one fails to take it. Never raises for the stream: where the log's handler
-    writes to that same closed stderr, the line is dropped."""
+    writes to that same closed stderr, the line is dropped.
+
+    Args:
+        text: the line, without its newline (a user-facing progress or status line: "spd_ds: converting ...").
+        log: the caller's module logger, used only when stderr cannot take the line.
+    Raises:
+        Nothing for the stream's or the log handler's failures (ValueError, OSError, AttributeError, TypeError)."""
     err = sys.stderr
     if err is not None:
         try:

@@ -50,6 +50,8 @@ def test_stops_at_eos_inside_a_chunk(target):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
 def test_cuda_default_reads_every_four_replays_and_stops_at_eos(tmp_path):
+    """On CUDA, by default, ``ar_graph`` reads its tokens every 4 replays: the tokens equal the eager ARDecoder's up to
+    an EOS inside a chunk, and the replays after it within that chunk are counted as cycles (whole chunks)."""
     arch = TargetArch(make_random_shape(tmp_path, "llama"))
     cuda = Target(arch, StagePartition.build(arch.num_layers, 2), torch.float32, "cuda")
     free = ARDecoder(cuda, SamplingParams(), [], 128).generate(PROMPT, 30).tokens
