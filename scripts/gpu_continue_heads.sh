@@ -89,14 +89,13 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
     fi
     echo "mkdir -p $out; echo \"[\$(date +%T)] train $item\""
     echo "OUT=$out WORK=$WORK SPD_TRAIN_DATA=${SPD_TRAIN_DATA:-runs/train_data/sharegpt.jsonl.gz}" \
-         "TRAIN_SECONDS=1500 SESSION_SECONDS=1500 ${seq:+SEQUENTIAL=1 }VARIANTS=\"$variants\" EXTRA=\"$RECIPE\" FETCH=1" \
+         "TRAIN_SECONDS=1500 SESSION_SECONDS=1500 CACHE_RETURN_MB=0 ${seq:+SEQUENTIAL=1 }VARIANTS=\"$variants\" EXTRA=\"$RECIPE\" FETCH=1" \
          "bash scripts/gpu_train_session.sh > $WORK/train_${item//+/_}.out 2>&1"
     echo "echo \"[\$(date +%T)] train $item end rc \$?\""
     for name in $keep; do  # its best head becomes the warm start (a failed run leaves a carried one in place)
       echo "[ -f $WORK/heads/$name/best_head/head.safetensors ] && mkdir -p $WORK/warm && rm -rf $WORK/warm/$name &&" \
            "cp -r $WORK/heads/$name/best_head $WORK/warm/$name"
     done
-    echo "rm -f $out/compile_cache.tgz.part-*  # not needed back (the base's is: compile_cache/ below)"
     if [[ -n $base ]]; then
       local kept=$WORK/compile_cache/train_$base.bin.gz  # gzip'd (~1/8): an n = 6 cache is ~70 MB, too big to send
       echo "if [ -f runs/compile_cache/train_$item.bin ] && ! { gzip -dc $kept 2>/dev/null |" \

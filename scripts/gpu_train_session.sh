@@ -17,10 +17,11 @@
 #   TRAIN_SECONDS, SESSION_SECONDS, SPD_TRAIN_DATA (conversations carried with the tree), REGEN_DATA (the prompts to
 #   self-distil, default SPD_TRAIN_DATA), REGEN_SECONDS (0 = none;
 #   self-distilled answers made once into $SD_DIR and trained on first), SD_DIR (default $WORK/selfdistill; a
-#   carried folder of earlier shards, e.g. runs/sd made by scripts/gpu_selfdistill.sh, is used as it is), REGEN_ARGS, EXTRA (overrides for
-#   every variant), FETCH=1 (heads back under $OUT as heads.tgz.part-NN, <= 15 MB each, and the variants'
-#   torch.compile caches as compile_cache.tgz.part-NN, gzip'd, at most CACHE_RETURN_MB=45 in all), CACHE_DIR (default runs/compile_cache: train_<variant>.bin, loaded
-#   when carried in: a fresh machine can skip FlexAttention compiles; not measured yet), EVAL_SETS / EVAL_PROMPTS /
+#   carried folder of earlier shards, e.g. runs/sd made by scripts/gpu_selfdistill.sh, is used as it is), REGEN_ARGS,
+#   EXTRA (overrides for every variant), FETCH=1 (heads back under $OUT as heads.tgz.part-NN, <= 15 MB each, and the
+#   variants' torch.compile caches as compile_cache.tgz.part-NN, gzip'd, at most CACHE_RETURN_MB=45 in all; 0 = none),
+#   CACHE_DIR (default runs/compile_cache: train_<variant>.bin, loaded when carried in: a fresh machine of the same
+#   kind skips the FlexAttention compiles, docs/training.md "Limits"), EVAL_SETS / EVAL_PROMPTS /
 #   EVAL_TOKENS / EVAL_TEMPS (suite c of every head on the node's CPU cores after training; EVAL_PROMPTS=0 = none),
 #   SPD_EVAL_DIR (materialised prompt sets carried with the tree), DETACH=1 / WAIT_SECONDS / SAVE_EVERY (runs that
 #   outlive the call: see step 2), PORT (first variant's port, default 29600), SEQUENTIAL=1 (without DETACH: the
@@ -140,7 +141,9 @@ if [[ "${FETCH:-0}" = 1 ]]; then
     ls -d $h heads/$n/best.json heads/$n/train_log.jsonl heads/$n/train_summary.json heads/$n/config.yaml 2>/dev/null; done) | gzip -1) \
     | split -b 15000000 -d - "$OUT/heads.tgz.part-"
   say "heads: $(ls "$OUT"/heads.tgz.part-* | wc -l) part(s)"
-  if ls "$CACHE_DIR"/train_*.bin >/dev/null 2>&1; then  # gzip'd, <= 15 MB parts, at most CACHE_RETURN_MB in all
+  if [[ ${CACHE_RETURN_MB:-45} == 0 ]]; then  # the caller keeps them (gpu_continue_heads.sh: one per base)
+    say "compile caches: kept in $CACHE_DIR, not returned (CACHE_RETURN_MB=0)"
+  elif ls "$CACHE_DIR"/train_*.bin >/dev/null 2>&1; then  # gzip'd, <= 15 MB parts, at most CACHE_RETURN_MB in all
     tar cf - -C "$CACHE_DIR" $(cd "$CACHE_DIR" && ls train_*.bin) | gzip -6 > "$WORK/compile_cache.tgz"
     size=$(stat -c %s "$WORK/compile_cache.tgz")
     if (( size > ${CACHE_RETURN_MB:-45} * 1000000 )); then

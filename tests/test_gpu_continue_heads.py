@@ -174,3 +174,5 @@ def test_the_runs_of_one_base_share_its_compile_cache(tmp_path):
     run(before_w6)
     assert not [p.name for p in (tree / "runs" / "compile_cache").iterdir() if p.name.startswith("train_w6.bin")]
     assert "'compile_cache/train_*.bin.gz'" in SCRIPT.read_text()  # returned by wait / fetch
+    # and only so: no run packs every cache of its CACHE_DIR into its own $OUT as well (~70 MB a base at n = 6)
+    assert train and all(" CACHE_RETURN_MB=0 " in x for x in train)
