@@ -38,9 +38,12 @@ SESSION_SECONDS=${SESSION_SECONDS:-330}
 REGEN_SECONDS=${REGEN_SECONDS:-0}
 EVAL_PROMPTS=${EVAL_PROMPTS:-0}
 CACHE_DIR=${CACHE_DIR:-runs/compile_cache}  # torch.compile artifacts per variant: carried in, returned with FETCH=1
+CACHE_RETURN_MB=${CACHE_RETURN_MB:-45}
 LOG="$OUT/log.txt"
 mkdir -p "$WORK/heads"
 say() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
+[[ "$CACHE_RETURN_MB" =~ ^(0|[1-9][0-9]*)$ ]] || {  # checked before any training: step 3 would fail only after it
+  say "error: CACHE_RETURN_MB must be a whole number of MB (0 = no caches returned), got '$CACHE_RETURN_MB'"; exit 2; }
 DATA=$(readlink -f "$DATA")
 $PY -c "from spd_ds.zoo import resolve_model; print(resolve_model('$MODEL'))" >> "$LOG" 2>&1
 
@@ -141,13 +144,13 @@ if [[ "${FETCH:-0}" = 1 ]]; then
     ls -d $h heads/$n/best.json heads/$n/train_log.jsonl heads/$n/train_summary.json heads/$n/config.yaml 2>/dev/null; done) | gzip -1) \
     | split -b 15000000 -d - "$OUT/heads.tgz.part-"
   say "heads: $(ls "$OUT"/heads.tgz.part-* | wc -l) part(s)"
-  if [[ ${CACHE_RETURN_MB:-45} == 0 ]]; then  # the caller keeps them (gpu_continue_heads.sh: one per base)
+  if (( CACHE_RETURN_MB == 0 )); then  # the caller keeps them (gpu_continue_heads.sh: one per base)
     say "compile caches: kept in $CACHE_DIR, not returned (CACHE_RETURN_MB=0)"
   elif ls "$CACHE_DIR"/train_*.bin >/dev/null 2>&1; then  # gzip'd, <= 15 MB parts, at most CACHE_RETURN_MB in all
     tar cf - -C "$CACHE_DIR" $(cd "$CACHE_DIR" && ls train_*.bin) | gzip -6 > "$WORK/compile_cache.tgz"
     size=$(stat -c %s "$WORK/compile_cache.tgz")
-    if (( size > ${CACHE_RETURN_MB:-45} * 1000000 )); then
-      say "compile caches: $size bytes gzip'd, over CACHE_RETURN_MB=${CACHE_RETURN_MB:-45}: not returned"
+    if (( size > CACHE_RETURN_MB * 1000000 )); then
+      say "compile caches: $size bytes gzip'd, over CACHE_RETURN_MB=$CACHE_RETURN_MB: not returned"
     else
       split -b 15000000 -d "$WORK/compile_cache.tgz" "$OUT/compile_cache.tgz.part-"
       say "compile caches ($size bytes gzip'd) -> \$OUT/compile_cache.tgz.part-* (here: cat them | tar xzf - -C $CACHE_DIR; carry $CACHE_DIR)"

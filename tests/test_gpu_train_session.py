@@ -10,8 +10,9 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_train_session.sh"
 
 
-def _session(tmp_path, **env):
-    """Run the session on the finished run ``n2`` with one 2 MB cache in runs/compile_cache; returns OUT's files."""
+def _session(tmp_path, rc=0, **env):
+    """Run the session on the finished run ``n2`` with one 2 MB cache in runs/compile_cache; checks its exit status is
+    ``rc``; returns OUT's file names and its log."""
     work, out = tmp_path / "work", tmp_path / "out"
     (work / "heads" / "n2").mkdir(parents=True, exist_ok=True)
     (work / "heads" / "n2" / "train_summary.json").write_text('{"finished": true}')
@@ -23,7 +24,7 @@ def _session(tmp_path, **env):
                        env=dict(os.environ, PYTHON="true", WORK=str(work), OUT=str(out), FETCH="1",
                                 SPD_TRAIN_DATA=str(tmp_path / "data.jsonl"), VARIANTS="n2:partition.num_stages=2",
                                 **env))
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == rc, r.stderr
     return sorted(p.name for p in out.iterdir()), (out / "log.txt").read_text()
 
 
@@ -39,3 +40,10 @@ def test_fetch_returns_the_compile_caches_gzipd_unless_told_not_to(tmp_path):
     assert "compile caches: kept in runs/compile_cache, not returned (CACHE_RETURN_MB=0)" in log
     files, log = _session(tmp_path, CACHE_RETURN_MB="1")  # over the limit (2 MB of random bytes stays ~2 MB)
     assert not [f for f in files if f.startswith("compile_cache")] and "over CACHE_RETURN_MB=1: not returned" in log
+
+
+def test_a_bad_cache_return_limit_is_refused_before_any_work(tmp_path):
+    for bad in ("45MB", "-1", "08"):  # "08" would be an octal error in bash arithmetic, after the training
+        files, log = _session(tmp_path, rc=2, CACHE_RETURN_MB=bad)
+        assert f"error: CACHE_RETURN_MB must be a whole number of MB (0 = no caches returned), got '{bad}'" in log
+        assert not [f for f in files if f.startswith(("heads", "compile_cache"))]  # stopped before step 3
