@@ -17,8 +17,8 @@ too (Σaccepted / Σdrafts of that prompt's draws), and the paired difference is
     python scripts/diagnostics/paired_acceptance.py A/c2/per_prompt.jsonl B/c6/per_prompt.jsonl  # spd of each file
     python scripts/diagnostics/paired_acceptance.py A/c3/per_prompt.jsonl B/c3/per_prompt.jsonl \\
         --methods spd ppsd
-    python scripts/diagnostics/paired_acceptance.py A_T1/c3/per_prompt.jsonl,A_T1_seed1/c3/per_prompt.jsonl \
-        B_T1/c3/per_prompt.jsonl,B_T1_seed1/c3/per_prompt.jsonl                                # two draws a side
+    python scripts/diagnostics/paired_acceptance.py A_T1/c3/per_prompt.jsonl,A_T1_seed1/c3/per_prompt.jsonl \\
+        B_T1/c3/per_prompt.jsonl,B_T1_seed1/c3/per_prompt.jsonl  # two draws a side
 """
 
 from __future__ import annotations
