@@ -25,10 +25,11 @@
 # Alone on one H200 a continuation takes about 310 s (n = 2), 400 s (n = 3), 450 s (n = 4), 600 s (n = 6).
 # The runs of one base share one torch.compile cache (train.compile_cache): a head alone in its item starts from
 # $WORK/compile_cache/train_<base>.bin.gz (an earlier run of the chain's) or the carried
-# runs/compile_cache/train_<base>.bin[.gz], and leaves its own there, gzip'd, when it differs (an unchanged one is not
-# sent again), which `wait` and `fetch` return (as compile_cache/train_<base>.bin.gz in collect_<N>.tgz: `tar xzf - -C
-# runs compile_cache/` puts them in runs/compile_cache/; PPSD n = 3's is 37 MB, 4.5 MB gzip'd, SPD n = 6's 70 MB,
-# 8.1 MB); carry that folder with `start` on the next fresh machine.
+# runs/compile_cache/train_<base>.bin[.gz], and leaves its own there, gzip'd, when it differs from the one it started
+# from (an unchanged one is not sent again, nor a carried one sent back), which `wait` and `fetch` return (as
+# compile_cache/train_<base>.bin.gz in collect_<N>.tgz: `tar xzf - -C runs compile_cache/` puts them in
+# runs/compile_cache/; PPSD n = 3's is 37 MB, 4.5 MB gzip'd, SPD n = 6's 70 MB, 8.1 MB); carry that folder with
+# `start` on the next fresh machine.
 # Knobs: WORK (/root/spd_work), REPO (/root/spd_repo), STEPS (3600), LR (5.0e-4), SPD_TRAIN_DATA
 # (runs/train_data/sharegpt.jsonl.gz, carried), DRY=1 (`start` prints the chain script instead of starting it).
 # On the GPU machine, after `source .devkit/on_device.sh` (the kit: docs/training.md "SmolLM2 heads on a GPU").
@@ -79,10 +80,12 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
     done
     local out=$WORK/out_${item//+/_} base=""
     [[ $item != *+* ]] && base=$(base_of "$item")
-    if [[ -n $base ]]; then  # the base's compile cache (this chain's, else carried in) under the run's own name
+    # the base's compile cache (this chain's, else carried in), first found first: what a run starts from
+    local kept=$WORK/compile_cache/train_$base.bin.gz  # gzip'd (~1/8): an n = 6 cache is ~70 MB, too big to send
+    local sources="$kept runs/compile_cache/train_$base.bin runs/compile_cache/train_$base.bin.gz"
+    if [[ -n $base ]]; then  # ... copied under the run's own name
       local mine=runs/compile_cache/train_$item.bin
-      echo "mkdir -p runs/compile_cache; for c in $WORK/compile_cache/train_$base.bin.gz" \
-           "runs/compile_cache/train_$base.bin runs/compile_cache/train_$base.bin.gz; do" \
+      echo "mkdir -p runs/compile_cache; for c in $sources; do" \
            "if [ -f \$c ] && [ ! -f $mine ]; then" \
            "case \$c in *.gz) { gzip -dc \$c > $mine.part && mv $mine.part $mine; } || rm -f $mine.part;;" \
            "*) cp \$c $mine;; esac; fi; done  # a corrupt .gz leaves no partial cache"
@@ -96,11 +99,12 @@ chain_script() {  # the detached job: one gpu_train_session.sh per item (a head,
       echo "[ -f $WORK/heads/$name/best_head/head.safetensors ] && mkdir -p $WORK/warm && rm -rf $WORK/warm/$name &&" \
            "cp -r $WORK/heads/$name/best_head $WORK/warm/$name"
     done
-    if [[ -n $base ]]; then
-      local kept=$WORK/compile_cache/train_$base.bin.gz  # gzip'd (~1/8): an n = 6 cache is ~70 MB, too big to send
-      echo "if [ -f runs/compile_cache/train_$item.bin ] && ! { gzip -dc $kept 2>/dev/null |" \
-           "cmp -s - runs/compile_cache/train_$item.bin; }; then mkdir -p $WORK/compile_cache &&" \
-           "gzip -c runs/compile_cache/train_$item.bin > $kept.part && mv $kept.part $kept; fi  # unchanged: not resent"
+    if [[ -n $base ]]; then  # kept when it differs from what the run started from (an unchanged one is not resent,
+      # nor a carried one sent back)
+      echo "src=\$(for c in $sources; do [ -f \$c ] && { echo \$c; break; }; done); if [ -f $mine ] && !" \
+           "{ case \"\$src\" in *.gz) gzip -dc \"\$src\";; ?*) cat \"\$src\";; esac 2>/dev/null |" \
+           "cmp -s - $mine; }; then mkdir -p $WORK/compile_cache &&" \
+           "gzip -c $mine > $kept.part && mv $kept.part $kept; fi"
     fi
   done
   echo "echo \"[\$(date +%T)] CHAIN DONE\""

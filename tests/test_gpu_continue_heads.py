@@ -131,7 +131,8 @@ def test_any_head_continues_run_after_run_by_letter(tmp_path):
 def test_the_runs_of_one_base_share_its_compile_cache(tmp_path):
     """Each run trains under its own name, and so compiled from nothing on every fresh machine (train_<name>.bin):
     a head alone in its item now starts from its base's cache, the chain's newest (WORK) before a carried one, and
-    leaves its own there for the next run and for `fetch`. The chain's cache lines are run here in a scratch tree."""
+    leaves its own there for the next run and for `fetch` when it differs from the one it started from. The chain's
+    cache lines are run here in a scratch tree."""
     lines, train, work = _dry_chain(tmp_path, "w6 x6 w2+w3")
     cache = [x for x in lines if "compile_cache/train_" in x and "gpu_train_session.sh" not in x]
     assert len(cache) == 4 and not any("train_w2" in x or "train_w3" in x for x in cache)  # a group: its own
@@ -146,6 +147,8 @@ def test_the_runs_of_one_base_share_its_compile_cache(tmp_path):
 
     run(before_w6)
     assert (tree / "runs" / "compile_cache" / "train_w6.bin").read_text() == "carried"
+    run(after_w6)  # it compiled nothing new: the carried cache is not kept to be sent back where it came from
+    assert not (work / "compile_cache").exists()
     (tree / "runs" / "compile_cache" / "train_w6.bin").write_text("w6's")  # what the run saved
     run(after_w6)  # kept gzip'd: an n = 6 cache (~70 MB) is over what one call sends back, gzip'd it is ~8 MB
     kept = work / "compile_cache" / "train_6.bin.gz"
@@ -168,6 +171,8 @@ def test_the_runs_of_one_base_share_its_compile_cache(tmp_path):
     shutil.rmtree(work / "compile_cache")
     run(before_w6)
     assert (tree / "runs" / "compile_cache" / "train_w6.bin").read_bytes() == b"carried gzip'd"
+    run(after_w6)  # compared with the carried .gz it started from: unchanged, not kept
+    assert not (work / "compile_cache").exists()
     # a corrupt (truncated) .gz: no partial file under the run's name (it would count as its cache and go back)
     (tree / "runs" / "compile_cache" / "train_w6.bin").unlink()
     (tree / "runs" / "compile_cache" / "train_6.bin.gz").write_bytes(gzip.compress(os.urandom(4000))[:2000])
